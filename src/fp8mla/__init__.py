@@ -1,0 +1,8 @@
+"""fp8mla: Multi-head Latent Attention over FP8 paged KV caches with BF16 queries, without casting the cache."""
+from .formats import FORMATS, KVFormat, get_format
+from .cache import OutOfPagesError, PagedMLACache
+from .attention import MLAPagedAttention, available_backends
+
+__version__ = "0.1.0"
+__all__ = ["FORMATS", "KVFormat", "get_format", "PagedMLACache", "OutOfPagesError", "MLAPagedAttention",
+           "available_backends", "__version__"]

@@ -1,0 +1,51 @@
+"""Argument checks shared by every public entry: each raises with the argument's name, what was expected and
+what came, so that a wrong call fails loudly instead of returning a silent wrong answer."""
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=None, device=None) -> torch.Tensor:
+    """``shape`` may hold ``None`` for dimensions that are free."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, (tuple, list, set)) else (dtype,)
+        if t.dtype not in allowed:
+            want = allowed[0] if len(allowed) == 1 else f"one of {list(allowed)}"
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_indptr(name: str, t, length: int | None = None) -> torch.Tensor:
+    """A 1-D int index pointer starting at 0 and never decreasing."""
+    check_tensor(name, t, dtype=INDEX_DTYPES, ndim=1)
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name}: expected {length} entries (batch size + 1), got {t.numel()}")
+    if t.numel() == 0:
+        raise ValueError(f"{name}: expected at least 1 entry (batch size + 1), got 0")
+    h = t.tolist()
+    if h[0] != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {h[0]}")
+    for i in range(1, len(h)):
+        if h[i] < h[i - 1]:
+            raise ValueError(f"{name}: expected non-decreasing values, got {name}[{i - 1}]={h[i - 1]} > "
+                             f"{name}[{i}]={h[i]}")
+    return t
+
+
+def check_positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return v

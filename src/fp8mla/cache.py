@@ -1,0 +1,297 @@
+"""PagedMLACache: a paged pool of MLA latents per layer, its scales, and a page allocator.
+
+Layout: ``pool [num_layers, num_pages, page_size, head_dim_ckv + head_dim_kpe]`` in the format's storage dtype
+(see :mod:`fp8mla.formats` for the bytes of one token); with group scales also
+``scale_arr [num_layers, num_pages, page_size, head_dim_ckv // 128]`` fp32. Token ``t`` of a sequence lives
+in page ``pages[t // page_size]`` at slot ``t % page_size``; flat slot id = ``page * page_size + slot``.
+
+A decode step::
+
+    cache.extend(seq_ids, 1)                      # reserve one slot per sequence (allocates pages as needed)
+    for layer in range(num_layers):
+        cache.append(layer, seq_ids, c_kv, k_pe)  # quantize-on-write into the reserved slots
+    attn.plan(**cache.plan_inputs(seq_ids), num_heads=H, causal=True, sm_scale=s, q_data_type=torch.bfloat16)
+    out = attn.run(q_nope, q_pe, **cache.run_inputs(layer))
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checks import check_positive_int, check_tensor
+from .formats import KVFormat, get_format
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than a request needs. Nothing was allocated."""
+
+
+@dataclass
+class _Sequence:
+    pages: list = field(default_factory=list)
+    length: int = 0          # tokens reserved, including the pending ones
+    pending: int = 0         # tokens reserved by the last extend(), written by append()
+
+
+class PagedMLACache:
+    """Paged MLA latent cache for ``num_layers`` layers.
+
+    Args:
+        num_layers, num_pages, page_size: pool geometry (page_size: tokens per page, any positive int).
+        kv_format: a :mod:`fp8mla.formats` name or dtype (``"fp8_e4m3"``, ``"fp8_e4m3_group"``, ``"fp8_e5m2"``,
+            ``"bf16"``, ``"fp16"``).
+        head_dim_ckv, head_dim_kpe: latent and rope widths (512 and 64 for DeepSeek-V2/V3, Kimi-K2).
+        ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
+            ``kpe_scale`` only, its c_kv scales are computed per token on write.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_format="fp8_e4m3", *,
+                 head_dim_ckv: int = 512, head_dim_kpe: int = 64, device="cpu",
+                 ckv_scale: float = 1.0, kpe_scale: float = 1.0):
+        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                        ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
+            check_positive_int(name, v)
+        for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
+            if not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
+                raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+        self.format: KVFormat = get_format(kv_format, arg="kv_format")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
+        self.device = torch.device(device)
+        self.ckv_scale = float(ckv_scale) if self.format.scale_kind == "tensor" else 1.0
+        self.kpe_scale = float(kpe_scale) if self.format.is_fp8 else 1.0
+        width = head_dim_ckv + head_dim_kpe
+        self.pool = torch.zeros(num_layers, num_pages, page_size, width, dtype=self.format.storage_dtype,
+                                device=self.device)
+        groups = self.format.num_groups(head_dim_ckv)
+        self.scale_arr = (torch.ones(num_layers, num_pages, page_size, groups, dtype=torch.float32,
+                                     device=self.device) if groups else None)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
+        self._refs = [0] * num_pages
+        self._seqs: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_memory_budget(cls, budget_bytes: int, num_layers: int, page_size: int, kv_format="fp8_e4m3",
+                           *, head_dim_ckv: int = 512, head_dim_kpe: int = 64, **kw) -> "PagedMLACache":
+        """The largest cache whose pool and scales fit in ``budget_bytes``."""
+        fmt = get_format(kv_format, arg="kv_format")
+        per_page = num_layers * page_size * fmt.bytes_per_token(head_dim_ckv, head_dim_kpe)
+        num_pages = int(budget_bytes) // per_page
+        if num_pages < 1:
+            raise ValueError(f"budget_bytes: {budget_bytes} B holds no page; one page of {num_layers} layers x "
+                             f"{page_size} tokens of {fmt.name} takes {per_page} B")
+        return cls(num_layers, num_pages, page_size, fmt, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
+                   **kw)
+
+    # -- views ----------------------------------------------------------------------------------------------
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def ckv_cache(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, head_dim_ckv]`` view of one layer's pool (no copy)."""
+        return self.pool[self._layer(layer), :, :, : self.head_dim_ckv]
+
+    def kpe_cache(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, head_dim_kpe]`` view of one layer's pool (no copy)."""
+        return self.pool[self._layer(layer), :, :, self.head_dim_ckv:]
+
+    def ckv_scale_arr(self, layer: int):
+        """``[num_pages, page_size, head_dim_ckv // 128]`` fp32 group scales, or None."""
+        return None if self.scale_arr is None else self.scale_arr[self._layer(layer)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.format.bytes_per_token(self.head_dim_ckv, self.head_dim_kpe)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the pool and its scales, all layers."""
+        n = self.pool.numel() * self.pool.element_size()
+        return n + (0 if self.scale_arr is None else self.scale_arr.numel() * 4)
+
+    # -- allocator ------------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def _seq(self, seq_id) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise KeyError(f"seq_id: no sequence {seq_id!r} in the cache (live ids: {sorted(self._seqs)[:16]})")
+        return self._seqs[seq_id]
+
+    def seq_len(self, seq_id) -> int:
+        return self._seq(seq_id).length
+
+    def pages(self, seq_id) -> list[int]:
+        return list(self._seq(seq_id).pages)
+
+    def add_sequence(self, seq_id=None, num_tokens: int = 0):
+        """Register a new sequence (an id is chosen when ``seq_id`` is None) and reserve ``num_tokens`` slots."""
+        if seq_id is None:
+            seq_id = next(i for i in self._ids if i not in self._seqs)
+        elif seq_id in self._seqs:
+            raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
+        self._seqs[seq_id] = _Sequence()
+        if num_tokens:
+            try:
+                self.extend(seq_id, num_tokens)
+            except Exception:
+                del self._seqs[seq_id]
+                raise
+        return seq_id
+
+    def _take_pages(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"the pool is full: {n} more pages needed, {len(self._free)} of "
+                                  f"{self.num_pages} free (page_size {self.page_size})")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def _pages_needed(self, seq: _Sequence, n: int) -> int:
+        return max(0, -(-(seq.length + n) // self.page_size) - len(seq.pages))
+
+    def extend(self, seq_ids, num_tokens) -> torch.Tensor:
+        """Reserve ``num_tokens`` more slots at the end of each sequence; returns their flat slot ids (int64).
+
+        ``seq_ids`` is one id or a list; ``num_tokens`` an int or one per sequence. All or nothing: when the
+        pool cannot hold every request, nothing is reserved and :class:`OutOfPagesError` is raised.
+        """
+        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+        counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
+        if len(counts) != len(ids):
+            raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        for c in counts:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
+        seqs = [self._seq(i) for i in ids]
+        for s in seqs:  # a shared (forked) last page must not be written: copy it first
+            if s.length % self.page_size and self._refs[s.pages[-1]] > 1:
+                self._unshare_last_page(s)
+        need = sum(self._pages_needed(s, c) for s, c in zip(seqs, counts))
+        if need > len(self._free):
+            raise OutOfPagesError(f"the pool is full: {need} more pages needed, {len(self._free)} of "
+                                  f"{self.num_pages} free (page_size {self.page_size})")
+        slots = []
+        for s, c in zip(seqs, counts):
+            s.pages += self._take_pages(self._pages_needed(s, c))
+            pos = range(s.length, s.length + c)
+            slots += [s.pages[t // self.page_size] * self.page_size + t % self.page_size for t in pos]
+            s.length += c
+            s.pending = c
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def free(self, seq_id) -> None:
+        """Drop a sequence; its pages go back to the pool once no forked sequence shares them."""
+        seq = self._seq(seq_id)
+        for p in seq.pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+        del self._seqs[seq_id]
+
+    def fork(self, seq_id, new_id=None):
+        """A new sequence sharing ``seq_id``'s pages (a common prefix). Shared pages are never written: a
+        partly filled shared last page is copied before either sequence appends to it."""
+        src = self._seq(seq_id)
+        new_id = self.add_sequence(new_id)
+        dst = self._seqs[new_id]
+        dst.pages, dst.length = list(src.pages), src.length
+        for p in dst.pages:
+            self._refs[p] += 1
+        return new_id
+
+    def _unshare_last_page(self, seq: _Sequence) -> None:
+        (new,) = self._take_pages(1)
+        old = seq.pages[-1]
+        self.pool[:, new] = self.pool[:, old]
+        if self.scale_arr is not None:
+            self.scale_arr[:, new] = self.scale_arr[:, old]
+        self._refs[old] -= 1
+        seq.pages[-1] = new
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def pending_slots(self, seq_ids) -> torch.Tensor:
+        """Flat slot ids of the tokens reserved by the last :meth:`extend` of each sequence, in order."""
+        slots = []
+        for i in seq_ids:
+            s = self._seq(i)
+            for t in range(s.length - s.pending, s.length):
+                slots.append(s.pages[t // self.page_size] * self.page_size + t % self.page_size)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def append(self, layer: int, seq_ids, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Quantize and write the new tokens of ``seq_ids`` (reserved by the last :meth:`extend`).
+
+        Args:
+            c_kv: ``[T, head_dim_ckv]``, k_pe: ``[T, head_dim_kpe]`` (any float dtype); T = tokens reserved by
+                the last extend() of these sequences, in the order of ``seq_ids``.
+        """
+        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+        self.write(layer, self.pending_slots(ids), c_kv, k_pe)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Quantize ``c_kv [T, Dc]``/``k_pe [T, Dk]`` into flat slots ``slot_mapping [T]`` of ``layer``."""
+        layer = self._layer(layer)
+        check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), ndim=1)
+        T = slot_mapping.numel()
+        floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        check_tensor("c_kv", c_kv, dtype=floats, shape=(T, self.head_dim_ckv), device=self.device)
+        check_tensor("k_pe", k_pe, dtype=floats, shape=(T, self.head_dim_kpe), device=self.device)
+        if T == 0:
+            return
+        total = self.num_pages * self.page_size
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < 0 or hi >= total:
+            raise ValueError(f"slot_mapping: expected slot ids in [0, {total}), got values in [{lo}, {hi}]")
+        rows = self.pool[layer].view(total, -1)
+        scales = None if self.scale_arr is None else self.scale_arr[layer].view(total, -1)
+        slot_mapping = slot_mapping.long()
+        fmt, Dc = self.format, self.head_dim_ckv
+        if scales is not None:
+            g = fmt.group_scales(c_kv)
+            rows[slot_mapping, :Dc] = fmt.quantize_groups(c_kv, g)
+            scales[slot_mapping] = g
+        else:
+            rows[slot_mapping, :Dc] = fmt.quantize(c_kv, self.ckv_scale)
+        rows[slot_mapping, Dc:] = fmt.quantize(k_pe, self.kpe_scale)
+
+    # -- plan / run inputs ----------------------------------------------------------------------------------
+    def plan_inputs(self, seq_ids, qo_lens=None) -> dict:
+        """The cache-side arguments of ``MLAPagedAttention.plan`` for a batch of sequences.
+
+        ``qo_lens``: query tokens per sequence (default 1: decode). Returns ``qo_indptr, kv_indptr,
+        kv_indices, kv_len_arr`` (int32, on the cache's device), ``head_dim_ckv, head_dim_kpe, page_size,
+        kv_data_type`` (the format's name).
+        """
+        ids = list(seq_ids)
+        qo_lens = [1] * len(ids) if qo_lens is None else list(qo_lens)
+        if len(qo_lens) != len(ids):
+            raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
+        seqs = [self._seq(i) for i in ids]
+        kv_pages = [len(s.pages[: -(-s.length // self.page_size)]) for s in seqs]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return dict(
+            qo_indptr=torch.tensor([0] + list(itertools.accumulate(qo_lens)), **i32),
+            kv_indptr=torch.tensor([0] + list(itertools.accumulate(kv_pages)), **i32),
+            kv_indices=torch.tensor([p for s, n in zip(seqs, kv_pages) for p in s.pages[:n]], **i32),
+            kv_len_arr=torch.tensor([s.length for s in seqs], **i32),
+            head_dim_ckv=self.head_dim_ckv, head_dim_kpe=self.head_dim_kpe, page_size=self.page_size,
+            kv_data_type=self.format.name,
+        )
+
+    def run_inputs(self, layer: int) -> dict:
+        """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``."""
+        return dict(ckv_cache=self.ckv_cache(layer), kpe_cache=self.kpe_cache(layer),
+                    ckv_scale=self.ckv_scale, kpe_scale=self.kpe_scale, ckv_scale_arr=self.ckv_scale_arr(layer))

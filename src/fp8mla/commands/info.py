@@ -1,0 +1,37 @@
+"""``fp8mla info``: versions, device, formats and backends."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .. import __version__
+from ..attention import available_backends
+from ..formats import FORMATS
+
+
+def add_arguments(p):
+    pass
+
+
+def main(args) -> int:
+    print(f"fp8mla {__version__}  python {platform.python_version()}  torch {torch.__version__}")
+    try:
+        import triton
+        print(f"triton {triton.__version__}")
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        print(f"triton: not available ({type(e).__name__})")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"device: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+              f"{props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+        device = "cuda"
+    else:
+        print("device: cpu (no CUDA device)")
+        device = "cpu"
+    print(f"backends on {device}: {', '.join(available_backends(device))}")
+    print("formats (512 + 64 dims):")
+    for f in FORMATS.values():
+        print(f"  {f.name:15s} storage {str(f.storage_dtype):22s} scales {f.scale_kind:6s} "
+              f"{f.bytes_per_token():5d} B/token")
+    return 0

@@ -1,0 +1,138 @@
+"""KV storage formats of the MLA latent cache.
+
+Each token of each layer stores one latent: ``c_kv`` (``head_dim_ckv``, 512 for DeepSeek) followed by ``k_pe``
+(``head_dim_kpe``, 64). The pool is one tensor ``[num_pages, page_size, head_dim_ckv + head_dim_kpe]`` of the
+storage dtype; ``ckv_cache``/``kpe_cache`` are strided views of it (columns ``[:512]`` and ``[512:]``).
+
+Scale convention everywhere: ``real value = stored value * scale``.
+
+Per-token byte layout (512 + 64 dims):
+
+==================  =======================================================================  ==========
+format              bytes of one token, in order                                             bytes/token
+==================  =======================================================================  ==========
+``bf16``            c_kv 512 x bf16 (1024 B) | k_pe 64 x bf16 (128 B)                        1152
+``fp16``            c_kv 512 x fp16 (1024 B) | k_pe 64 x fp16 (128 B)                        1152
+``fp8_e4m3``        c_kv 512 x e4m3 (512 B) | k_pe 64 x e4m3 (64 B); one fp32 scale for     576
+                    all c_kv and one for all k_pe of the layer (SGLang / vLLM ``k_scale``)
+``fp8_e4m3_group``  c_kv 512 x e4m3 | k_pe 64 x e4m3 in the pool (576 B) + 4 x fp32 in a     592
+                    side tensor ``ckv_scale_arr [P, page, 4]`` (16 B): one scale per 128
+                    channels of c_kv (FlashInfer's ``ckv_scale_arr``); k_pe keeps one
+                    per-tensor scale
+``fp8_e5m2``        as ``fp8_e4m3`` with e5m2 values (per-tensor scales)                     576
+==================  =======================================================================  ==========
+
+Quantization saturates: values beyond the format's range are clamped to +-max (448 for e4m3, 57344 for e5m2);
+overflow never makes NaN or inf. NaN inputs stay NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KVFormat", "FORMATS", "get_format", "GROUP_SIZE"]
+
+GROUP_SIZE = 128  # channels of c_kv that share one scale in the group format
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV storage format. ``scale_kind`` is ``"none"``, ``"tensor"`` or ``"group"``."""
+
+    name: str
+    storage_dtype: torch.dtype
+    scale_kind: str
+    max_value: float  # largest finite stored magnitude (saturation bound)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.storage_dtype).element_size()
+
+    def num_groups(self, head_dim_ckv: int = 512) -> int:
+        """Scales per token in ``ckv_scale_arr`` (0 unless the format has group scales)."""
+        if self.scale_kind != "group":
+            return 0
+        if head_dim_ckv % GROUP_SIZE:
+            raise ValueError(f"head_dim_ckv: the group format needs a multiple of {GROUP_SIZE}, got {head_dim_ckv}")
+        return head_dim_ckv // GROUP_SIZE
+
+    def bytes_per_token(self, head_dim_ckv: int = 512, head_dim_kpe: int = 64) -> int:
+        """Bytes one token of one layer occupies, scales included (per-tensor scales cost nothing per token)."""
+        return (head_dim_ckv + head_dim_kpe) * self.element_bytes + 4 * self.num_groups(head_dim_ckv)
+
+    # -- quantize / dequantize ------------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Stored values of ``x`` (any float dtype): ``clamp(x / scale, -max, max)`` in the storage dtype.
+
+        ``scale`` is a float, a 0-d tensor, or a tensor that broadcasts against ``x`` (group scales).
+        """
+        unit = not isinstance(scale, torch.Tensor) and scale == 1.0
+        y = x.float() if unit else x.float() / scale
+        if not self.is_fp8:
+            return y.to(self.storage_dtype)
+        # clamp() keeps NaN and maps +-inf to +-max: saturating, never NaN from overflow.
+        return y.clamp(-self.max_value, self.max_value).to(self.storage_dtype)
+
+    def dequantize(self, stored: torch.Tensor, scale: float | torch.Tensor = 1.0,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Real values ``stored * scale`` in ``dtype``."""
+        y = stored.to(dtype)
+        if isinstance(scale, torch.Tensor):
+            return y * scale.to(dtype)
+        return y if scale == 1.0 else y * scale
+
+    def group_scales(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """Per-token group scales for ``c_kv [..., D]``: ``amax(|group|) / max`` as fp32 ``[..., D // 128]``.
+
+        An all-zero (or all-NaN) group gets scale 1 so that dequantization never divides by zero.
+        """
+        g = self.num_groups(c_kv.shape[-1])
+        amax = c_kv.float().abs().reshape(*c_kv.shape[:-1], g, GROUP_SIZE).amax(dim=-1)
+        amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
+        return amax / self.max_value
+
+    def quantize_groups(self, c_kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Stored c_kv under group ``scales [..., D // 128]`` (from :meth:`group_scales`)."""
+        return self.quantize(c_kv, expand_group_scales(scales, c_kv.shape[-1]))
+
+
+def expand_group_scales(scales: torch.Tensor, head_dim_ckv: int) -> torch.Tensor:
+    """``[..., D // 128]`` scales repeated to ``[..., D]`` so they multiply c_kv elementwise."""
+    return scales.repeat_interleave(head_dim_ckv // scales.shape[-1], dim=-1)
+
+
+FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("bf16", torch.bfloat16, "none", float(torch.finfo(torch.bfloat16).max)),
+        KVFormat("fp16", torch.float16, "none", float(torch.finfo(torch.float16).max)),
+        KVFormat("fp8_e4m3", torch.float8_e4m3fn, "tensor", 448.0),
+        KVFormat("fp8_e4m3_group", torch.float8_e4m3fn, "group", 448.0),
+        KVFormat("fp8_e5m2", torch.float8_e5m2, "tensor", 57344.0),
+    )
+}
+
+_BY_DTYPE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+
+
+def get_format(spec: str | torch.dtype | KVFormat, *, arg: str = "kv_data_type") -> KVFormat:
+    """Resolve a format from its name, its storage dtype (per-tensor scales for FP8) or a :class:`KVFormat`."""
+    if isinstance(spec, KVFormat):
+        return spec
+    if isinstance(spec, torch.dtype):
+        if spec not in _BY_DTYPE:
+            raise TypeError(f"{arg}: expected one of {list(_BY_DTYPE)} or a format name {list(FORMATS)}, got {spec}")
+        return FORMATS[_BY_DTYPE[spec]]
+    if isinstance(spec, str) and spec in FORMATS:
+        return FORMATS[spec]
+    raise ValueError(f"{arg}: expected a format name {list(FORMATS)} or a torch dtype, got {spec!r}")
