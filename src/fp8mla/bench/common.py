@@ -1,0 +1,112 @@
+"""One timing helper and one ceiling probe, shared by every benchmark.
+
+Ceilings are measured in the same run as the kernels: read bandwidth (``torch.sum`` over >= 4 GB) and bf16
+matmul rate (8192^3). Kernel times are medians of CUDA-graph replays with the L2 flushed before each replay.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Ceilings:
+    read_gbps: float        # GB/s of torch.sum over >= 4 GB
+    matmul_tflops: float    # bf16 8192^3
+
+    def floor_ms(self, bytes_: float, flops: float) -> float:
+        """max(bytes / read bandwidth, flops / matmul peak), in ms."""
+        return max(bytes_ / (self.read_gbps * 1e9), flops / (self.matmul_tflops * 1e12)) * 1e3
+
+
+def _events_ms(fn, reps: int, flush=None) -> list[float]:
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def measure_ceilings(device="cuda", read_gb: float = 4.0, reps: int = 20) -> Ceilings:
+    """Read bandwidth (torch.sum over ``read_gb`` GB of bf16) and bf16 matmul TFLOP/s (8192^3, random data)."""
+    n = int(read_gb * 1e9) // 2
+    x = torch.randn(n // 4096, 4096, device=device).to(torch.bfloat16)  # random, never zeros
+    torch.sum(x, dtype=torch.float32)
+    t_read = statistics.median(_events_ms(lambda: torch.sum(x, dtype=torch.float32), reps))
+    nbytes = x.numel() * 2
+    del x
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t_mm = statistics.median(_events_ms(lambda: a @ b, reps))
+    return Ceilings(nbytes / (t_read * 1e-3) / 1e9, 2 * 8192**3 / (t_mm * 1e-3) / 1e12)
+
+
+class L2Flush:
+    """Overwrites a buffer larger than the L2 so each timed replay starts from DRAM."""
+
+    def __init__(self, device="cuda"):
+        size = torch.cuda.get_device_properties(device).L2_cache_size if torch.cuda.is_available() else 0
+        self.buf = torch.empty(max(2 * size, 1 << 20), dtype=torch.int8, device=device)
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def time_ms(fn, *, reps: int = 50, warmup: int = 3, cuda_graph: bool = True, flush_l2: bool = True) -> float:
+    """Median time of ``fn()`` in ms: captured in a CUDA graph when ``cuda_graph`` (falls back to plain launches
+    if capture fails), L2 flushed before each replay."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if cuda_graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        except Exception:  # noqa: BLE001 - an op that cannot be captured is timed with plain launches
+            torch.cuda.synchronize()
+            run = fn
+    run()
+    torch.cuda.synchronize()
+    flush = L2Flush() if flush_l2 else None
+    return statistics.median(_events_ms(run, reps, flush))
+
+
+def environment() -> dict:
+    """Date, GPU, driver and versions for the record of a run."""
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        env["triton"] = "n/a"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+        try:
+            import subprocess
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:  # noqa: BLE001
+            env["driver"] = "n/a"
+    return env
