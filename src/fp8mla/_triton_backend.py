@@ -183,6 +183,7 @@ def run_triton(p, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_
                t["item_end"], t["item_part"], t["num_items"], t["split_indptr"], t["batch_size"],
                grid_items=tp.grid_items, grid_batch=tp.grid_batch, num_heads=p.num_heads, max_rows=tp.max_rows,
                sm_scale=p.sm_scale, causal=p.causal, kv_mode=tp.kv_mode, block_m=c["block_m"],
-               block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], fp32_dot=tp.fp32_dot)
+               block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], fp32_dot=tp.fp32_dot,
+               q_split=tp.kv_mode == KV_GROUP or (tp.kv_mode == KV_BF16 and p.q_dtype == torch.float16))
     if base_e:
         lse.mul_(0.6931471805599453)  # log2 -> ln

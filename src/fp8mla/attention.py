@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_indptr, check_positive_int, check_tensor
+from ._checks import INDEX_DTYPES, check_indptr, check_positive_int, check_tensor, same_device
 from .formats import KVFormat, get_format
 from ._torch_backend import LOG2E, TorchPlan, run_torch
 
 __all__ = ["MLAPagedAttention", "available_backends"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
+# Triton backend tuning and CUDA-graph capacities (defaults in _triton_backend.DEFAULTS).
+KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "max_batch_size",
+                  "max_qo_len", "max_kv_indices")
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -62,6 +65,9 @@ class MLAPagedAttention:
         float_workspace_buffer: optional tensor; only its device is used (kernels size their own workspace).
         use_cuda_graph: keep plan data in fixed buffers so run() can be captured (Triton backend).
         backend: ``"auto"`` (Triton on CUDA when it can run the plan, else torch), ``"torch"`` or ``"triton"``.
+        **kernel_options: Triton tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
+            ``min_chunk``) and, with ``use_cuda_graph``, the capacities of the fixed buffers
+            (``max_batch_size`` 256, ``max_qo_len`` 8, ``max_kv_indices`` 2^20).
 
     Example:
         >>> import torch, fp8mla
@@ -87,6 +93,10 @@ class MLAPagedAttention:
         self._workspace = float_workspace_buffer
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = backend
+        unknown = set(kernel_options) - set(KERNEL_OPTIONS)
+        if unknown:
+            raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
+                            f"{sorted(KERNEL_OPTIONS)}")
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
         self._triton_state = None  # fixed buffers kept across plans for CUDA graphs
@@ -243,7 +253,7 @@ def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
     if v is None:
         return 1.0
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.dtype != torch.float32 or v.device != torch.device(device):
+        if v.numel() != 1 or v.dtype != torch.float32 or not same_device(v.device, device):
             raise ValueError(f"{name}: expected a float or a 1-element fp32 tensor on {device}, got a "
                              f"{v.dtype} tensor of shape {tuple(v.shape)} on {v.device}")
         if not allowed:

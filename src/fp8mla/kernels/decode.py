@@ -41,7 +41,7 @@ def _mla_decode_kernel(
     stride_po_i, stride_po_r, stride_pl_i,
     PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    CAUSAL: tl.constexpr, KV_MODE: tl.constexpr, FP32_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, KV_MODE: tl.constexpr, FP32_DOT: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     item = tl.program_id(0)
     if item >= tl.load(num_items):
@@ -84,15 +84,20 @@ def _mla_decode_kernel(
         qp_m = (qp32 * f[:, None]).to(tl.float16)
         row_scale = sm_scale_log2 / f
     elif KV_MODE == 1:
-        qn_m = qn.to(tl.bfloat16)
-        qp_m = qp.to(tl.bfloat16)
+        qn_m = qn
+        qp_m = qp
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale_log2
     else:
-        qn_m = qn.to(tl.bfloat16)
+        qn_m = qn
         qp_m = qp.to(tl.float32) * kpe_scale
-        if not FP32_DOT:
-            qp_m = qp_m.to(tl.bfloat16)
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale_log2
+    if KV_MODE != 0 and not FP32_DOT:
+        # bf16 MMAs. An fp16 (or scaled) query loses 3 bits in bf16: split it into hi + lo bf16 parts and
+        # do the score MMAs twice (only in this uncommon pairing), so Q keeps fp16 precision.
+        qn_lo = (qn_m.to(tl.float32) - qn_m.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        qp_lo = (qp_m.to(tl.float32) - qp_m.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        qn_m = qn_m.to(tl.bfloat16)
+        qp_m = qp_m.to(tl.bfloat16)
     # The CPU interpreter gets 16-bit tl.dot wrong (and rounds fp32 -> bf16 by truncation): there the dots
     # run in fp32 on the same stored values, and rounding to bf16 of computed values is skipped.
     if FP32_DOT:
@@ -137,6 +142,9 @@ def _mla_decode_kernel(
         # -- scores ---------------------------------------------------------------------------------------
         s = tl.dot(qn_m, tl.trans(ck_m))
         s = tl.dot(qp_m, tl.trans(kp_m), s)
+        if Q_SPLIT:
+            s = tl.dot(qn_lo, tl.trans(ck_m), s)
+            s = tl.dot(qp_lo, tl.trans(kp_m), s)
         s = s * row_scale[:, None]
         visible = t_ok[None, :] & (t[None, :] <= last[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -216,7 +224,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
                qo_indptr, kv_indptr, kv_indices, kv_len, item_req, item_start, item_end, item_part, num_items,
                split_indptr, batch_size, *, grid_items: int, grid_batch: int, num_heads: int, max_rows: int,
                sm_scale: float, causal: bool, kv_mode: int, block_m: int, block_n: int, num_warps: int,
-               num_stages: int, fp32_dot: bool) -> None:
+               num_stages: int, fp32_dot: bool, q_split: bool = False) -> None:
     """Launches the split kernel and the merge kernel. ``lse`` is written base 2.
 
     Shapes: q_nope ``[n, H, Dc]``, q_pe ``[n, H, Dk]``, ckv_cache ``[P, page, Dc]``, kpe_cache ``[P, page, Dk]``
@@ -224,6 +232,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     ckv_scale_arr ``[P, page, Dc // 128]`` fp32 or None, part_o ``[items, max_rows, Dc]`` fp32,
     part_lse ``[items, max_rows]`` fp32; the index/work arrays are int32 device tensors (see the plan);
     ``num_items`` and ``batch_size`` are 1-element int32 device tensors so a captured graph can be re-planned.
+    ``q_split``: bf16 MMAs (kv_mode 1, 2) with a query that bf16 cannot hold exactly (fp16, or scaled by kpe_scale
+    in the group mode): the query is split into two bf16 parts.
     """
     P, page, Dc = ckv_cache.shape
     Dk = kpe_cache.shape[-1]
@@ -240,7 +250,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
         out.stride(0), out.stride(1), lse.stride(0),
         part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         PAGE=page, DC=Dc, DK=Dk, GROUP=128, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        CAUSAL=causal, KV_MODE=kv_mode, FP32_DOT=fp32_dot, num_warps=num_warps,
+        CAUSAL=causal, KV_MODE=kv_mode, FP32_DOT=fp32_dot, Q_SPLIT=q_split and not fp32_dot,
+        num_warps=num_warps,
     )
     block_r = 16
     _merge_kernel[(grid_batch, triton.cdiv(max_rows, block_r))](

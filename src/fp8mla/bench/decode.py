@@ -1,0 +1,196 @@
+"""``fp8mla bench decode``: paged MLA decode against the ceilings measured in the same run.
+
+Grid: H in {16, 128} x (B, L) in {(1, 32768), (8, 8192), (32, 4096), (128, 2048), (64, 8192)}, page 64 and 1,
+FP8 (e4m3, per-tensor scale) and BF16 KV. Each point: median of CUDA-graph replays with the L2 flushed,
+ms, GB/s (KV bytes / time), TFLOP/s, % of floor (floor = max(bytes / read BW, FLOPs / bf16 matmul peak)) and
+relative L2 error against a float64 reference on the dequantized KV (first requests of the batch).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+
+import torch
+
+from ..attention import MLAPagedAttention
+from ..formats import get_format
+from ..reference import mla_reference
+from ..testing import compare
+from .common import environment, measure_ceilings, time_ms
+
+SHAPES = [(1, 32768), (8, 8192), (32, 4096), (128, 2048), (64, 8192)]
+DC, DK = 512, 64
+
+
+def add_arguments(p):
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--shapes", nargs="+", default=[f"{b}x{L}" for b, L in SHAPES],
+                   help="BxL pairs (default: the issue's grid)")
+    p.add_argument("--pages", type=int, nargs="+", default=[64, 1])
+    p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
+    p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
+    p.add_argument("--compare", nargs="*", default=[], help="also time: flashinfer, torch")
+    p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--err-requests", type=int, default=2, help="requests checked against the float64 reference")
+    p.add_argument("--out", default="bench_out", help="directory for decode.csv / decode.png")
+
+
+def make_pool(B, L, page, fmt_name, device, seed=0):
+    """Random pool with shuffled page ids; real values N(0, 1), FP8 stored with scale 1."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    fmt = get_format(fmt_name)
+    pages_per = -(-L // page)
+    P = B * pages_per + 8
+    pool = torch.randn(P, page, DC + DK, device=device, generator=g).to(fmt.storage_dtype)
+    perm = torch.randperm(P, device=device, generator=g)[: B * pages_per].to(torch.int32)
+    i32 = dict(dtype=torch.int32, device=device)
+    plan_args = dict(qo_indptr=torch.arange(B + 1, **i32), kv_indptr=torch.arange(B + 1, **i32) * pages_per,
+                     kv_indices=perm, kv_len_arr=torch.full((B,), L, **i32), head_dim_ckv=DC, head_dim_kpe=DK,
+                     page_size=page, causal=True, sm_scale=1.0 / math.sqrt(192), q_data_type=torch.bfloat16)
+    return pool, plan_args
+
+
+def reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, nreq):
+    """Relative L2 of ``out`` on the first ``nreq`` requests against float64 attention."""
+    a = plan_args
+    n = min(nreq, a["kv_len_arr"].numel())
+    ref, _ = mla_reference(q_nope[:n], q_pe[:n], ckv, kpe, a["qo_indptr"][: n + 1], a["kv_indptr"][: n + 1],
+                           a["kv_indices"], a["kv_len_arr"][:n], sm_scale=a["sm_scale"], causal=True)
+    return compare(out[:n], ref).rel_l2
+
+
+def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, out, lse):
+    import flashinfer  # noqa: F401 - imported here: optional
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    a = plan_args
+    w = BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.int8, device=q_nope.device),
+                                      backend=backend)
+    w.plan(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], H, DC, DK, a["page_size"], True,
+           a["sm_scale"], torch.bfloat16, kv_dtype)
+    kw = dict(ckv_scale=1.0, kpe_scale=1.0) if kv_dtype != torch.bfloat16 else {}
+    return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **kw)
+
+
+VARIANTS = {
+    "default": {},
+    "n32": dict(block_n=32), "n128": dict(block_n=128),
+    "s1": dict(num_stages=1), "s3": dict(num_stages=3), "s4": dict(num_stages=4),
+    "w8": dict(num_warps=8), "w4": dict(num_warps=4),
+    "cta1": dict(ctas_per_sm=1), "cta4": dict(ctas_per_sm=4), "cta8": dict(ctas_per_sm=8),
+    "chunk512": dict(min_chunk=512), "chunk128": dict(min_chunk=128),
+    "m32": dict(block_m=32), "m16": dict(block_m=16),
+}
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("fp8mla bench decode: needs a CUDA device (none found). The kernels are tested on the CPU by "
+              "pytest under TRITON_INTERPRET=1; timings need a GPU.", file=sys.stderr)
+        return 2
+    device = "cuda"
+    os.makedirs(args.out, exist_ok=True)
+    env = environment()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    ceil = measure_ceilings(device)
+    print(f"ceilings: read {ceil.read_gbps:.0f} GB/s (torch.sum over 4 GB), bf16 matmul {ceil.matmul_tflops:.0f} "
+          f"TFLOP/s (8192^3)")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    variants = VARIANTS if args.sweep else {"default": {}}
+    rows = []
+    for H in args.heads:
+        for page in args.pages:
+            for fmt_name in args.kv:
+                fmt = get_format(fmt_name)
+                for B, L in shapes:
+                    t0 = time.time()
+                    pool, plan_args = make_pool(B, L, page, fmt_name, device)
+                    ckv, kpe = pool[..., :DC], pool[..., DC:]
+                    q_nope = torch.randn(B, H, DC, device=device, dtype=torch.bfloat16)
+                    q_pe = torch.randn(B, H, DK, device=device, dtype=torch.bfloat16)
+                    out = torch.empty(B, H, DC, device=device, dtype=torch.bfloat16)
+                    lse = torch.empty(B, H, device=device, dtype=torch.float32)
+                    nbytes = B * L * fmt.bytes_per_token(DC, DK)
+                    flops = 2 * B * H * L * (DC + DK + DC)
+                    floor = ceil.floor_ms(nbytes, flops)
+                    floor_fp8 = ceil.floor_ms(B * L * (DC + DK), flops)  # the target: FP8 bytes
+                    runners = {}
+                    for vname, opts in variants.items():
+                        name = "fp8mla" if vname == "default" else f"fp8mla[{vname}]"
+                        attn = MLAPagedAttention(backend="triton", **opts)
+                        attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                        runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse))
+                    if "torch" in args.compare:
+                        attn = MLAPagedAttention(backend="torch")
+                        attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                        runners["torch gather-cast"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
+                                                                              lse=lse))
+                    if "flashinfer" in args.compare:
+                        for be in ("fa3", "fa2"):
+                            try:
+                                runners[f"flashinfer {be}"] = _flashinfer_runner(
+                                    be, plan_args, H, fmt.storage_dtype, q_nope, q_pe, ckv, kpe, out, lse)
+                            except Exception as e:  # noqa: BLE001 - record and go on
+                                print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: "
+                                      f"{type(e).__name__}: {str(e)[:160]}")
+                    for name, fn in runners.items():
+                        try:
+                            out.fill_(float("nan"))
+                            fn()
+                            torch.cuda.synchronize()
+                            err = reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, args.err_requests)
+                            ms = time_ms(fn, reps=args.reps)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"  {name} {fmt_name} H{H} B{B} L{L} page{page}: {type(e).__name__}: "
+                                  f"{str(e)[:200]}")
+                            continue
+                        row = dict(kernel=name, kv=fmt_name, H=H, B=B, L=L, page=page, ms=ms,
+                                   gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9, pct_floor=100 * floor / ms,
+                                   floor_ms=floor, pct_fp8_floor=100 * floor_fp8 / ms, rel_l2=err)
+                        rows.append(row)
+                        print(f"{name:22s} {fmt_name:9s} H{H:<3d} B{B:<3d} L{L:<6d} page{page:<3d} "
+                              f"{ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s "
+                              f"{row['pct_floor']:5.1f}% floor  err {err:.2e}", flush=True)
+                    del pool, ckv, kpe
+                    torch.cuda.empty_cache()
+                    _ = t0
+    path = os.path.join(args.out, "decode.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["kernel"])
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+    _plot(rows, os.path.join(args.out, "decode.png"), ceil)
+    return 0
+
+
+def _plot(rows, path, ceil):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - the plot is optional
+        print("matplotlib not available: no plot")
+        return
+    heads = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(heads), figsize=(7 * len(heads), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], heads):
+        sub = [r for r in rows if r["H"] == H and r["page"] == max(r2["page"] for r2 in rows)]
+        shapes = sorted({(r["B"], r["L"]) for r in sub}, key=lambda s: s[0] * s[1])
+        series = sorted({(r["kernel"], r["kv"]) for r in sub})
+        width = 0.8 / max(1, len(series))
+        for i, (k, kv) in enumerate(series):
+            ys = [next((r["pct_fp8_floor"] for r in sub if (r["B"], r["L"]) == s and r["kernel"] == k
+                        and r["kv"] == kv), 0) for s in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=f"{k} / {kv}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels([f"B{b} L{L}" for b, L in shapes])
+        ax.set_ylabel("% of the FP8 floor (higher is better)")
+        ax.set_title(f"MLA decode H={H} (read {ceil.read_gbps:.0f} GB/s, mm {ceil.matmul_tflops:.0f} TFLOP/s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
