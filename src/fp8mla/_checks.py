@@ -20,9 +20,21 @@ def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=Non
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     return t
+
+
+def same_device(actual, expected) -> bool:
+    """Device equality where an index-less device (``"cuda"``) means the current one of its type: a tensor made
+    with ``device="cuda"`` reports ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``."""
+    a, e = torch.device(actual), torch.device(expected)
+    if a.type != e.type:
+        return False
+    if a.type == "cpu" or a.index == e.index:  # CPU tensors report no index even when made on "cpu:0"
+        return True
+    current = getattr(getattr(torch, a.type, None), "current_device", lambda: 0)()
+    return (a.index if a.index is not None else current) == (e.index if e.index is not None else current)
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)

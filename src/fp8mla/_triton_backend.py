@@ -19,8 +19,9 @@ import torch
 
 from .kernels.decode import KV_BF16, KV_FP16_MATH, KV_GROUP, mla_decode
 
-DEFAULTS = dict(block_n=64, num_stages=2, ctas_per_sm=2, min_chunk=256, max_batch_size=256, max_qo_len=8,
-                max_kv_indices=1 << 20)
+DEFAULTS = dict(block_n=None, num_stages=2, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
+                max_qo_len=8, max_kv_indices=1 << 20)
+EXTEND_MIN_QO = 9  # plans with longer query blocks run the extend (paged prefill) kernel
 
 
 def _interpreting() -> bool:
@@ -41,7 +42,10 @@ def kernel_config(num_heads: int, max_qo_len: int, kv_mode: int, opts: dict) -> 
     """BLOCK_M / BLOCK_N / warps / stages for a plan (overridable through the constructor's keywords)."""
     rows = num_heads * max_qo_len
     block_m = opts.get("block_m") or min(64, max(16, _pow2(rows)))
-    return dict(block_m=block_m, block_n=opts.get("block_n", DEFAULTS["block_n"]),
+    # The group format's fp32 dequantization tiles overflow shared memory at BLOCK_N 64 (259 KB on the H200).
+    block_n = opts.get("block_n") or (32 if kv_mode == KV_GROUP else 64)
+    return dict(block_m=block_m, block_n=block_n,
+                evict_first=opts.get("evict_first", DEFAULTS["evict_first"]),
                 num_warps=opts.get("num_warps") or (4 if block_m <= 16 else 8),
                 num_stages=opts.get("num_stages", DEFAULTS["num_stages"]))
 
@@ -79,6 +83,7 @@ class TritonPlan:
     tensors: dict       # device tensors the kernels read
     scales: torch.Tensor
     scales_host: list
+    extend_qo: int = 0  # > 0: run the extend kernel with this max_qo_len instead of the decode kernel
 
     @staticmethod
     def build(attn, plan, qo_indptr, kv_indptr, kv_indices, kv_len_arr, qo_lens, kv_lens) -> "TritonPlan":
@@ -99,11 +104,12 @@ class TritonPlan:
         if graph and max(qo_lens, default=0) > max_qo:
             raise ValueError(f"qo_indptr: a request has {max(qo_lens)} query tokens, above max_qo_len={max_qo} "
                              "given to the constructor for CUDA graphs")
+        extend_qo = max(qo_lens, default=0) if not graph and max(qo_lens, default=0) >= EXTEND_MIN_QO else 0
         cfg = kernel_config(H, max_qo, kv_mode, opts)
-        max_rows = H * max_qo
+        max_rows = 0 if extend_qo else H * max_qo  # the extend kernel needs no split schedule nor partials
         row_tiles = -(-max_rows // cfg["block_m"])
-        items, split_indptr, parts = schedule(kv_lens, qo_lens, row_tiles, _num_sms(device), cfg["block_n"],
-                                              opts["ctas_per_sm"], opts["min_chunk"])
+        items, split_indptr, parts = ([], [0] * (len(kv_lens) + 1), 0) if extend_qo else schedule(
+            kv_lens, qo_lens, row_tiles, _num_sms(device), cfg["block_n"], opts["ctas_per_sm"], opts["min_chunk"])
         B = len(kv_lens)
         cols = list(zip(*items)) if items else [[], [], [], []]
         host = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len=kv_len_arr,
@@ -126,7 +132,7 @@ class TritonPlan:
             grid_items, grid_batch = max(1, len(items)), max(1, B)
             scales, scales_host = torch.ones(2, dtype=torch.float32, device=device), [1.0, 1.0]
         return TritonPlan(kv_mode, cfg, _interpreting(), max_rows, grid_items, grid_batch, tensors, scales,
-                          scales_host)
+                          scales_host, extend_qo)
 
 
 class _GraphBuffers:
@@ -178,12 +184,20 @@ def run_triton(p, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_
             tp.scales_host[i] = v
     t = tp.tensors
     c = tp.cfg
+    if tp.extend_qo:
+        from .kernels.extend import mla_extend
+        mla_extend(q_nope, q_pe, ckv_cache, kpe_cache, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
+                   out, lse, sm_scale=p.sm_scale, causal=p.causal, scales=tp.scales, ckv_scale_arr=ckv_scale_arr,
+                   max_qo_len=tp.extend_qo, fp32_dot=tp.fp32_dot)
+        if base_e:
+            lse.mul_(0.6931471805599453)
+        return
     mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, tp.scales, out, lse, t["part_o"], t["part_lse"],
                t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"], t["item_req"], t["item_start"],
                t["item_end"], t["item_part"], t["num_items"], t["split_indptr"], t["batch_size"],
                grid_items=tp.grid_items, grid_batch=tp.grid_batch, num_heads=p.num_heads, max_rows=tp.max_rows,
                sm_scale=p.sm_scale, causal=p.causal, kv_mode=tp.kv_mode, block_m=c["block_m"],
                block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], fp32_dot=tp.fp32_dot,
-               q_split=tp.kv_mode == KV_GROUP or (tp.kv_mode == KV_BF16 and p.q_dtype == torch.float16))
+               evict_first=c["evict_first"], q_split=tp.kv_mode == KV_GROUP or (tp.kv_mode == KV_BF16 and p.q_dtype == torch.float16))
     if base_e:
         lse.mul_(0.6931471805599453)  # log2 -> ln

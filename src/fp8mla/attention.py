@@ -20,7 +20,9 @@ __all__ = ["MLAPagedAttention", "available_backends"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 # Triton backend tuning and CUDA-graph capacities (defaults in _triton_backend.DEFAULTS).
-KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "max_batch_size",
+STRATEGIES = ("native", "gather_cast")
+KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
+                  "max_batch_size",
                   "max_qo_len", "max_kv_indices")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -65,6 +67,9 @@ class MLAPagedAttention:
         float_workspace_buffer: optional tensor; only its device is used (kernels size their own workspace).
         use_cuda_graph: keep plan data in fixed buffers so run() can be captured (Triton backend).
         backend: ``"auto"`` (Triton on CUDA when it can run the plan, else torch), ``"torch"`` or ``"triton"``.
+        strategy: ``"native"`` (the kernel reads the pool's storage dtype directly) or ``"gather_cast"`` (gather
+            the batch's tokens into a 16-bit workspace sized by those tokens, then run the 16-bit kernel on it; a
+            baseline and a fallback, never a cast of the pool).
         **kernel_options: Triton tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
             ``min_chunk``) and, with ``use_cuda_graph``, the capacities of the fixed buffers
             (``max_batch_size`` 256, ``max_qo_len`` 8, ``max_kv_indices`` 2^20).
@@ -85,9 +90,15 @@ class MLAPagedAttention:
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor | None = None, use_cuda_graph: bool = False,
-                 backend: str = "auto", **kernel_options):
+                 backend: str = "auto", *, strategy: str = "native", **kernel_options):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+        if strategy == "gather_cast" and use_cuda_graph:
+            raise ValueError("strategy: 'gather_cast' sizes its workspace on the host at run(); it cannot be "
+                             "captured (use_cuda_graph=True); use strategy='native'")
+        self._strategy = strategy
         if float_workspace_buffer is not None:
             check_tensor("float_workspace_buffer", float_workspace_buffer)
         self._workspace = float_workspace_buffer
@@ -159,6 +170,13 @@ class MLAPagedAttention:
             raise ValueError(f"kv_indices: expected page ids >= 0, got {min(used)}")
         max_page = max(used, default=-1)
 
+        if self._strategy == "gather_cast":
+            self._plan_gather_cast(qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
+                                   head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max(
+                                       [p for b in range(B) for p in pages[kvp[b]: kvp[b] + -(-lens[b] //
+                                                                                               page_size)]],
+                                       default=-1))
+            return
         backend = self._choose_backend(device)
         qo_lens = [qo[b + 1] - qo[b] for b in range(B)]
         kv_pages = [pages[kvp[b]: kvp[b + 1]] for b in range(B)]
@@ -170,6 +188,35 @@ class MLAPagedAttention:
         else:
             plan.impl = TorchPlan(qo_lens, kv_pages, lens, page_size, bool(causal), device)
         self._plan = plan
+
+    def _plan_gather_cast(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
+                          head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max_page):
+        """Plans the 16-bit kernel over a workspace of the batch's tokens (one token per 'page')."""
+        inner = MLAPagedAttention(self._workspace, False, self._backend, **self._kernel_options)
+        tok = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        inner.plan(qo_indptr, tok, torch.arange(max(1, int(tok[-1])), dtype=torch.int32, device=device),
+                   kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, 1, causal, sm_scale, q_data_type,
+                   q_data_type)
+        p = inner._plan
+        self._plan = _Plan(p.batch_size, p.num_qo, num_heads, head_dim_ckv, head_dim_kpe, page_size, p.causal,
+                           p.sm_scale, q_data_type, fmt, device, max_page, "gather_cast+" + p.backend,
+                           dict(inner=inner, tokens=int(tok[-1]), kv_indptr=kv_indptr.to(device),
+                                kv_indices=kv_indices.to(device), kv_len=kv_len_arr.to(device)))
+
+    def _run_gather_cast(self, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
+                         base_e):
+        from .gather import gather_dequant  # same layer: the gather kernel's public entry
+        g = self._plan.impl
+        as_float = (lambda v: float(v) if isinstance(v, torch.Tensor) else v)
+        ckv, kpe, _ = gather_dequant(ckv_cache, kpe_cache, g["kv_indptr"], g["kv_indices"], g["kv_len"],
+                                     ckv_scale=as_float(ckv_scale), kpe_scale=as_float(kpe_scale),
+                                     ckv_scale_arr=ckv_scale_arr, dtype=self._plan.q_dtype)
+        T = max(1, g["tokens"])
+        if g["tokens"] == 0:  # nothing to read; the inner plan references one dummy row
+            ckv = torch.zeros(1, ckv_cache.shape[-1], dtype=self._plan.q_dtype, device=out.device)
+            kpe = torch.zeros(1, kpe_cache.shape[-1], dtype=self._plan.q_dtype, device=out.device)
+        g["inner"].run(q_nope, q_pe, ckv.view(T, 1, -1), kpe.view(T, 1, -1), out=out, lse=lse,
+                       return_lse_base_on_e=base_e)
 
     def _choose_backend(self, device: torch.device) -> str:
         if self._backend == "torch":
@@ -236,7 +283,10 @@ class MLAPagedAttention:
         else:
             check_tensor("lse", lse, dtype=torch.float32, shape=(n, H), device=p.device)
 
-        if p.backend == "triton":
+        if p.backend.startswith("gather_cast"):
+            self._run_gather_cast(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
+                                  return_lse_base_on_e)
+        elif p.backend == "triton":
             from ._triton_backend import run_triton
             run_triton(p, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
                        base_e=return_lse_base_on_e)

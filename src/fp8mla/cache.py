@@ -59,12 +59,12 @@ class PagedMLACache:
         self.format: KVFormat = get_format(kv_format, arg="kv_format")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
-        self.device = torch.device(device)
         self.ckv_scale = float(ckv_scale) if self.format.scale_kind == "tensor" else 1.0
         self.kpe_scale = float(kpe_scale) if self.format.is_fp8 else 1.0
         width = head_dim_ckv + head_dim_kpe
         self.pool = torch.zeros(num_layers, num_pages, page_size, width, dtype=self.format.storage_dtype,
-                                device=self.device)
+                                device=device)
+        self.device = self.pool.device  # "cuda" resolved to "cuda:0": what the checks compare tensors with
         groups = self.format.num_groups(head_dim_ckv)
         self.scale_arr = (torch.ones(num_layers, num_pages, page_size, groups, dtype=torch.float32,
                                      device=self.device) if groups else None)
@@ -77,6 +77,8 @@ class PagedMLACache:
     def from_memory_budget(cls, budget_bytes: int, num_layers: int, page_size: int, kv_format="fp8_e4m3",
                            *, head_dim_ckv: int = 512, head_dim_kpe: int = 64, **kw) -> "PagedMLACache":
         """The largest cache whose pool and scales fit in ``budget_bytes``."""
+        for name, v in (("num_layers", num_layers), ("page_size", page_size)):
+            check_positive_int(name, v)
         fmt = get_format(kv_format, arg="kv_format")
         per_page = num_layers * page_size * fmt.bytes_per_token(head_dim_ckv, head_dim_kpe)
         num_pages = int(budget_bytes) // per_page
@@ -176,13 +178,20 @@ class PagedMLACache:
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
                 raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
         seqs = [self._seq(i) for i in ids]
-        for s in seqs:  # a shared (forked) last page must not be written: copy it first
-            if s.length % self.page_size and self._refs[s.pages[-1]] > 1:
-                self._unshare_last_page(s)
-        need = sum(self._pages_needed(s, c) for s, c in zip(seqs, counts))
+        # A shared (forked) partly filled last page must not be written: it is copied first, which takes a page
+        # too. Count those copies before touching anything, so that a full pool leaves the state unchanged.
+        unshare, copied = [], {}
+        for s, c in zip(seqs, counts):
+            last = s.pages[-1] if c and s.length % self.page_size else None
+            if last is not None and self._refs[last] - copied.get(last, 0) > 1:  # the last owner keeps it
+                unshare.append(s)
+                copied[last] = copied.get(last, 0) + 1
+        need = len(unshare) + sum(self._pages_needed(s, c) for s, c in zip(seqs, counts))
         if need > len(self._free):
             raise OutOfPagesError(f"the pool is full: {need} more pages needed, {len(self._free)} of "
                                   f"{self.num_pages} free (page_size {self.page_size})")
+        for s in unshare:
+            self._unshare_last_page(s)
         slots = []
         for s, c in zip(seqs, counts):
             s.pages += self._take_pages(self._pages_needed(s, c))
@@ -203,13 +212,18 @@ class PagedMLACache:
 
     def fork(self, seq_id, new_id=None):
         """A new sequence sharing ``seq_id``'s pages (a common prefix). Shared pages are never written: a
-        partly filled shared last page is copied before either sequence appends to it."""
+        partly filled shared last page is copied before either sequence appends to it.
+
+        Append every layer of ``seq_id``'s reserved tokens before forking: the fork shares them, and an append
+        of ``seq_id`` after the fork (without a new :meth:`extend`) is refused instead of writing shared pages.
+        """
         src = self._seq(seq_id)
         new_id = self.add_sequence(new_id)
         dst = self._seqs[new_id]
         dst.pages, dst.length = list(src.pages), src.length
         for p in dst.pages:
             self._refs[p] += 1
+        src.pending = 0  # its pending slots now lie in shared pages
         return new_id
 
     def _unshare_last_page(self, seq: _Sequence) -> None:
@@ -225,7 +239,7 @@ class PagedMLACache:
     def pending_slots(self, seq_ids) -> torch.Tensor:
         """Flat slot ids of the tokens reserved by the last :meth:`extend` of each sequence, in order."""
         slots = []
-        for i in seq_ids:
+        for i in (list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]):
             s = self._seq(i)
             for t in range(s.length - s.pending, s.length):
                 slots.append(s.pages[t // self.page_size] * self.page_size + t % self.page_size)
@@ -241,8 +255,13 @@ class PagedMLACache:
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
         self.write(layer, self.pending_slots(ids), c_kv, k_pe)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Quantize ``c_kv [T, Dc]``/``k_pe [T, Dk]`` into flat slots ``slot_mapping [T]`` of ``layer``."""
+    def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, *,
+              use_triton: bool | None = None) -> None:
+        """Quantize ``c_kv [T, Dc]``/``k_pe [T, Dk]`` into flat slots ``slot_mapping [T]`` of ``layer``.
+
+        ``use_triton``: write with the Triton quantize-on-write kernel (default: when the pool is on CUDA and
+        triton imports). It stores the same bytes and scales as the torch code below.
+        """
         layer = self._layer(layer)
         check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), ndim=1)
         T = slot_mapping.numel()
@@ -257,6 +276,13 @@ class PagedMLACache:
             raise ValueError(f"slot_mapping: expected slot ids in [0, {total}), got values in [{lo}, {hi}]")
         rows = self.pool[layer].view(total, -1)
         scales = None if self.scale_arr is None else self.scale_arr[layer].view(total, -1)
+        if use_triton is None:
+            import importlib.util
+            use_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        if use_triton:
+            from .kernels.quant_append import quant_append
+            quant_append(rows, scales, slot_mapping, c_kv, k_pe, self.format, self.ckv_scale, self.kpe_scale)
+            return
         slot_mapping = slot_mapping.long()
         fmt, Dc = self.format, self.head_dim_ckv
         if scales is not None:

@@ -16,10 +16,15 @@ COMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that subcommand's module is imported (a broken optional module then
+    cannot take the other commands down)."""
     parser = argparse.ArgumentParser(prog="fp8mla", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_ in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_)
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -33,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = [c[0] for c in COMMANDS]
+    parser = build_parser(argv[0] if argv and argv[0] in names else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_main", None):
         parser.print_help()

@@ -73,9 +73,8 @@ class KVFormat:
         """
         unit = not isinstance(scale, torch.Tensor) and scale == 1.0
         y = x.float() if unit else x.float() / scale
-        if not self.is_fp8:
-            return y.to(self.storage_dtype)
-        # clamp() keeps NaN and maps +-inf to +-max: saturating, never NaN from overflow.
+        # clamp() keeps NaN and maps +-inf to +-max: saturating, never NaN or inf from overflow. The 16-bit
+        # formats need it too: a plain cast turns fp16 values beyond 65504 into inf.
         return y.clamp(-self.max_value, self.max_value).to(self.storage_dtype)
 
     def dequantize(self, stored: torch.Tensor, scale: float | torch.Tensor = 1.0,
@@ -87,14 +86,19 @@ class KVFormat:
         return y if scale == 1.0 else y * scale
 
     def group_scales(self, c_kv: torch.Tensor) -> torch.Tensor:
-        """Per-token group scales for ``c_kv [..., D]``: ``amax(|group|) / max`` as fp32 ``[..., D // 128]``.
+        """Per-token group scales for ``c_kv [..., D]``: ``amax(|finite values of the group|) / max`` as fp32
+        ``[..., D // 128]``.
 
-        An all-zero (or all-NaN) group gets scale 1 so that dequantization never divides by zero.
+        NaN and +-inf do not count in the amax: one NaN must not turn the whole group's scale into NaN (or, as a
+        fallback scale, clamp its finite values), and +-inf saturates to +-max like in the per-tensor formats.
+        A group with no nonzero finite value (or whose scale underflows to 0) gets scale 1, so that quantizing
+        never divides by zero.
         """
         g = self.num_groups(c_kv.shape[-1])
-        amax = c_kv.float().abs().reshape(*c_kv.shape[:-1], g, GROUP_SIZE).amax(dim=-1)
-        amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
-        return amax / self.max_value
+        a = c_kv.float().abs().reshape(*c_kv.shape[:-1], g, GROUP_SIZE)
+        amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=-1)
+        scale = amax / self.max_value
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
 
     def quantize_groups(self, c_kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Stored c_kv under group ``scales [..., D // 128]`` (from :meth:`group_scales`)."""

@@ -42,7 +42,13 @@ def make_paged_batch(kv_lens, qo_lens, num_heads: int, page_size: int, kv_format
     (group format: per-token group scales). ``sm_scale`` defaults to ``1 / sqrt(192)``.
     """
     fmt = get_format(kv_format, arg="kv_format")
-    g = generator or torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    g = generator
+    if g is None:
+        g = torch.Generator()
+        if seed is not None:
+            g.manual_seed(seed)
+        else:  # a fresh seed for this generator only (torch.seed() would reseed the global RNG)
+            g.seed()
     B = len(kv_lens)
     assert len(qo_lens) == B
     pages_per = [-(-L // page_size) for L in kv_lens]

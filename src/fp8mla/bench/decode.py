@@ -32,8 +32,10 @@ def add_arguments(p):
     p.add_argument("--pages", type=int, nargs="+", default=[64, 1])
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
-    p.add_argument("--compare", nargs="*", default=[], help="also time: flashinfer, torch")
+    p.add_argument("--compare", nargs="*", default=[],
+                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
+    p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--err-requests", type=int, default=2, help="requests checked against the float64 reference")
     p.add_argument("--out", default="bench_out", help="directory for decode.csv / decode.png")
@@ -77,12 +79,12 @@ def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, 
 
 VARIANTS = {
     "default": {},
-    "n32": dict(block_n=32), "n128": dict(block_n=128),
-    "s1": dict(num_stages=1), "s3": dict(num_stages=3), "s4": dict(num_stages=4),
-    "w8": dict(num_warps=8), "w4": dict(num_warps=4),
-    "cta1": dict(ctas_per_sm=1), "cta4": dict(ctas_per_sm=4), "cta8": dict(ctas_per_sm=8),
-    "chunk512": dict(min_chunk=512), "chunk128": dict(min_chunk=128),
-    "m32": dict(block_m=32), "m16": dict(block_m=16),
+    "n32": dict(block_n=32), "n32s3": dict(block_n=32, num_stages=3), "n32s4": dict(block_n=32, num_stages=4),
+    "s1": dict(num_stages=1), "s3": dict(num_stages=3),
+    "w8": dict(num_warps=8), "w4": dict(num_warps=4), "noevict": dict(evict_first=False),
+    "cta1": dict(ctas_per_sm=1), "cta4": dict(ctas_per_sm=4),
+    "chunk512": dict(min_chunk=512), "chunk128": dict(min_chunk=128), "chunk1024": dict(min_chunk=1024),
+    "m32": dict(block_m=32), "m16": dict(block_m=16), "m64": dict(block_m=64),
 }
 
 
@@ -100,6 +102,8 @@ def main(args) -> int:
           f"TFLOP/s (8192^3)")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     variants = VARIANTS if args.sweep else {"default": {}}
+    if args.sweep and args.variants:
+        variants = {k: VARIANTS[k] for k in ["default"] + [v for v in args.variants if v != "default"]}
     rows = []
     for H in args.heads:
         for page in args.pages:
@@ -120,9 +124,14 @@ def main(args) -> int:
                     runners = {}
                     for vname, opts in variants.items():
                         name = "fp8mla" if vname == "default" else f"fp8mla[{vname}]"
-                        attn = MLAPagedAttention(backend="triton", **opts)
+                        attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse))
+                    if "gather_cast" in args.compare:
+                        attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
+                        attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                        runners["fp8mla gather_cast"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
+                                                                               lse=lse))
                     if "torch" in args.compare:
                         attn = MLAPagedAttention(backend="torch")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
@@ -147,13 +156,17 @@ def main(args) -> int:
                             print(f"  {name} {fmt_name} H{H} B{B} L{L} page{page}: {type(e).__name__}: "
                                   f"{str(e)[:200]}")
                             continue
+                        from ..kernels import decode as _dec
+                        ck = _dec.LAST_COMPILED if name.startswith("fp8mla") else None
+                        res = (f"regs {ck.n_regs} spills {ck.n_spills} smem {ck.metadata.shared // 1024}KB"
+                               if ck is not None and hasattr(ck, "n_regs") else "")
                         row = dict(kernel=name, kv=fmt_name, H=H, B=B, L=L, page=page, ms=ms,
                                    gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9, pct_floor=100 * floor / ms,
                                    floor_ms=floor, pct_fp8_floor=100 * floor_fp8 / ms, rel_l2=err)
                         rows.append(row)
                         print(f"{name:22s} {fmt_name:9s} H{H:<3d} B{B:<3d} L{L:<6d} page{page:<3d} "
                               f"{ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s "
-                              f"{row['pct_floor']:5.1f}% floor  err {err:.2e}", flush=True)
+                              f"{row['pct_floor']:5.1f}% floor  err {err:.2e} {res}", flush=True)
                     del pool, ckv, kpe
                     torch.cuda.empty_cache()
                     _ = t0

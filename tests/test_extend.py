@@ -1,0 +1,116 @@
+"""The paged extend (prefill) kernel against the float64 reference on NaN-poisoned pools with shuffled pages:
+every format, page sizes 1..128, causal and not, more queries than tokens, fp16 queries, strided queries,
+H=128, the full DeepSeek widths. CPU: TRITON_INTERPRET=1 at small sizes; GPU: the same plus a large case."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from fp8mla.testing import assert_close, make_paged_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="triton cannot run here")
+FP32_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+FORMATS = ["fp8_e4m3", "fp8_e4m3_group", "fp8_e5m2", "bf16", "fp16"]
+# The interpreter truncates fp32 -> bf16 (the GPU rounds): ~2x the GPU's output error. The group format
+# rounds its dequantized c_kv to the query dtype for the MMAs (the per-tensor formats convert exactly), and so
+# does an fp16 pool read by bf16 queries.
+TOL = {"fp8_e4m3_group": 1.2e-2, "fp16": 1.2e-2}
+LSE_TOL = {"fp8_e4m3_group": 2e-3, "fp16": 2e-3}
+DEFAULT_TOL = 6e-3 if FP32_DOT else 3e-3
+
+
+def run_extend(b, poison=True, **tiles):
+    from fp8mla.kernels.extend import mla_extend
+    a, r = b.plan_args, b.run_args
+    n, H, Dc = r["q_nope"].shape
+    out = torch.full((n, H, Dc), float("nan") if poison else 0.0, dtype=a["q_data_type"], device=DEVICE)
+    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    qo = a["qo_indptr"].tolist()
+    scales = torch.tensor([float(r["ckv_scale"]), float(r["kpe_scale"])], dtype=torch.float32, device=DEVICE)
+    mla_extend(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+               a["kv_indices"], a["kv_len_arr"], out, lse, sm_scale=a["sm_scale"], causal=a["causal"],
+               scales=scales, ckv_scale_arr=r["ckv_scale_arr"],
+               max_qo_len=max(qo[i + 1] - qo[i] for i in range(len(qo) - 1)), fp32_dot=FP32_DOT, **tiles)
+    return out, lse
+
+
+def check(b, out, lse, tol=DEFAULT_TOL, lse_tol=1e-4):
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, tol, "out")
+    assert_close(lse, ref_l, lse_tol, "lse")
+
+
+def small(kv_lens, qo_lens, H, page, fmt="fp8_e4m3", **kw):
+    kw = dict(head_dim_ckv=128, head_dim_kpe=32, device=DEVICE) | kw
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
+        kw = dict(ckv_scale=0.3, kpe_scale=2.5) | kw
+    return make_paged_batch(kv_lens, qo_lens, H, page, fmt, **kw)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_formats(fmt, causal, case_seed):
+    # kv_len 0, kv_len < qo_len (causal: the first queries see nothing), a prefix plus 9..40 new tokens
+    b = small([40, 0, 5, 70], [20, 3, 9, 12], 8, 16, fmt, causal=causal, seed=case_seed)
+    check(b, *run_extend(b), TOL.get(fmt, DEFAULT_TOL), LSE_TOL.get(fmt, 1e-4))
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8, 32, 64, 128])
+def test_page_sizes(page_size, case_seed):
+    b = small([page_size + 1, 2 * page_size - 1 or 1, 37], [9, 12, 10], 4, page_size, seed=case_seed)
+    check(b, *run_extend(b))
+
+
+def test_fp16_queries_and_small_tiles(case_seed):
+    b = small([50, 17], [17, 17], 6, 8, "fp8_e4m3", q_dtype=torch.float16, seed=case_seed)
+    out, lse = run_extend(b, block_h=4, block_q=4, block_n=16)
+    assert out.dtype == torch.float16
+    check(b, out, lse)
+
+
+def test_strided_queries(case_seed):
+    """q_nope/q_pe as column slices of one [n, H, 576] tensor (how models split q)."""
+    b = small([30, 21], [10, 21], 4, 16, seed=case_seed)
+    r = b.run_args
+    q = torch.cat([r["q_nope"], r["q_pe"]], dim=-1)
+    r["q_nope"], r["q_pe"] = q[..., :128], q[..., 128:]
+    assert not r["q_nope"].is_contiguous()
+    check(b, *run_extend(b))
+
+
+def test_h128(case_seed):
+    b = small([24, 11], [12, 11], 128, 16, seed=case_seed, head_dim_ckv=128, head_dim_kpe=16)
+    check(b, *run_extend(b))
+
+
+def test_deepseek_widths(case_seed):
+    b = make_paged_batch([33], [12], 2, 16, "fp8_e4m3", ckv_scale=0.5, device=DEVICE, seed=case_seed)
+    check(b, *run_extend(b))
+
+
+def test_large_values_and_sm_scale(case_seed):
+    """Scores far from 1 (sharp softmax): the online max must track them exactly."""
+    b = small([45], [15], 4, 16, value_scale=8.0, sm_scale=0.5, seed=case_seed)
+    out, lse = run_extend(b)
+    assert torch.isfinite(lse).all()
+    check(b, out, lse, lse_tol=1e-4)
+
+
+def test_empty_rows_are_zero_and_minus_inf(case_seed):
+    b = small([0, 3], [10, 10], 4, 8, seed=case_seed)
+    out, lse = run_extend(b)
+    assert (out[:10] == 0).all() and (lse[:10] == -math.inf).all()      # kv_len 0
+    assert (out[10:17] == 0).all() and (lse[10:17] == -math.inf).all()  # causal: 7 queries before token 0
+    check(b, out, lse)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="large case on the GPU only")
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_group", "bf16"])
+def test_large_gpu(fmt, case_seed):
+    b = make_paged_batch([2000, 300, 1025], [1000, 300, 17], 128, 64, fmt, device=DEVICE, seed=case_seed)
+    check(b, *run_extend(b), TOL.get(fmt, DEFAULT_TOL), LSE_TOL.get(fmt, 1e-4))
