@@ -2,7 +2,10 @@
 from .formats import FORMATS, KVFormat, get_format
 from .cache import OutOfPagesError, PagedMLACache
 from .attention import MLAPagedAttention, available_backends
+from .ragged import MLARaggedPrefill, merge_state, merge_state_in_place
+from .gather import gather_dequant
 
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "KVFormat", "get_format", "PagedMLACache", "OutOfPagesError", "MLAPagedAttention",
-           "available_backends", "__version__"]
+           "available_backends", "MLARaggedPrefill", "merge_state", "merge_state_in_place", "gather_dequant",
+           "__version__"]

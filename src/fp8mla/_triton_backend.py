@@ -45,7 +45,8 @@ def kernel_config(num_heads: int, max_qo_len: int, kv_mode: int, opts: dict) -> 
     # The group format's fp32 dequantization tiles overflow shared memory at BLOCK_N 64 (259 KB on the H200).
     block_n = opts.get("block_n") or (32 if kv_mode == KV_GROUP else 64)
     return dict(block_m=block_m, block_n=block_n,
-                evict_first=opts.get("evict_first", DEFAULTS["evict_first"]),
+                evict_first=opts.get("evict_first", DEFAULTS["evict_first"]), index64=opts.get("index64"),
+                cvt_asm=bool(opts.get("cvt_asm", False)),
                 num_warps=opts.get("num_warps") or (4 if block_m <= 16 else 8),
                 num_stages=opts.get("num_stages", DEFAULTS["num_stages"]))
 
@@ -198,6 +199,6 @@ def run_triton(p, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_
                grid_items=tp.grid_items, grid_batch=tp.grid_batch, num_heads=p.num_heads, max_rows=tp.max_rows,
                sm_scale=p.sm_scale, causal=p.causal, kv_mode=tp.kv_mode, block_m=c["block_m"],
                block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"], fp32_dot=tp.fp32_dot,
-               evict_first=c["evict_first"], q_split=tp.kv_mode == KV_GROUP or (tp.kv_mode == KV_BF16 and p.q_dtype == torch.float16))
+               evict_first=c["evict_first"], index64=c["index64"], cvt_asm=c["cvt_asm"], q_split=tp.kv_mode == KV_GROUP or (tp.kv_mode == KV_BF16 and p.q_dtype == torch.float16))
     if base_e:
         lse.mul_(0.6931471805599453)  # log2 -> ln

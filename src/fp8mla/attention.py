@@ -21,7 +21,7 @@ __all__ = ["MLAPagedAttention", "available_backends"]
 Q_DTYPES = (torch.bfloat16, torch.float16)
 # Triton backend tuning and CUDA-graph capacities (defaults in _triton_backend.DEFAULTS).
 STRATEGIES = ("native", "gather_cast")
-KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
+KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first", "index64", "cvt_asm",
                   "max_batch_size",
                   "max_qo_len", "max_kv_indices")
 BACKENDS = ("auto", "torch", "triton")

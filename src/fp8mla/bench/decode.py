@@ -81,7 +81,7 @@ VARIANTS = {
     "default": {},
     "n32": dict(block_n=32), "n32s3": dict(block_n=32, num_stages=3), "n32s4": dict(block_n=32, num_stages=4),
     "s1": dict(num_stages=1), "s3": dict(num_stages=3),
-    "w8": dict(num_warps=8), "w4": dict(num_warps=4), "noevict": dict(evict_first=False),
+    "w8": dict(num_warps=8), "w4": dict(num_warps=4), "noevict": dict(evict_first=False), "idx64": dict(index64=True), "asm": dict(cvt_asm=True), "asmw8": dict(cvt_asm=True, num_warps=8),
     "cta1": dict(ctas_per_sm=1), "cta4": dict(ctas_per_sm=4),
     "chunk512": dict(min_chunk=512), "chunk128": dict(min_chunk=128), "chunk1024": dict(min_chunk=1024),
     "m32": dict(block_m=32), "m16": dict(block_m=16), "m64": dict(block_m=64),

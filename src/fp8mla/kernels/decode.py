@@ -30,6 +30,33 @@ LAST_COMPILED = None
 
 
 @triton.jit
+def _to_fp16(x, ASM: tl.constexpr):
+    """FP8 -> fp16. With ``ASM``: packed cvt (4 values per 32-bit register) as inline PTX (GPU only).
+
+    Written as non-pure asm so that the compiler can neither move it into the MMA operand layouts nor
+    duplicate it: the tile is converted once, right after its (pipelined, 16-byte cp.async) load, and staged
+    in shared memory as fp16 for both MMAs. With a plain ``.to(tl.float16)`` Triton 3.6 converts twice, after
+    reading FP8 in each operand layout: byte-wise ``LDS.U8`` for the transposed one (256 per tile at BLOCK_N 64),
+    a synchronous load of the c_kv tile (not pipelined) and 256 B of spills (SASS of sm_90, ptxas -v).
+    FP16 storage passes through.
+
+    Measured on the H200 (2026-11-29) the asm path is nevertheless slower at H=16 (0.292 vs 0.234 ms at B64
+    L8192): staging fp16 takes 126 KB of shared memory, one program per SM instead of two. Kept as the kernel
+    option ``cvt_asm`` for tuning; the default is the plain conversion.
+    """
+    if not ASM or x.dtype == tl.float16:
+        return x.to(tl.float16)
+    elif x.dtype == tl.float8e5:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_nope, q_pe, ckv, kpe, scale_arr, scales,
     out, lse_out, part_o, part_lse,
@@ -43,7 +70,7 @@ def _mla_decode_kernel(
     PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     CAUSAL: tl.constexpr, KV_MODE: tl.constexpr, FP32_DOT: tl.constexpr, Q_SPLIT: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT: tl.constexpr, IDX64: tl.constexpr, CVT_ASM: tl.constexpr,
 ):
     item = tl.program_id(0)
     if item >= tl.load(num_items):
@@ -120,8 +147,11 @@ def _mla_decode_kernel(
         t_ok = t < kv_e
         # One page id per row, as a vector load: the pipeliner prefetches it with the tile. (A scalar id per
         # tile, when pages hold whole tiles, measured 30% slower on the H200: scalar loads are not pipelined.)
-        page = tl.load(kv_indices + page_base + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        slot = (t % PAGE).to(tl.int64)
+        page = tl.load(kv_indices + page_base + t // PAGE, mask=t_ok, other=0)
+        slot = t % PAGE
+        if IDX64:  # pools past 2^31 elements; otherwise int32 offsets keep the address registers down
+            page = page.to(tl.int64)
+            slot = slot.to(tl.int64)
         # The KV stream is read once: evict_first keeps it from pushing Q and the partials out of L2.
         ck = tl.load(ckv + (page * stride_ckv_p + slot * stride_ckv_s)[:, None] + offs_c[None, :],
                      mask=t_ok[:, None], other=0.0, eviction_policy=EVICT)
@@ -129,8 +159,8 @@ def _mla_decode_kernel(
                      mask=t_ok[:, None], other=0.0, eviction_policy=EVICT)
         # -- dequantize in registers ----------------------------------------------------------------------
         if KV_MODE == 0:
-            ck_m = ck.to(tl.float16)
-            kp_m = kp.to(tl.float16)
+            ck_m = _to_fp16(ck, CVT_ASM and not FP32_DOT)
+            kp_m = _to_fp16(kp, CVT_ASM and not FP32_DOT)
         elif KV_MODE == 1:
             ck_m = ck
             kp_m = kp
@@ -234,7 +264,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
                qo_indptr, kv_indptr, kv_indices, kv_len, item_req, item_start, item_end, item_part, num_items,
                split_indptr, batch_size, *, grid_items: int, grid_batch: int, num_heads: int, max_rows: int,
                sm_scale: float, causal: bool, kv_mode: int, block_m: int, block_n: int, num_warps: int,
-               num_stages: int, fp32_dot: bool, q_split: bool = False, evict_first: bool = True) -> None:
+               num_stages: int, fp32_dot: bool, q_split: bool = False, evict_first: bool = True,
+               index64: bool | None = None, cvt_asm: bool = False) -> None:
     """Launches the split kernel and the merge kernel. ``lse`` is written base 2.
 
     Shapes: q_nope ``[n, H, Dc]``, q_pe ``[n, H, Dk]``, ckv_cache ``[P, page, Dc]``, kpe_cache ``[P, page, Dk]``
@@ -248,6 +279,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     P, page, Dc = ckv_cache.shape
     Dk = kpe_cache.shape[-1]
     sa = ckv_scale_arr if ckv_scale_arr is not None else scales
+    if index64 is None:  # the largest element offset a KV load can form
+        span = max((P - 1) * t.stride(0) + (page - 1) * t.stride(1) + t.shape[-1] for t in (ckv_cache, kpe_cache))
+        if ckv_scale_arr is not None:
+            span = max(span, ckv_scale_arr.numel())
+        index64 = span >= 2**31
     sa_p, sa_s = (ckv_scale_arr.stride(0), ckv_scale_arr.stride(1)) if ckv_scale_arr is not None else (0, 0)
     LOG2E = 1.4426950408889634
     grid = (grid_items, triton.cdiv(max_rows, block_m))
@@ -261,7 +297,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
         part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         PAGE=page, DC=Dc, DK=Dk, GROUP=128, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
         CAUSAL=causal, KV_MODE=kv_mode, FP32_DOT=fp32_dot, Q_SPLIT=q_split and not fp32_dot,
-        EVICT="evict_first" if evict_first else "", num_warps=num_warps,
+        EVICT="evict_first" if evict_first else "", IDX64=index64, CVT_ASM=cvt_asm,
+        num_warps=num_warps,
     )
     global LAST_COMPILED  # registers / shared memory / spills of the last launch, for `bench decode --sweep`
     LAST_COMPILED = compiled

@@ -1,0 +1,333 @@
+"""``fp8mla demo``: the main job, in two parts.
+
+1. Formats: a PagedMLACache of several sequences of different lengths in each KV format; tokens appended with
+   quantize-on-write; a decode step and a multi-token step through ``MLAPagedAttention``; bytes per token,
+   memory saved vs BF16, error vs the float64 reference and time per call.
+2. The 69%-cast scenario in small: the attention of one decode step over N layers on a paged FP8 pool, run as
+   ``cast_pool`` (the legacy whole-pool ``.to(bfloat16)``, a baseline kept only to be measured),
+   ``gather_cast`` and ``native``; each profiled with torch.profiler and its trace read by the doctor.
+
+CPU by default at a small size (well under a minute on two cores); on a GPU, ``--scale glm5|dsv3`` runs the
+deployments' sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from .. import __version__
+from ..attention import MLAPagedAttention
+from ..bench.step import (HEAD_DIM_CKV as DC, HEAD_DIM_KPE as DK, SCALES, SM_SCALE, WAYS, StepScenario,
+                          peak_from_trace, spread_context_lens)
+from ..cache import PagedMLACache
+from ..formats import FORMATS
+from ..reference import mla_reference
+from ..testing import compare
+
+FORMAT_SEQ_LENS = (1, 17, 97, 300, 514)  # crosses page boundaries: 1 token, page +- 1, several pages
+MTP = 3          # query tokens per sequence in the multi-token step (speculative / MTP decode)
+PAGE = 64
+BF16_BYTES = FORMATS["bf16"].bytes_per_token()
+
+
+def add_arguments(p):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", default=dev, help=f"cpu or cuda (default here: {dev})")
+    p.add_argument("--scale", choices=list(SCALES), default=None,
+                   help="scenario size: " + "; ".join(f"{k}: {s.what}" for k, s in SCALES.items())
+                   + " (default: small on the CPU, glm5 on a GPU)")
+    p.add_argument("--layers", type=int, help="override the scale's layer count")
+    p.add_argument("--heads", type=int, help="override the scale's heads")
+    p.add_argument("--pool-tokens", type=int, help="override the scale's pool size (tokens per layer)")
+    p.add_argument("--batch", type=int, help="decode requests in the scenario")
+    p.add_argument("--context", type=int, help="longest context of the scenario's batch (others down to 1/4)")
+    p.add_argument("--reps", type=int, default=3, help="timed calls per measurement (median)")
+    p.add_argument("--part", choices=["all", "formats", "scenario"], default="all",
+                   help="formats: part 1 only; scenario: part 2 only")
+    p.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None,
+                   help="one layer's pool reused by every layer (default: only when all layers do not fit)")
+    p.add_argument("--cast-pool-backend", choices=["auto", "torch"], default="auto",
+                   help="attention on cast_pool's BF16 copy (auto: the kernel native gets)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for torch (default: torch's choice). On a busy machine 1 is often faster: "
+                        "OpenMP threads spin waiting for each other when other processes hold the cores")
+    p.add_argument("--trace-dir", help="keep the profiler traces here (default: a temporary folder)")
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal; plain lines when stderr is not one."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.width = 0
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(self.width))
+            self.width = max(self.width, len(line))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, reps: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls (the caller warmed it up), synchronized on a GPU."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+# -- part 1: formats ----------------------------------------------------------------------------------------
+def run_formats(device: torch.device, heads: int, reps: int, progress) -> list[dict]:
+    rows = []
+    B, P = len(FORMAT_SEQ_LENS), sum(-(-(L + 1 + MTP) // PAGE) for L in FORMAT_SEQ_LENS) + 2
+    for fmt in FORMATS.values():
+        g = torch.Generator().manual_seed(0)  # the same values and queries for every format
+        cache = PagedMLACache(1, P, PAGE, fmt.name, device=device)
+        # The values before quantization, in the pool's layout: the reference on them adds the quantization
+        # error to the kernel's, the reference on the dequantized pool shows the kernel's alone.
+        orig = torch.full((P * PAGE, DC + DK), math.nan, dtype=torch.float32, device=cache.device)
+        ids = [cache.add_sequence() for _ in FORMAT_SEQ_LENS]
+
+        def append(counts):
+            slots = cache.extend(ids, counts)
+            x = torch.randn(len(slots), DC + DK, generator=g).to(cache.device)
+            cache.append(0, ids, x[:, :DC], x[:, DC:])
+            orig[slots] = x
+
+        append(list(FORMAT_SEQ_LENS))
+        row = dict(format=fmt.name, bytes_per_token=fmt.bytes_per_token(),
+                   saved=1 - fmt.bytes_per_token() / BF16_BYTES, cache_bytes=cache.memory_bytes())
+        for step, qo in (("decode", 1), ("multi", MTP)):
+            progress(f"formats: {fmt.name} {step}")
+            append(qo)
+            plan = cache.plan_inputs(ids, [qo] * B)
+            attn = MLAPagedAttention(backend="auto")
+            q_nope = torch.randn(B * qo, heads, DC, generator=g).to(cache.device, torch.bfloat16)
+            q_pe = torch.randn(B * qo, heads, DK, generator=g).to(cache.device, torch.bfloat16)
+            try:
+                attn.plan(**plan, num_heads=heads, causal=True, sm_scale=SM_SCALE, q_data_type=torch.bfloat16)
+                run = lambda: attn.run(q_nope, q_pe, **cache.run_inputs(0))  # noqa: E731
+                out = run()  # the warm-up call is the one checked
+            except Exception as e:  # noqa: BLE001 - a backend without this format: say so, show the others
+                row[step] = dict(error=f"{type(e).__name__}: {e}")
+                continue
+            ms = _median_ms(run, reps, cache.device)
+            idx = [plan[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")]
+            ri = cache.run_inputs(0)
+            ref, _ = mla_reference(q_nope, q_pe, ri["ckv_cache"], ri["kpe_cache"], *idx, sm_scale=SM_SCALE,
+                                   causal=True, ckv_scale=ri["ckv_scale"], kpe_scale=ri["kpe_scale"],
+                                   ckv_scale_arr=ri["ckv_scale_arr"])
+            view = orig.view(P, PAGE, DC + DK)
+            ref_orig, _ = mla_reference(q_nope, q_pe, view[..., :DC], view[..., DC:], *idx, sm_scale=SM_SCALE,
+                                        causal=True)
+            row[step] = dict(ms=ms, err=compare(out, ref).rel_l2, err_orig=compare(out, ref_orig).rel_l2,
+                             backend=attn.backend)
+        rows.append(row)
+    return rows
+
+
+def print_formats(rows, device, heads) -> None:
+    backends = sorted({r[s]["backend"] for r in rows for s in ("decode", "multi") if "backend" in r[s]})
+    print(f"\n== 1. KV formats: {len(FORMAT_SEQ_LENS)} sequences (kv_len {', '.join(map(str, FORMAT_SEQ_LENS))} "
+          f"+ new tokens), {heads} heads, page {PAGE}, BF16 queries, backend {'/'.join(backends)} on {device} ==")
+    print("rel L2 error of the output vs float64 attention on the dequantized KV (the kernel's own error) and on "
+          "the values before quantization (kernel + storage error)")
+    print(f"{'format':15s} {'B/token':>7s} {'vs bf16':>8s} {'cache':>9s} | {'decode: err':>11s} {'err orig':>9s} "
+          f"{'ms/call':>8s} | {f'{MTP}-token: err':>13s} {'err orig':>9s} {'ms/call':>8s}")
+    for r in rows:
+        cells = []
+        for s in ("decode", "multi"):
+            d = r[s]
+            cells.append(f"{d['err']:11.1e} {d['err_orig']:9.1e} {d['ms']:8.2f}" if "ms" in d
+                         else f"{'n/a: ' + d['error'][:28]:>30s}")
+        print(f"{r['format']:15s} {r['bytes_per_token']:7d} {-100 * r['saved']:+7.0f}% {_mb(r['cache_bytes']):>9s} | "
+              f"{cells[0]} | {cells[1]:>32s}")
+
+
+# -- part 2: the scenario -----------------------------------------------------------------------------------
+def _profile_step(sc: StepScenario, way: str, path: str, device: torch.device, memory: bool) -> None:
+    """One step under torch.profiler (shapes recorded, as the doctor needs them), exported as a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, record_shapes=True, profile_memory=memory) as prof:
+        with record_function("ProfilerStep#1"):  # the step marker torch.profiler's schedule would emit
+            sc.step(way)
+            _sync(device)
+    prof.export_chrome_trace(path)
+
+
+def diagnose(path: str, pool_bytes: int) -> dict:
+    """The doctor's reading of one trace: the step's share in dtype casts, in pool-sized casts, its words."""
+    try:
+        from ..tools.doctor import diagnose as doctor_diagnose
+    except ImportError:  # the tools layer is optional for the demo: the timings stand on their own
+        return dict(available=False, verdict="doctor not available (fp8mla.tools.doctor missing)")
+    r = doctor_diagnose(path, pool_bytes=pool_bytes)
+    # First line of each paragraph: the finding and its cost; the fix follows on later lines.
+    verdict = " | ".join(p.split("\n")[0] for p in r.diagnosis)
+    return dict(available=True, cast_share=sum(g.share for g in r.casts),
+                pool_cast_share=sum(g.share for g in r.findings), pool_casts_per_step=sum(
+                    g.per_step for g in r.findings), verdict=verdict, report=r)
+
+
+def run_scenario(args, device: torch.device, progress) -> dict:
+    scale = SCALES[args.scale]
+    layers, heads = args.layers or scale.layers, args.heads or scale.heads
+    B, ctx = args.batch or scale.batch, args.context or scale.context
+    progress(f"scenario: filling a {layers}-layer pool of {args.pool_tokens or scale.pool_tokens:,} tokens")
+    sc = StepScenario(layers=layers, heads=heads, pool_tokens=args.pool_tokens or scale.pool_tokens,
+                      device=device, shared_pool=args.shared_pool, cast_pool_backend=args.cast_pool_backend,
+                      use_cuda_graph=device.type == "cuda")
+    sc.set_batch(spread_context_lens(B, ctx))
+    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="fp8mla-demo-")
+    os.makedirs(trace_dir, exist_ok=True)
+    res = dict(scale=args.scale, layers=layers, heads=heads, sc=sc, trace_dir=trace_dir, ways={})
+    try:
+        for way in WAYS:
+            r = res["ways"][way] = dict(backend=sc.backend(way), graph=False, times=[])
+            progress(f"{way}: first step (warm-up), checked against float64")
+            r["err"] = sc.check(way).rel_l2
+        if device.type == "cuda":  # CUDA-graph replays where the way can be captured, as an engine runs
+            from ..bench.common import time_ms
+            from ..bench.step import capturable
+            for way, r in res["ways"].items():
+                progress(f"{way}: timing")
+                fn = lambda w=way: sc.step(w)  # noqa: E731
+                r["graph"] = sc.backend(way) == "triton" and capturable(fn)
+                r["ms"] = time_ms(fn, reps=max(args.reps, 5), cuda_graph=r["graph"])
+        else:
+            # Round-robin over the ways: a busy CPU then slows each of them alike.
+            for i in range(args.reps):
+                for way, r in res["ways"].items():
+                    progress(f"timing step {i + 1}/{args.reps}: {way}")
+                    t = time.perf_counter()
+                    sc.step(way)
+                    r["times"].append((time.perf_counter() - t) * 1e3)
+            for r in res["ways"].values():
+                r["ms"] = statistics.median(r["times"])
+        for way, r in res["ways"].items():
+            progress(f"{way}: profiling one step")
+            r["trace"] = os.path.join(trace_dir, f"{way}.json")
+            # On the CPU the same profiled step gives the memory peak; on a GPU the allocator's counters do.
+            _profile_step(sc, way, r["trace"], device, memory=device.type == "cpu")
+            progress(f"{way}: doctor")
+            r["doctor"] = diagnose(r["trace"], sc.layer_bytes)
+            r["extra_mem"] = peak_from_trace(r["trace"]) if device.type == "cpu" else sc.extra_memory_bytes(way)
+    finally:
+        if not args.trace_dir:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+    return res
+
+
+def _share(d: dict, key: str) -> str:
+    return f"{100 * d[key]:.1f}%" if d.get("available", True) and key in d else "n/a"
+
+
+def print_scenario(res: dict, device: torch.device) -> None:
+    sc, ways = res["sc"], res["ways"]
+    print(f"\n== 2. The {res['scale']} scenario: attention of one decode step over {res['layers']} layers, "
+          f"{res['heads']} heads, B={len(sc.context_lens)} (contexts {min(sc.context_lens)}-{max(sc.context_lens)}, "
+          f"{sc.active_tokens:,} active tokens) on a {sc.pool_tokens:,}-token FP8 pool per layer ==")
+    for way, r in ways.items():
+        d = r["doctor"]
+        print(f"{way:12s} doctor: {d['verdict']}")
+
+
+def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
+    sc, ways = res["sc"], res["ways"]
+    base = ways["cast_pool"]["ms"]
+    pool_note = " (one layer allocated, shared by all)" if sc.shared_pool else ""
+    print(f"\n== Summary: {res['scale']}, {res['layers']} layers x {res['heads']} heads, B={len(sc.context_lens)}, "
+          f"FP8 e4m3 pool {_mb(sc.kv_pool_bytes)}{pool_note} (BF16: {_mb(2 * sc.kv_pool_bytes)}), {device} ==")
+    hdr = (f"{'way':12s} {'backend':8s} {'ms/step':>9s} {'tok/s':>8s} {'speedup':>8s} {'casts':>7s} "
+           f"{'pool casts':>10s} {'extra mem/step':>14s} {'rel L2 vs f64':>13s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for way, r in ways.items():
+        be = r["backend"] + ("*" if device.type != "cuda" and way == "native" else "") + ("+g" if r["graph"] else "")
+        B = len(sc.context_lens)
+        print(f"{way:12s} {be:8s} {r['ms']:9.2f} {B / (r['ms'] * 1e-3):8.1f} {base / r['ms']:7.1f}x "
+              f"{_share(r['doctor'], 'cast_share'):>7s} {_share(r['doctor'], 'pool_cast_share'):>10s} "
+              f"{_mb(r['extra_mem']):>14s} {r['err']:13.1e}")
+    print("speedup: vs cast_pool; casts / pool casts: share of the profiled step in dtype casts / in casts the size "
+          "of the pool (doctor); +g: CUDA-graph replay")
+    if device.type != "cuda":
+        print("* no CUDA device: 'native' (backend auto) is the torch backend on the CPU, the same code as "
+              "gather_cast (its casts are the gathered tokens' fp8 -> fp32, never the pool); the Triton kernel, "
+              "which casts nothing, runs on a GPU (fp8mla demo --device cuda).")
+    if fmt_rows:
+        f = {r["format"]: r for r in fmt_rows}["fp8_e4m3"]
+        print(f"KV storage: fp8_e4m3 {f['bytes_per_token']} B/token vs bf16 {BF16_BYTES}: {100 * f['saved']:.0f}% "
+              f"less; decode error vs float64 {f['decode'].get('err', math.nan):.1e} on the dequantized KV, "
+              f"{f['decode'].get('err_orig', math.nan):.1e} on the original values.")
+
+
+def main(args) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("fp8mla demo: --device cuda but torch sees no CUDA device; run without --device for the CPU",
+              file=sys.stderr)
+        return 2
+    if args.scale is None:
+        args.scale = "glm5" if device.type == "cuda" else "small"
+    note = ""
+    if device.type == "cpu" and not args.threads and hasattr(os, "getloadavg"):
+        # Other processes holding the cores make OpenMP threads spin-wait on each other (3-10x slower steps,
+        # and erratic ones): one thread gives steadier numbers on a busy machine.
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if cores > 1 and load > cores:
+            args.threads, note = 1, f" (busy machine: load {load:.1f} on {cores} cores; --threads N to override)"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    threads = f", {torch.get_num_threads()} thread(s){note}" if device.type == "cpu" else ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"fp8mla {__version__} demo on {name}{threads}; torch {torch.__version__}")
+    progress = Progress()
+    scale = SCALES[args.scale]
+    fmt_rows, res = [], None
+    try:
+        if args.part in ("all", "formats"):
+            fmt_rows = run_formats(device, args.heads or scale.heads, args.reps, progress)
+            progress.clear()
+            print_formats(fmt_rows, device, args.heads or scale.heads)
+        if args.part in ("all", "scenario"):
+            res = run_scenario(args, device, progress)
+            progress.clear()
+            print_scenario(res, device)
+    finally:
+        progress.clear()
+    if res:
+        print_summary(res, fmt_rows, device)
+    print(f"demo done in {time.perf_counter() - t0:.1f} s")
+    return 0

@@ -1,0 +1,64 @@
+"""``fp8mla doctor TRACE``: GPU time by kernel and by CPU op, dtype casts, and KV-pool casts that repeat once
+per layer, with the cost per step and the fix. Exit status: 0 nothing flagged, 1 pool-sized casts flagged,
+2 the trace could not be read."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..tools.doctor import diagnose, format_report, parse_bytes, plot_report
+from ..tools.trace import TraceError
+
+
+def _pool_bytes(text):
+    import argparse
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text):
+    import argparse
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return n
+
+
+def add_arguments(p):
+    p.add_argument("trace", metavar="TRACE", help="Chrome trace from torch.profiler export_chrome_trace "
+                   "(.json or .json.gz; SGLang /start_profile and vLLM profiler traces too)")
+    p.add_argument("--pool-bytes", type=_pool_bytes, default=None, metavar="N",
+                   help="bytes of one layer's KV pool in its storage dtype (tokens x bytes/token; 285MB, "
+                        "272MiB, 285000000); default: inferred from the largest tensor a repeated cast or a "
+                        "gather reads")
+    p.add_argument("--top", type=_positive, default=10, metavar="N", help="rows per table (default 10)")
+    p.add_argument("--steps", type=_positive, default=None, metavar="N",
+                   help="number of profiled steps, for traces without ProfilerStep#N annotations")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="bar chart of where a step's time goes "
+                   "(needs matplotlib)")
+
+
+def main(args) -> int:
+    try:
+        report = diagnose(args.trace, pool_bytes=args.pool_bytes, steps=args.steps)
+    except TraceError as e:
+        print(f"fp8mla doctor: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1, default=str))
+    else:
+        print(format_report(report, top=args.top))
+    if args.plot:
+        try:
+            plot_report(report, args.plot, top=args.top)
+        except RuntimeError as e:
+            print(f"fp8mla doctor: {e}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 1 if report.findings else 0

@@ -1,0 +1,268 @@
+"""fp8mla doctor: trace loading, kernel names, cast recognition (CPU and GPU side), pool-cast flags, the CLI.
+
+Synthetic traces follow the Kineto Chrome-trace layout (``ph: X`` events; kernels linked to their CPU op by
+``External id``); one test profiles real torch ops on the CPU.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from fp8mla.cli import main as cli
+from fp8mla.tools.casts import classify_kernel
+from fp8mla.tools.doctor import diagnose, format_report, parse_bytes, plot_report
+from fp8mla.tools.trace import TraceError, kernel_label, load_trace, strip_templates
+
+_DC = ("at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+       "{lambda()#7}::operator()() const::{lambda(c10::BFloat16)#1}")
+CAST_KERNEL = (f"void at::native::unrolled_elementwise_kernel<{_DC}, std::array<char*, 2ul>, "
+               "TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+               "at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, "
+               f"{_DC}, std::array<char*, 2ul>, TrivialOffsetCalculator<1, unsigned int>, "
+               "TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, "
+               "at::native::memory::StoreWithCast<1>)")
+SAME_COPY = (f"void at::native::vectorized_elementwise_kernel<4, {_DC}, std::array<char*, 2ul> >(int, {_DC}, "
+             "std::array<char*, 2ul>)")
+STRIDED_CAST = (f"void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<{_DC}>(at::"
+                f"TensorIteratorBase&, {_DC} const&)::{{lambda(int)#1}}>(int, at::native::gpu_kernel_impl<{_DC}>"
+                "(at::TensorIteratorBase&, {lambda(int)#1})")
+STRIDED_SAME = STRIDED_CAST.replace("gpu_kernel_impl<", "gpu_kernel_impl_nocast<")
+ATTN = "void flashinfer::mla::BatchMLAPagedAttentionKernel<flashinfer::mla::KernelTraits<128>, 2u>(Params)"
+
+
+def _x(name, cat, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat in ("kernel", "gpu_memcpy") else 1,
+            "ts": ts, "dur": dur, "args": args}
+
+
+def _write(tmp_path, events, name="trace.json", gz=False, as_list=False):
+    data = events if as_list else {"schemaVersion": 1, "traceEvents": events}
+    p = tmp_path / name
+    raw = json.dumps(data).encode()
+    p.write_bytes(gzip.compress(raw) if gz else raw)
+    return p
+
+
+def _graph_trace(steps=2, layers=4, cast_us=800.0, attn_us=200.0):
+    """A CUDA-graph decode: kernels only, a pool cast per layer, no CPU ops or shapes."""
+    ev, t = [], 0.0
+    for s in range(steps):
+        step_start = t
+        for _ in range(layers):
+            for name, dur in ((CAST_KERNEL, cast_us), (ATTN, attn_us), (SAME_COPY, 20.0)):
+                ev.append(_x(name, "kernel", t, dur))
+                t += dur
+            ev.append(_x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", t, 5.0))
+            t += 5.0
+        ev.append(_x(f"ProfilerStep#{s}", "user_annotation", step_start, t - step_start))
+    return ev
+
+
+def test_graph_trace_flags_by_kernel_names(tmp_path):
+    r = diagnose(_write(tmp_path, _graph_trace()))
+    assert r.num_steps == 2 and r.has_gpu and r.graph_kernels == 24
+    top = r.kernels[0]
+    assert top["name"] == "at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>"
+    assert top["calls"] == 8 and top["share"] == pytest.approx(3200 / 4100)
+    assert len(r.casts) == 1  # the same-dtype vectorized copy and the memcpy are not casts
+    (g,) = r.findings
+    assert g.side == "kernel" and g.dst == "bfloat16" and g.per_step == 4 and g.bytes_read is None
+    assert g.ms_per_step == pytest.approx(3.2)
+    assert "Suspected KV-pool cast" in r.diagnosis[0] and "4.10 -> 0.90 ms" in r.diagnosis[0]
+
+
+def test_graph_trace_small_casts_are_not_flagged(tmp_path):
+    r = diagnose(_write(tmp_path, _graph_trace(cast_us=10.0, attn_us=400.0)))
+    assert len(r.casts) == 1 and not r.findings
+
+
+@pytest.mark.parametrize("name, want", [
+    (CAST_KERNEL, (True, None, "bfloat16")),
+    (SAME_COPY, (False, None, "bfloat16")),
+    (STRIDED_CAST, (True, None, "bfloat16")),
+    (STRIDED_SAME, (False, None, "bfloat16")),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::TensorIterator"
+     "Base&)::{lambda(float)#1}, std::array<char*, 2ul> >(int, ...)", (True, "float32", "bfloat16")),
+    ("void at::native::unrolled_elementwise_kernel<at::native::float8_copy_kernel_cuda(at::TensorIteratorBase&)"
+     "::{lambda(c10::BFloat16)#3}, std::array<char*, 2ul> >(int, ...)", (True, "bfloat16", "float8")),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::float8_copy_"
+     "kernel_cuda(at::TensorIteratorBase&)::{lambda(c10::Float8_e4m3fn)#4}>(...)::{lambda(int)#1}>(int, ...)",
+     (False, "float8_e4m3fn", "float8_e4m3fn")),
+    ("triton_poi_fused__to_copy_0", (True, None, None)),
+    ("triton_poi_fused__to_copy_clone_index_3", (True, None, None)),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", (False, None, None)),  # an RMSNorm, not a cast
+    ("triton_poi_fused__to_copy_add_mul_2", (False, None, None)),
+    (ATTN, (False, None, None)),
+])
+def test_classify_kernel(name, want):
+    assert classify_kernel(name) == want
+
+
+def test_strip_templates():
+    assert strip_templates(ATTN) == "flashinfer::mla::BatchMLAPagedAttentionKernel"
+    assert strip_templates("void (anonymous namespace)::f<int>(x)") == "{anon}::f"
+    assert strip_templates("triton_poi_fused__to_copy_0") == "triton_poi_fused__to_copy_0"
+    assert kernel_label(SAME_COPY) == "at::native::vectorized_elementwise_kernel<direct_copy_kernel_cuda>"
+
+
+def _linked_trace(n_tokens=100_000, layers=3, steps=2, same_dtype=False):
+    """Eager GPU decode with shapes: aten::to > _to_copy > copy_ launching the cast kernel (linked by id)."""
+    ev, t, eid = [], 0.0, 0
+    src = "c10::BFloat16" if same_dtype else "c10::Float8_e4m3fn"
+    for s in range(steps):
+        t0 = t
+        for _ in range(layers):
+            dims = [[n_tokens, 1, 576], [n_tokens, 1, 576], []]
+            ev.append(_x("aten::to", "cpu_op", t, 30, **{"External id": eid, "Input type": [src, "Scalar"],
+                                                          "Input Dims": [[n_tokens, 1, 576], []]}))
+            ev.append(_x("aten::_to_copy", "cpu_op", t + 1, 28, **{"External id": eid + 1, "Input type": [src],
+                                                                   "Input Dims": [[n_tokens, 1, 576]],
+                                                                   "Concrete Inputs": ["", "15"]}))
+            ev.append(_x("aten::copy_", "cpu_op", t + 5, 20, **{"External id": eid + 2, "Input type": [
+                "c10::BFloat16", src, "Scalar"], "Input Dims": dims}))
+            ev.append(_x(SAME_COPY if same_dtype else CAST_KERNEL, "kernel", t + 10, 500,
+                         **{"External id": eid + 2, "correlation": eid}))
+            ev.append(_x(ATTN, "kernel", t + 520, 100, **{"External id": eid + 3}))
+            ev.append(_x("flashinfer::mla_run", "cpu_op", t + 40, 10, **{"External id": eid + 3}))
+            eid += 4
+            t += 700
+        ev.append(_x(f"ProfilerStep#{s}", "user_annotation", t0, t - t0))
+    return ev
+
+
+def test_linked_trace_sizes_casts_from_shapes(tmp_path):
+    pool = 100_000 * 576
+    r = diagnose(_write(tmp_path, _linked_trace(), gz=True, name="t.json.gz"), pool_bytes=pool)
+    (g,) = r.findings
+    assert g.side == "gpu" and g.op == "aten::to > aten::_to_copy > aten::copy_"
+    assert (g.src, g.dst, g.shape, g.per_step) == ("float8_e4m3fn", "bfloat16", (100_000, 1, 576), 3)
+    assert (g.bytes_read, g.bytes_written, g.pool_fraction) == (pool, 2 * pool, 1.0)
+    assert g.ms_per_step == pytest.approx(1.5)  # kernel time, not the CPU op's
+    ops = {o["name"]: o for o in r.cpu_ops}
+    assert ops["aten::copy_"]["gpu_ms"] == pytest.approx(3.0) and r.cpu_ops[0]["name"] == "aten::copy_"
+    text = r.diagnosis[0]
+    assert "57.6 MB" in text and "1.50 ms per step" in text and "kv_data_type=float8_e4m3fn" in text
+    assert "2.10 -> 0.60 ms" in text
+    # a pool four times larger: the same cast is a quarter of it, not flagged
+    assert not diagnose(tmp_path / "t.json.gz", pool_bytes=4 * pool).findings
+    # no pool size given: inferred from the largest fp8 tensor a repeated cast reads
+    r2 = diagnose(tmp_path / "t.json.gz")
+    assert len(r2.findings) == 1 and r2.pool_source.startswith("inferred")
+
+
+def test_same_dtype_copies_are_not_casts(tmp_path):
+    r = diagnose(_write(tmp_path, _linked_trace(same_dtype=True)))
+    assert r.casts == [] and r.findings == [] and r.diagnosis[0] == "No dtype casts in the trace."
+
+
+def test_to_copy_without_shapes_is_a_cast_of_unknown_size(tmp_path):
+    ev = [_x("aten::to", "cpu_op", 0, 10), _x("aten::_to_copy", "cpu_op", 1, 8), _x("aten::copy_", "cpu_op", 2, 6)]
+    r = diagnose(_write(tmp_path, ev, as_list=True))
+    (g,) = r.casts
+    assert g.op == "aten::to > aten::_to_copy" and g.src is None and g.bytes_read is None
+    assert any("record_shapes=True" in p for p in r.diagnosis) and any("--steps" in p for p in r.diagnosis)
+
+
+def test_eager_gpu_trace_without_shapes(tmp_path):
+    """No record_shapes: an aten::_to_copy is a cast when its kernel is one (dtype from the kernel name), and
+    a device move when it only launched a memcpy. Repeated casts taking most of the step are flagged by time."""
+    ev, t = [], 0.0
+    for s in range(2):
+        t0 = t
+        for layer in range(3):
+            ev += [_x("aten::_to_copy", "cpu_op", t, 20, **{"External id": 10 * s + 2 * layer}),
+                   _x(CAST_KERNEL, "kernel", t + 5, 900, **{"External id": 10 * s + 2 * layer}),
+                   _x("aten::_to_copy", "cpu_op", t + 950, 20, **{"External id": 10 * s + 2 * layer + 1}),
+                   _x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", t + 955, 30,
+                      **{"External id": 10 * s + 2 * layer + 1})]
+            t += 1000
+        ev.append(_x(f"ProfilerStep#{s}", "user_annotation", t0, t - t0))
+    r = diagnose(_write(tmp_path, ev))
+    (g,) = r.casts
+    assert (g.side, g.dst, g.per_step, g.bytes_read) == ("gpu", "bfloat16", 3, None)
+    assert g.flagged and "judged by time" in g.why and r.diagnosis[0].startswith("Suspected KV-pool cast")
+
+
+def test_real_cpu_trace(tmp_path):
+    """torch.profiler on the CPU: one nested aten::to chain is one cast; clone and same-dtype copy_ are not."""
+    x = torch.randn(64, 576)
+    buf16, buf32 = torch.empty(64, 576, dtype=torch.bfloat16), torch.empty(64, 576)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        x.to(torch.bfloat16)
+        x.clone()
+        buf32.copy_(x)
+        buf16.copy_(x)
+    path = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(path))
+    r = diagnose(path)
+    got = sorted((g.op, g.src, g.dst, g.bytes_read) for g in r.casts)
+    assert got == [("aten::copy_", "float32", "bfloat16", 64 * 576 * 4),
+                   ("aten::to > aten::_to_copy > aten::copy_", "float32", "bfloat16", 64 * 576 * 4)]
+    assert not r.has_gpu and "none (a CPU-only trace)" in format_report(r)
+
+
+@pytest.mark.parametrize("content, msg", [
+    (None, "no such file"),
+    (b"", "the file is empty"),
+    (b"{not json", "not JSON"),
+    (b'{"foo": 1}', "without a 'traceEvents' list"),
+    (b'"a string"', "got a JSON str"),
+    (b'{"traceEvents": [{"ph": "M", "name": "process_name"}]}', "no complete ('X') events"),
+    (b"\x1f\x8b\x08\x00garbage", "damaged gzip"),
+    (b"\xff\xfe\x00\x01", "not UTF-8"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, capsys, content, msg):
+    p = tmp_path / "bad.json"
+    if content is not None:
+        p.write_bytes(content)
+    with pytest.raises(TraceError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        load_trace(p)
+    assert cli(["doctor", str(p)]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_truncated_list_trace_is_read(tmp_path):
+    p = tmp_path / "cut.json"
+    p.write_text('[{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5},')
+    assert load_trace(p).gpu[0].name == "k"
+
+
+def test_cli_text_json_and_exit_status(tmp_path, capsys):
+    bad = _write(tmp_path, _linked_trace(), name="bad.json")
+    assert cli(["doctor", str(bad), "--pool-bytes", "57.6MB", "--top", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "GPU time by kernel (top 3)" in out and "KV-pool cast" in out and "<--" in out
+    assert cli(["doctor", str(bad), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["num_steps"] == 2 and len(d["findings"]) == 1 and d["findings"][0]["src"] == "float8_e4m3fn"
+    good = _write(tmp_path, _linked_trace(same_dtype=True), name="good.json")
+    assert cli(["doctor", str(good)]) == 0
+    with pytest.raises(SystemExit):
+        cli(["doctor", str(good), "--pool-bytes", "lots"])
+    assert "expected a size like" in capsys.readouterr().err
+
+
+def test_steps_override(tmp_path):
+    ev = [e for e in _linked_trace() if not e["name"].startswith("ProfilerStep")]
+    r = diagnose(_write(tmp_path, ev), pool_bytes=100_000 * 576, steps=2)
+    assert r.num_steps == 2 and r.findings[0].per_step == 3
+    with pytest.raises(ValueError):
+        diagnose(tmp_path / "trace.json", steps=0)
+
+
+def test_parse_bytes():
+    assert parse_bytes("285MB") == 285_000_000 and parse_bytes("1MiB") == 2**20 and parse_bytes(42) == 42
+    for bad in ("", "-5", "12 parsecs", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    r = diagnose(_write(tmp_path, _linked_trace()), pool_bytes=100_000 * 576)
+    out = tmp_path / "step.png"
+    plot_report(r, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
