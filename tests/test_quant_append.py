@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,47 @@ def test_triton_unit_scales_and_int32_slots(fmt, case_seed):
     torch_cache.write(0, slots, c_kv, k_pe, use_triton=False)
     triton_cache.write(0, slots, c_kv, k_pe, use_triton=True)
     assert_same_bytes(torch_cache, triton_cache)
+
+
+def _near_midpoint_values(dtype, scale, n):
+    """``n`` positive values of ``dtype`` whose e4m3 quotient by ``scale`` comes out differently when dividing
+    (IEEE fp32) and when multiplying by the fp32 reciprocal rounded either from fp32 or from fp64."""
+    bits = torch.arange(0, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    x = bits[(bits > 0) & (bits < 1e4)].numpy()
+    q = lambda v: torch.from_numpy(v).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
+    s32 = np.float32(scale)
+    d = q(x / s32)
+    hit = (d != q(x * (np.float32(1) / s32))) | (d != q(x * np.float32(1 / scale)))
+    assert int(hit.sum()) >= n
+    return torch.from_numpy(x[hit.numpy()][:n]).to(dtype)
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+def test_scaling_is_an_ieee_division(use_triton):
+    """``x / scale`` and ``amax / max`` are fp32 divisions rounded to nearest on every device (torch's own
+    tensor / float rule multiplies by a reciprocal on CUDA): values whose quotient lies near an e4m3 midpoint,
+    where a reciprocal lands on the other neighbour, store the correctly rounded quotient."""
+    kpe = torch.cat([_near_midpoint_values(torch.float16, 3.1, 8), -_near_midpoint_values(torch.bfloat16, 0.9, 8)])
+    ckv = _near_midpoint_values(torch.bfloat16, 0.9, 15).repeat(18)[:256]
+    for fmt in ("fp8_e4m3", "fp8_e4m3_group"):
+        cache = PagedMLACache(1, 2, 4, fmt, head_dim_ckv=256, head_dim_kpe=16, ckv_scale=0.9, kpe_scale=3.1,
+                              device=DEVICE)
+        c_kv = torch.stack([ckv, -ckv.flip(0)]).to(DEVICE)
+        k_pe = torch.stack([kpe, kpe.flip(0)]).to(torch.float16).to(DEVICE)
+        cache.write(0, torch.tensor([5, 2], device=DEVICE), c_kv, k_pe, use_triton=use_triton)
+        rows = cache.pool[0].view(8, -1)[[5, 2]].cpu()
+        div = lambda a, b: torch.from_numpy(a.float().numpy() / np.float32(b))  # noqa: E731
+        want_k = div(k_pe.cpu(), 3.1).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(rows[:, 256:].view(torch.uint8), want_k.view(torch.uint8)), fmt
+        if fmt == "fp8_e4m3":
+            want_c = div(c_kv.cpu(), 0.9).clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            amax = c_kv.cpu().float().abs().view(2, 2, 128).amax(-1)
+            gs = div(amax, 448.0)
+            assert torch.equal(cache.scale_arr[0].view(8, -1)[[5, 2]].cpu(), gs)
+            want_c = torch.from_numpy(c_kv.cpu().float().view(2, 2, 128).numpy() / gs[..., None].numpy())
+            want_c = want_c.view(2, 256).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(rows[:, :256].view(torch.uint8), want_c.view(torch.uint8)), fmt
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the default dispatch to Triton happens on CUDA")

@@ -20,7 +20,7 @@ import torch
 from .kernels.decode import KV_BF16, KV_FP16_MATH, KV_GROUP, mla_decode
 
 DEFAULTS = dict(block_n=None, num_stages=2, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
-                max_qo_len=8, max_kv_indices=1 << 20)
+                max_qo_len=1, max_kv_indices=1 << 20)
 EXTEND_MIN_QO = 9  # plans with longer query blocks run the extend (paged prefill) kernel
 
 

@@ -72,7 +72,8 @@ class MLAPagedAttention:
             baseline and a fallback, never a cast of the pool).
         **kernel_options: Triton tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
             ``min_chunk``) and, with ``use_cuda_graph``, the capacities of the fixed buffers
-            (``max_batch_size`` 256, ``max_qo_len`` 8, ``max_kv_indices`` 2^20).
+            (``max_batch_size`` 256, ``max_qo_len`` 1, ``max_kv_indices`` 2^20; a larger ``max_qo_len`` for
+            multi-token decode makes the decode tiles taller for every plan on those buffers).
 
     Example:
         >>> import torch, fp8mla

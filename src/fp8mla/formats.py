@@ -69,10 +69,12 @@ class KVFormat:
     def quantize(self, x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stored values of ``x`` (any float dtype): ``clamp(x / scale, -max, max)`` in the storage dtype.
 
-        ``scale`` is a float, a 0-d tensor, or a tensor that broadcasts against ``x`` (group scales).
+        ``scale`` is a float, a 0-d tensor, or a tensor that broadcasts against ``x`` (group scales). ``x / scale``
+        is an IEEE fp32 division (``fp32(x) / fp32(scale)``, rounded to nearest) on every device, so the stored
+        bytes do not depend on where this runs (see ``_fp32_div``).
         """
         unit = not isinstance(scale, torch.Tensor) and scale == 1.0
-        y = x.float() if unit else x.float() / scale
+        y = x.float() if unit else _fp32_div(x.float(), scale)
         # clamp() keeps NaN and maps +-inf to +-max: saturating, never NaN or inf from overflow. The 16-bit
         # formats need it too: a plain cast turns fp16 values beyond 65504 into inf.
         return y.clamp(-self.max_value, self.max_value).to(self.storage_dtype)
@@ -97,12 +99,28 @@ class KVFormat:
         g = self.num_groups(c_kv.shape[-1])
         a = c_kv.float().abs().reshape(*c_kv.shape[:-1], g, GROUP_SIZE)
         amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=-1)
-        scale = amax / self.max_value
+        scale = _fp32_div(amax, self.max_value)
         return torch.where(scale > 0, scale, torch.ones_like(scale))
 
     def quantize_groups(self, c_kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Stored c_kv under group ``scales [..., D // 128]`` (from :meth:`group_scales`)."""
         return self.quantize(c_kv, expand_group_scales(scales, c_kv.shape[-1]))
+
+
+def _fp32_div(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``x / scale`` for fp32 ``x``: IEEE fp32 division rounded to nearest even, the same bits on every device.
+
+    The divisor is an fp32 tensor on ``x``'s device, never a Python number: torch divides a tensor by a number
+    differently per device and version (the CPU divides; CUDA multiplies by a reciprocal, computed in fp32 by some
+    versions and in fp64 by others), which changes the last bit, and so an FP8 value now and then. A tensor
+    divisor takes the elementwise division ``a / b`` everywhere, which is what the Triton write kernel computes
+    (``div_rn``).
+    """
+    if isinstance(scale, torch.Tensor):
+        s = scale.to(device=x.device, dtype=torch.float32)
+    else:
+        s = torch.full((), float(scale), dtype=torch.float32, device=x.device)
+    return torch.div(x, s)
 
 
 def expand_group_scales(scales: torch.Tensor, head_dim_ckv: int) -> torch.Tensor:

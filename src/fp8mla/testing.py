@@ -35,11 +35,13 @@ def make_paged_batch(kv_lens, qo_lens, num_heads: int, page_size: int, kv_format
                      head_dim_ckv: int = 512, head_dim_kpe: int = 64, q_dtype=torch.bfloat16, causal=True,
                      device="cpu", seed: int | None = None, ckv_scale: float = 1.0, kpe_scale: float = 1.0,
                      spare_pages: int = 3, value_scale: float = 1.0, sm_scale: float | None = None,
-                     generator: torch.Generator | None = None) -> PagedBatch:
+                     generator: torch.Generator | None = None, extra_pages: int = 0) -> PagedBatch:
     """A random batch over a NaN-poisoned pool with shuffled page ids.
 
     Values are ``value_scale * N(0, 1)``; FP8 formats store them quantized with ``ckv_scale``/``kpe_scale``
-    (group format: per-token group scales). ``sm_scale`` defaults to ``1 / sqrt(192)``.
+    (group format: per-token group scales). ``sm_scale`` defaults to ``1 / sqrt(192)``. ``extra_pages``: NaN
+    pages listed in each request's ``kv_indices`` after the ones its ``kv_len`` needs (legal: kv_len may be less
+    than pages x page_size); a kernel that counts pages from ``kv_indptr`` instead of ``kv_len`` reads them.
     """
     fmt = get_format(kv_format, arg="kv_format")
     g = generator
@@ -54,6 +56,7 @@ def make_paged_batch(kv_lens, qo_lens, num_heads: int, page_size: int, kv_format
     pages_per = [-(-L // page_size) for L in kv_lens]
     # Requests with kv_len 0 still own a page sometimes (a freshly reserved one): the kernel must ignore it.
     pages_per = [n if n else int(torch.randint(0, 2, (1,), generator=g)) for n in pages_per]
+    pages_per = [n + extra_pages for n in pages_per]
     P = sum(pages_per) + spare_pages
     perm = torch.randperm(P, generator=g)
     width = head_dim_ckv + head_dim_kpe

@@ -29,7 +29,22 @@ EXTEND_VARIANTS = {
     "n16": dict(block_n=16), "n64": dict(block_n=64),
     "w4": dict(num_warps=4), "s1": dict(num_stages=1), "s3": dict(num_stages=3),
     "h32": dict(block_h=32, block_q=2), "h64q2": dict(block_h=64, block_q=2),
+    "n16s3": dict(block_n=16, num_stages=3),
+    "n64s2": dict(block_n=64, num_stages=2), "h16q4": dict(block_h=16, block_q=4),
 }
+_SPEC_KEYS = {"h": "block_h", "q": "block_q", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+
+
+def parse_variant(spec: str, table: dict) -> dict:
+    """A variant by name from ``table`` or spelled out as tile letters and numbers, e.g. ``h64q1n32w8s2``
+    (block_h, block_q, block_n, num_warps, num_stages; any subset, in any order; the rest default)."""
+    import re
+    if spec in table:
+        return dict(table[spec])
+    parts = re.fullmatch(r"(?:[hqnws]\d+)+", spec) and re.findall(r"([hqnws])(\d+)", spec)
+    if not parts:
+        raise ValueError(f"--variants: {spec!r} is neither one of {list(table)} nor like 'h64q1n32w8s2'")
+    return {_SPEC_KEYS[k]: int(v) for k, v in parts}
 RAGGED_VARIANTS = {
     "default": {},
     "m64": dict(block_m=64), "n32": dict(block_n=32), "n128": dict(block_n=128),
@@ -47,9 +62,25 @@ def add_arguments(p):
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="extend: pool formats")
     p.add_argument("--tokens", type=int, default=4096, help="ragged: causal prefill length")
     p.add_argument("--compare", nargs="*", default=[], help="ragged: also time torch sdpa ('torch')")
-    p.add_argument("--sweep", action="store_true", help="time tile variants")
+    p.add_argument("--sweep", action="store_true", help="time tile variants (all of the table, or --variants)")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="with --sweep: the extend/ragged variants to time, by name or spelled out like "
+                        "h64q1n32w8s2 (block_h, block_q, block_n, num_warps, num_stages)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="bench_out", help="directory for prefill.csv")
+
+
+def _variants(args, table: dict, ragged: bool = False) -> dict:
+    if not args.sweep:
+        return {"default": {}}
+    if not getattr(args, "variants", None):
+        return table
+    out = {}
+    for spec in args.variants:
+        if ragged and spec not in table:
+            continue  # tile spellings are extend's (block_h/block_q); ragged takes its table's names only
+        out[spec] = parse_variant(spec, table)
+    return out
 
 
 def _visible(qo_len: int, kv_len: int) -> int:
@@ -82,7 +113,7 @@ def _extend_rows(args, ceil, device):
         flops = 2 * H * (DC + DK + DC) * B * _visible(Q, L)
         nbytes = B * L * fmt.bytes_per_token(DC, DK)
         floor = ceil.floor_ms(nbytes, flops)
-        variants = EXTEND_VARIANTS if args.sweep else {"default": {}}
+        variants = _variants(args, EXTEND_VARIANTS)
         for vname, opts in variants.items():
             def fn(o=opts):
                 mla_extend(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, out, lse,
@@ -139,7 +170,7 @@ def _ragged_rows(args, ceil, device):
     floor = ceil.floor_ms(nbytes, flops)
     ref = _ragged_reference_tail(q, k, v, sm, 8)
     runners = {}
-    for vname, opts in (RAGGED_VARIANTS if args.sweep else {"default": {}}).items():
+    for vname, opts in _variants(args, RAGGED_VARIANTS, ragged=True).items():
         runners["ragged" + ("" if vname == "default" else f"[{vname}]")] = (
             lambda o=opts: ragged_prefill(q, k, v, ind, ind, out, lse, sm_scale=sm, causal=True, max_qo_len=N,
                                           fp32_dot=False, **o))

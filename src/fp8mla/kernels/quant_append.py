@@ -1,10 +1,12 @@
 """Quantize-on-write: new tokens' c_kv/k_pe scaled, saturated and stored into their pool slots in one pass.
 
-Stores exactly what ``PagedMLACache.write``'s torch code stores (same bytes, same group scales), on the device
-where it runs. That code divides by a Python-float scale, which torch does differently per device: the CPU
-divides (``x / fp32(s)``), CUDA multiplies by the reciprocal (``x * fp32(1 / fp32(s))``, see ATen's
-``div_true_kernel_cuda``); ``RECIP`` picks the CUDA rule. Tensor / tensor divisions (group scales) are IEEE
-divisions on both, hence ``div_rn`` (Triton's ``/`` on fp32 is an approximate division on the GPU).
+Stores exactly what ``PagedMLACache.write``'s torch code stores (same bytes, same group scales), on the CPU
+(interpreter) and on the GPU alike. Every scaling is an IEEE fp32 division rounded to nearest: the torch code
+divides by fp32 tensors on the data's device (``formats._fp32_div``: per-tensor scales, group scales
+``amax / max`` and ``c_kv / group scale``), the kernel by ``div_rn`` (``div.rn.f32`` on the GPU; Triton's ``/``
+on fp32 is an approximate division there). Multiplying by a reciprocal instead is off by one fp32 ulp now and then,
+which is enough to round an FP8 value to its other neighbour when the quotient lies near a midpoint (frequent
+with bf16/fp16 inputs, whose few mantissa bits make quotients like 77.5 / 3.1 = 25 land on them).
 
 The interpreter's fp32 -> fp8 and fp32 -> bf16 casts do not round to nearest even (fp8 subnormals come out
 wrong, bf16 is truncated), so under ``SOFT_CVT`` the stored bits are computed with integer ops, the way
@@ -25,7 +27,7 @@ import triton.language as tl
 BF16, FP16, E4M3, E5M2 = 0, 1, 2, 3
 _KIND = {torch.bfloat16: BF16, torch.float16: FP16, torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 # how a per-tensor scale is applied (torch skips the division when the scale is exactly 1)
-NO_SCALE, DIVIDE, RECIP = 0, 1, 2
+NO_SCALE, DIVIDE = 0, 1
 
 
 @triton.jit
@@ -79,8 +81,6 @@ def _store(ptr, y, mask, KIND: tl.constexpr, SOFT_CVT: tl.constexpr):
 def _scale_sat(x, s, HOW: tl.constexpr, MAXV: tl.constexpr):
     if HOW == 1:
         x = tl.math.div_rn(x, s)
-    elif HOW == 2:
-        x = x * s
     # Saturate (16-bit formats too: fp16 past 65504 would become inf); comparisons keep NaN, which
     # tl.minimum/maximum may drop.
     return tl.where(x > MAXV, MAXV, tl.where(x < -MAXV, -MAXV, x))
@@ -93,7 +93,7 @@ def _quant_append_kernel(
     stride_row, stride_scale, stride_ckv, stride_kpe,
     DC: tl.constexpr, DK: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr,
     GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr, MAXV: tl.constexpr,
-    KIND: tl.constexpr, CKV_HOW: tl.constexpr, KPE_HOW: tl.constexpr, MAX_HOW: tl.constexpr,
+    KIND: tl.constexpr, CKV_HOW: tl.constexpr, KPE_HOW: tl.constexpr,
     SOFT_CVT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -114,10 +114,7 @@ def _quant_append_kernel(
         # NaN and +-inf do not count in the amax (formats.group_scales); a zero scale (all-zero group, or an
         # underflow) becomes 1 so that quantizing never divides by zero.
         amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), 2)
-        if MAX_HOW == 2:
-            gs = amax * max_s
-        else:
-            gs = tl.math.div_rn(amax, max_s)
+        gs = tl.math.div_rn(amax, max_s)
         gs = tl.where(gs > 0, gs, 1.0)
         y = tl.math.div_rn(x, gs[:, :, None])
         y = tl.where(y > MAXV, MAXV, tl.where(y < -MAXV, -MAXV, y))
@@ -138,12 +135,10 @@ def _quant_append_kernel(
     _store(rows_ptr + slot[:, None] * stride_row + DC + dk[None, :], y, m, KIND, SOFT_CVT)
 
 
-def _how(scale: float, on_cuda: bool) -> tuple[int, float]:
-    """How torch's ``x.float() / scale`` runs on this device, and the fp32 operand it uses."""
+def _how(scale: float) -> tuple[int, float]:
+    """How ``formats.KVFormat.quantize`` applies a per-tensor scale, and the fp32 divisor it uses."""
     if scale == 1.0:
         return NO_SCALE, 1.0
-    if on_cuda:
-        return RECIP, float(np.float32(1.0) / np.float32(scale))
     return DIVIDE, float(np.float32(scale))
 
 
@@ -172,7 +167,6 @@ def quant_append(pool_rows: torch.Tensor, scale_rows: torch.Tensor | None, slot_
         c_kv = c_kv.contiguous()
     if k_pe.stride(-1) != 1:
         k_pe = k_pe.contiguous()
-    on_cuda = pool_rows.device.type == "cuda"
     if soft_cvt is None:
         soft_cvt = os.environ.get("TRITON_INTERPRET") == "1"
     rows = pool_rows
@@ -182,10 +176,9 @@ def quant_append(pool_rows: torch.Tensor, scale_rows: torch.Tensor | None, slot_
     if groups:
         assert scale_rows is not None and scale_rows.shape[1] == groups and scale_rows.stride(-1) == 1
     fp8 = kind >= E4M3
-    ckv_how, ckv_s = _how(ckv_scale, on_cuda) if fp8 and not groups else (NO_SCALE, 1.0)
-    kpe_how, kpe_s = _how(kpe_scale, on_cuda) if fp8 else (NO_SCALE, 1.0)
-    # group scale = amax / max: the same device rule as a per-tensor division
-    max_how, max_s = _how(fmt.max_value, on_cuda) if groups else (NO_SCALE, 1.0)
+    ckv_how, ckv_s = _how(ckv_scale) if fp8 and not groups else (NO_SCALE, 1.0)
+    kpe_how, kpe_s = _how(kpe_scale) if fp8 else (NO_SCALE, 1.0)
+    max_s = float(fmt.max_value)  # group scale = div_rn(amax, max)
     BLOCK_DC, BLOCK_DK = triton.next_power_of_2(Dc), triton.next_power_of_2(Dk)
     if block_t is None:  # ~4K elements of c_kv per program
         block_t = max(1, min(32, 4096 // BLOCK_DC))
@@ -196,6 +189,6 @@ def quant_append(pool_rows: torch.Tensor, scale_rows: torch.Tensor | None, slot_
         rows.stride(0), scale_rows.stride(0) if groups else 0, c_kv.stride(0), k_pe.stride(0),
         DC=Dc, DK=Dk, BLOCK_DC=BLOCK_DC, BLOCK_DK=BLOCK_DK, BLOCK_T=block_t,
         GROUPS=groups, BLOCK_G=triton.next_power_of_2(max(groups, 1)), GROUP_SIZE=128,
-        MAXV=float(fmt.max_value), KIND=kind, CKV_HOW=ckv_how, KPE_HOW=kpe_how, MAX_HOW=max_how,
+        MAXV=float(fmt.max_value), KIND=kind, CKV_HOW=ckv_how, KPE_HOW=kpe_how,
         SOFT_CVT=bool(soft_cvt), num_warps=num_warps,
     )

@@ -1,0 +1,61 @@
+"""Shared test setup: the device, the backends to test, per-case seeds and the hypothesis profile.
+
+Without a CUDA device the Triton kernels run in Triton's interpreter, which is chosen by ``TRITON_INTERPRET=1``
+when ``triton`` is first imported: so it is set here, before anything imports triton.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import fp8mla  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# The Triton backend is tested when it can run here (a GPU, or the interpreter) and its module exists.
+_HAS_TRITON_BACKEND = (Path(fp8mla.__file__).parent / "_triton_backend.py").exists()
+BACKENDS = ["torch"] + (["triton"] if _HAS_TRITON_BACKEND and "triton" in fp8mla.available_backends(DEVICE)
+                        else [])
+
+# For ``@pytest.mark.parametrize("backend", BACKEND_PARAMS)``: triton cases carry the ``triton`` marker (select
+# them with ``-m triton``) and show up as skipped, with the reason, where the backend cannot run.
+BACKEND_PARAMS = [pytest.param("torch", id="torch")] + [
+    pytest.param("triton", id="triton", marks=[pytest.mark.triton] + (
+        [] if "triton" in BACKENDS else
+        [pytest.mark.skip(reason="triton backend not here (no fp8mla/_triton_backend.py, or triton cannot run)")]))
+]
+
+# Deterministic property tests: the same examples on every run and every machine.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: runs the Triton backend (interpreter on CPU)")
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def case_seed(request) -> int:
+    """A seed of its own for each test case, stable across runs (from the test id)."""
+    return zlib.crc32(request.node.nodeid.encode())
