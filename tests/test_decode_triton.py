@@ -168,3 +168,18 @@ def test_cuda_graph_capture_then_replan():
 def test_large_gpu(H, B, L, page, fmt):
     b = make_paged_batch([L] * B, [1] * B, H, page, fmt, device=DEVICE, seed=12)
     check(b, *run_case(b), TOL.get(fmt, 3e-3), LSE_TOL.get(fmt, 1e-4))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_group", "bf16"])
+def test_gather_cast_strategy(backend, fmt):
+    """strategy='gather_cast': the batch's tokens into a 16-bit workspace, then the 16-bit kernel; same answers."""
+    b = make_paged_batch([0, 40, 17], [1, 2, 1], 16, 16, fmt, device=DEVICE, seed=13, ckv_scale=0.5)
+    attn = fp8mla.MLAPagedAttention(backend=backend, strategy="gather_cast")
+    attn.plan(**b.plan_args)
+    assert attn.backend.startswith("gather_cast")
+    out, lse = attn.run(**b.run_args, return_lse=True)
+    # The workspace holds dequantized values rounded to the query dtype: the group format's K loses bf16 bits.
+    check(b, out, lse, TOL.get(fmt, DEFAULT_TOL), LSE_TOL.get(fmt, 1e-4))
+    with pytest.raises(ValueError, match="strategy"):
+        fp8mla.MLAPagedAttention(backend=backend, strategy="gather_cast", use_cuda_graph=True)

@@ -192,31 +192,34 @@ class MLAPagedAttention:
 
     def _plan_gather_cast(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
                           head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max_page):
-        """Plans the 16-bit kernel over a workspace of the batch's tokens (one token per 'page')."""
+        """Plans the 16-bit kernel over a workspace of the batch's tokens (one token per 'page'), and the slots
+        the gather reads, so that run() does no host work."""
+        from .gather import token_slots
         inner = MLAPagedAttention(self._workspace, False, self._backend, **self._kernel_options)
         tok = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
-        inner.plan(qo_indptr, tok, torch.arange(max(1, int(tok[-1])), dtype=torch.int32, device=device),
+        T = int(tok[-1])
+        inner.plan(qo_indptr, tok, torch.arange(max(1, T), dtype=torch.int32, device=device),
                    kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, 1, causal, sm_scale, q_data_type,
                    q_data_type)
+        slots, _ = token_slots(kv_indptr.to(device), kv_indices.to(device), kv_len_arr.to(device), page_size, T)
+        ws = dict(dtype=q_data_type, device=device)  # sized by the tokens used, never by the pool
         p = inner._plan
         self._plan = _Plan(p.batch_size, p.num_qo, num_heads, head_dim_ckv, head_dim_kpe, page_size, p.causal,
                            p.sm_scale, q_data_type, fmt, device, max_page, "gather_cast+" + p.backend,
-                           dict(inner=inner, tokens=int(tok[-1]), kv_indptr=kv_indptr.to(device),
-                                kv_indices=kv_indices.to(device), kv_len=kv_len_arr.to(device)))
+                           dict(inner=inner, slots=slots, ckv=torch.zeros(max(1, T), head_dim_ckv, **ws),
+                                kpe=torch.zeros(max(1, T), head_dim_kpe, **ws)))
 
     def _run_gather_cast(self, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
                          base_e):
-        from .gather import gather_dequant  # same layer: the gather kernel's public entry
+        from .gather import gather_rows  # same layer: the gather kernel's public entry
         g = self._plan.impl
-        as_float = (lambda v: float(v) if isinstance(v, torch.Tensor) else v)
-        ckv, kpe, _ = gather_dequant(ckv_cache, kpe_cache, g["kv_indptr"], g["kv_indices"], g["kv_len"],
-                                     ckv_scale=as_float(ckv_scale), kpe_scale=as_float(kpe_scale),
-                                     ckv_scale_arr=ckv_scale_arr, dtype=self._plan.q_dtype)
-        T = max(1, g["tokens"])
-        if g["tokens"] == 0:  # nothing to read; the inner plan references one dummy row
-            ckv = torch.zeros(1, ckv_cache.shape[-1], dtype=self._plan.q_dtype, device=out.device)
-            kpe = torch.zeros(1, kpe_cache.shape[-1], dtype=self._plan.q_dtype, device=out.device)
-        g["inner"].run(q_nope, q_pe, ckv.view(T, 1, -1), kpe.view(T, 1, -1), out=out, lse=lse,
+        as_float = (lambda v: float(v) if isinstance(v, torch.Tensor) else v)  # a tensor scale costs a sync
+        T = g["slots"].numel()
+        gather_rows(ckv_cache, kpe_cache, g["slots"], g["ckv"][:T], g["kpe"][:T], ckv_scale=as_float(ckv_scale),
+                    kpe_scale=as_float(kpe_scale), ckv_scale_arr=ckv_scale_arr,
+                    backend="triton" if self._plan.backend.endswith("triton") else "torch")
+        rows = g["ckv"].shape[0]
+        g["inner"].run(q_nope, q_pe, g["ckv"].view(rows, 1, -1), g["kpe"].view(rows, 1, -1), out=out, lse=lse,
                        return_lse_base_on_e=base_e)
 
     def _choose_backend(self, device: torch.device) -> str:

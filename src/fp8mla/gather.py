@@ -119,13 +119,27 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
         out_ckv, out_kpe = out_ckv[:T], out_kpe[:T]
 
     slots, token_indptr = token_slots(kv_indptr, kv_indices, kv_len_arr, page_size, T)
+    gather_rows(ckv_cache, kpe_cache, slots, out_ckv, out_kpe, ckv_scale=ckv_scale, kpe_scale=kpe_scale,
+                ckv_scale_arr=ckv_scale_arr, backend=backend)
+    return out_ckv, out_kpe, token_indptr
+
+
+def gather_rows(ckv_cache, kpe_cache, slots, out_ckv, out_kpe, *, ckv_scale=1.0, kpe_scale=1.0, ckv_scale_arr=None,
+                backend: str = "auto") -> None:
+    """The unchecked core of :func:`gather_dequant`: rows ``slots [T]`` (flat slot ids, e.g. from
+    :func:`token_slots`) dequantized into ``out_ckv [T, Dc]`` / ``out_kpe [T, Dk]``. No host sync; callers that
+    planned the slots once (MLAPagedAttention's gather_cast strategy) call it on every run."""
+    T = slots.numel()
     if T == 0:
-        return out_ckv, out_kpe, token_indptr
-    if _use_triton(backend, dev):
+        return
+    dense = ckv_cache.stride(0) == ckv_cache.shape[1] * ckv_cache.stride(1) and \
+        kpe_cache.stride(0) == kpe_cache.shape[1] * kpe_cache.stride(1)
+    if dense and _use_triton(backend, slots.device):
         from .kernels.gather_dequant import gather_dequant_rows
         gather_dequant_rows(ckv_cache, kpe_cache, slots, out_ckv, out_kpe, ckv_scale=float(ckv_scale),
                             kpe_scale=float(kpe_scale), ckv_scale_arr=ckv_scale_arr)
     else:
+        Dc = ckv_cache.shape[-1]
         # Gather first, convert second: only the T referenced rows are ever converted.
         ckv = ckv_cache.flatten(0, 1).index_select(0, slots).float()
         if ckv_scale_arr is not None:
@@ -138,7 +152,6 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
             kpe = kpe * kpe_scale
         out_ckv.copy_(ckv)
         out_kpe.copy_(kpe)
-    return out_ckv, out_kpe, token_indptr
 
 
 def _use_triton(backend: str, device: torch.device) -> bool:
