@@ -105,7 +105,13 @@ class TritonPlan:
         if graph and max(qo_lens, default=0) > max_qo:
             raise ValueError(f"qo_indptr: a request has {max(qo_lens)} query tokens, above max_qo_len={max_qo} "
                              "given to the constructor for CUDA graphs")
-        extend_qo = max(qo_lens, default=0) if not graph and max(qo_lens, default=0) >= EXTEND_MIN_QO else 0
+        # The extend kernel rounds dequantized K/V to the query dtype: fine for FP8 and same-dtype pools, but the
+        # group format and an fp16 pool under bf16 queries lose bits there (lse error ~2e-2 on the H200); those
+        # plans stay on the decode kernel, which handles any query length (taller row tiles, exact numerics).
+        extend_ok = fmt.scale_kind != "group" and not (fmt.storage_dtype == torch.float16
+                                                        and plan.q_dtype == torch.bfloat16)
+        extend_qo = (max(qo_lens, default=0) if extend_ok and not graph and max(qo_lens, default=0) >= EXTEND_MIN_QO
+                     else 0)
         cfg = kernel_config(H, max_qo, kv_mode, opts)
         max_rows = 0 if extend_qo else H * max_qo  # the extend kernel needs no split schedule nor partials
         row_tiles = -(-max_rows // cfg["block_m"])

@@ -171,13 +171,14 @@ def _extend_kernel(
     tl.store(lse_ptr + qrow * stride_lse_n + h64, lse, mask=rmask)
 
 
-def default_tiles(num_heads: int, fp32_dot: bool) -> dict:
+def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False) -> dict:
     """BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages used when the caller gives none."""
     rows = 32 if fp32_dot else 64  # the interpreter: small tiles keep the numpy work per step low
     block_h = min(triton.next_power_of_2(num_heads), rows)
     # GPU: BLOCK_N 64, 8 warps, 2 stages measured fastest on the H200 (2026-11-29, H=128 qo 1024 kv 8192, page 64:
-    # FP8 11.8 ms vs 17.0 at BLOCK_N 32; BF16 7.2 vs 10.7), although ptxas reports more spills.
-    t = dict(block_h=block_h, block_q=max(1, rows // block_h), block_n=32 if fp32_dot else 64)
+    # FP8 11.8 ms vs 17.0 at BLOCK_N 32; BF16 7.2 vs 10.7), although ptxas reports more spills. The group format's
+    # fp32 dequantization tiles do not fit shared memory at BLOCK_N 64 (OutOfResources on the H200): 32 there.
+    t = dict(block_h=block_h, block_q=max(1, rows // block_h), block_n=32 if fp32_dot or has_group else 64)
     t.update(num_warps=4, num_stages=1) if fp32_dot else t.update(num_warps=8, num_stages=2)
     return t
 
@@ -220,7 +221,7 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         assert ckv_scale_arr.dtype == torch.float32 and ckv_scale_arr.stride(-1) == 1
     if n == 0 or B == 0 or max_qo_len == 0:
         return
-    t = default_tiles(H, fp32_dot)
+    t = default_tiles(H, fp32_dot, has_group)
     bh, bq, bn = block_h or t["block_h"], block_q or t["block_q"], block_n or t["block_n"]
     assert bh * bq >= 16, "tl.dot needs at least 16 rows"
     num_hb = triton.cdiv(H, bh)
