@@ -40,7 +40,7 @@ def _to_fp16(x, ASM: tl.constexpr):
     a synchronous load of the c_kv tile (not pipelined) and 256 B of spills (SASS of sm_90, ptxas -v).
     FP16 storage passes through.
 
-    Measured on the H200 (2026-11-29) the asm path is nevertheless slower at H=16 (0.292 vs 0.234 ms at B64
+    Measured on the H200 (2026-11-29) the asm path is nevertheless slower at H=16 (0.292 vs 0.211 ms at B64
     L8192): staging fp16 takes 126 KB of shared memory, one program per SM instead of two. Kept as the kernel
     option ``cvt_asm`` for tuning; the default is the plain conversion.
     """
