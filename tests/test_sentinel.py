@@ -40,12 +40,42 @@ def _paged_run(kv_lens, qo_lens, backend="torch"):
     return build
 
 
+def _ragged_prefix(backend="torch"):
+    """The prefill of a chunk after a cached prefix (as fp8mla.models does it): gather-then-cast the prefix's
+    tokens only, attention over them and over the fresh chunk (MLARaggedPrefill), merged by LSE."""
+    def build(kv_format, device):
+        b = make_paged_batch([40, 17], [1, 1], num_heads=4, page_size=16, kv_format=kv_format, device=device,
+                             head_dim_ckv=128, head_dim_kpe=64, seed=8)
+        a, r = b.plan_args, b.run_args
+        g = torch.Generator().manual_seed(9)
+        q = torch.randn(6, 4, 192, generator=g).to(device, torch.bfloat16)
+        k_new = torch.randn(6, 1, 192, generator=g).to(device, torch.bfloat16)
+        v_new = torch.randn(6, 1, 128, generator=g).to(device, torch.bfloat16)
+        qo = torch.tensor([0, 3, 6], dtype=torch.int32, device=device)
+
+        def fn():
+            ckv, kpe, tok = fp8mla.gather_dequant(r["ckv_cache"], r["kpe_cache"], a["kv_indptr"], a["kv_indices"],
+                                                  a["kv_len_arr"], ckv_scale=r["ckv_scale"],
+                                                  kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"],
+                                                  backend=backend)
+            prefix = fp8mla.MLARaggedPrefill(backend=backend)
+            prefix.plan(qo, tok, 4, 1, 192, 128, False, 192 ** -0.5, torch.bfloat16, torch.bfloat16)
+            o1, s1 = prefix.run(q, torch.cat([ckv, kpe], -1)[:, None], ckv[:, None], return_lse=True)
+            chunk = fp8mla.MLARaggedPrefill(backend=backend)
+            chunk.plan(qo, qo, 4, 1, 192, 128, True, 192 ** -0.5, torch.bfloat16, torch.bfloat16)
+            o2, s2 = chunk.run(q, k_new, v_new, return_lse=True)
+            return fp8mla.merge_state(o1, s1, o2, s2)[0]
+        return fn, [b.pool], backend == "torch"
+    return build
+
+
 # name -> builder(kv_format, device) -> (fn, pools, expect_reads)
 GUARDED_PATHS = {}
 for _backend in ("torch", "triton"):
     GUARDED_PATHS[f"{_backend}-decode"] = _paged_run([17, 97, 0, 33], [1, 1, 1, 1], _backend)
     GUARDED_PATHS[f"{_backend}-multi-token"] = _paged_run([17, 97, 1, 33], [2, 5, 1, 3], _backend)
     GUARDED_PATHS[f"{_backend}-extend"] = _paged_run([40, 64], [17, 64], _backend)   # paged prefill of a chunk
+    GUARDED_PATHS[f"{_backend}-ragged-prefix"] = _ragged_prefix(_backend)
 
 _TRITON_HERE = "triton" in fp8mla.available_backends("cuda" if torch.cuda.is_available() else "cpu")
 _PATH_PARAMS = [pytest.param(name, id=name, marks=[] if not name.startswith("triton") else [pytest.mark.triton] + (

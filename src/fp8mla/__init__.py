@@ -4,6 +4,7 @@ from .cache import OutOfPagesError, PagedMLACache
 from .attention import MLAPagedAttention, available_backends
 from .ragged import MLARaggedPrefill, merge_state, merge_state_in_place
 from .gather import gather_dequant
+from . import sentinel  # noqa: F401 - fp8mla.sentinel.forbid_pool_casts
 
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "KVFormat", "get_format", "PagedMLACache", "OutOfPagesError", "MLAPagedAttention",
