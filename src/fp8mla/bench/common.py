@@ -91,6 +91,23 @@ def time_ms(fn, *, reps: int = 50, warmup: int = 3, cuda_graph: bool = True, flu
     return statistics.median(_events_ms(run, reps, flush))
 
 
+def start_run(what: str, out_dir: str) -> Ceilings | None:
+    """The start every benchmark shares: refuse clearly without CUDA (None), make ``out_dir``, print the record of
+    the run (date, GPU, driver, versions) and the ceilings measured now."""
+    import os
+    import sys
+    if not torch.cuda.is_available():
+        print(f"fp8mla bench {what}: needs a CUDA device (none found). The kernels are tested on the CPU by "
+              "pytest under TRITON_INTERPRET=1; timings need a GPU.", file=sys.stderr)
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    print(" ".join(f"{k}={v}" for k, v in environment().items()))
+    ceil = measure_ceilings("cuda")
+    print(f"ceilings: read {ceil.read_gbps:.0f} GB/s (torch.sum over 4 GB), bf16 matmul {ceil.matmul_tflops:.0f} "
+          f"TFLOP/s (8192^3)")
+    return ceil
+
+
 def environment() -> dict:
     """Date, GPU, driver and versions for the record of a run."""
     env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 import time
 
 import torch
@@ -19,7 +18,7 @@ from ..attention import MLAPagedAttention
 from ..formats import get_format
 from ..reference import mla_reference
 from ..testing import compare
-from .common import environment, measure_ceilings, time_ms
+from .common import start_run, time_ms
 
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (128, 2048), (64, 8192)]
 DC, DK = 512, 64
@@ -89,17 +88,10 @@ VARIANTS = {
 
 
 def main(args) -> int:
-    if not torch.cuda.is_available():
-        print("fp8mla bench decode: needs a CUDA device (none found). The kernels are tested on the CPU by "
-              "pytest under TRITON_INTERPRET=1; timings need a GPU.", file=sys.stderr)
+    ceil = start_run("decode", args.out)
+    if ceil is None:
         return 2
     device = "cuda"
-    os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    ceil = measure_ceilings(device)
-    print(f"ceilings: read {ceil.read_gbps:.0f} GB/s (torch.sum over 4 GB), bf16 matmul {ceil.matmul_tflops:.0f} "
-          f"TFLOP/s (8192^3)")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     variants = VARIANTS if args.sweep else {"default": {}}
     if args.sweep and args.variants:

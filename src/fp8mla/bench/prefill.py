@@ -14,14 +14,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 
 import torch
 
 from ..formats import get_format
 from ..reference import mla_reference
 from ..testing import compare
-from .common import environment, measure_ceilings, time_ms
+from .common import start_run, time_ms
 
 DC, DK = 512, 64
 EXTEND_VARIANTS = {
@@ -202,17 +201,10 @@ def _ragged_rows(args, ceil, device):
 
 
 def main(args) -> int:
-    if not torch.cuda.is_available():
-        print("fp8mla bench prefill: needs a CUDA device (none found). The kernels are tested on the CPU by "
-              "pytest under TRITON_INTERPRET=1; timings need a GPU.", file=sys.stderr)
+    ceil = start_run("prefill", args.out)
+    if ceil is None:
         return 2
     device = "cuda"
-    os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    ceil = measure_ceilings(device)
-    print(f"ceilings: read {ceil.read_gbps:.0f} GB/s (torch.sum over 4 GB), bf16 matmul {ceil.matmul_tflops:.0f} "
-          f"TFLOP/s (8192^3)")
     rows = []
     if "extend" in args.what:
         rows += _extend_rows(args, ceil, device)

@@ -14,14 +14,13 @@ from __future__ import annotations
 import csv
 import os
 import statistics
-import sys
 
 import torch
 
 from ..cache import PagedMLACache
 from ..formats import get_format
 from ..gather import gather_dequant, token_slots
-from .common import _events_ms, environment, measure_ceilings, time_ms
+from .common import _events_ms, start_run, time_ms
 
 DC, DK = 512, 64
 
@@ -143,18 +142,12 @@ def _gather_rows(args, copy_bw, read_bw, device):
 
 
 def main(args) -> int:
-    if not torch.cuda.is_available():
-        print("fp8mla bench write: needs a CUDA device (none found). The kernels are tested on the CPU by "
-              "pytest under TRITON_INTERPRET=1; timings need a GPU.", file=sys.stderr)
+    ceil = start_run("write", args.out)
+    if ceil is None:
         return 2
     device = "cuda"
-    os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    ceil = measure_ceilings(device)
     cbw = copy_gbps(device)
-    print(f"ceilings: read {ceil.read_gbps:.0f} GB/s (torch.sum over 4 GB), read+write {cbw:.0f} GB/s (copy_ of "
-          f"2 GB), bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s")
+    print(f"ceiling: read+write {cbw:.0f} GB/s (copy_ of 2 GB)")
     rows = []
     if "append" in args.what:
         rows += _append_rows(args, cbw, ceil.read_gbps, device)
