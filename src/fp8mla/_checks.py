@@ -61,3 +61,28 @@ def check_positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name}: expected a positive int, got {v!r}")
     return v
+
+
+def check_page_table(kv_indptr: list, kv_len: list, kv_indices: list, page_size: int,
+                     num_pages: int | None = None) -> int:
+    """Host check of a page table (plain lists): every request's kv_len fits its pages, and the page ids its
+    tokens use are >= 0 (and < ``num_pages`` when given). Returns the largest page id used (-1 when none), for a
+    later bound against the pool. A kv_len past a request's pages would read another request's data silently.
+    """
+    if kv_indptr[-1] > len(kv_indices):
+        raise ValueError(f"kv_indices: kv_indptr[-1]={kv_indptr[-1]} but kv_indices has {len(kv_indices)} entries")
+    top = -1
+    for b, L in enumerate(kv_len):
+        have = kv_indptr[b + 1] - kv_indptr[b]
+        if L < 0 or L > have * page_size:
+            raise ValueError(f"kv_len_arr: request {b} has kv_len {L}, expected 0 <= kv_len <= its {have} pages "
+                             f"x page_size {page_size} = {have * page_size}")
+        used = kv_indices[kv_indptr[b]: kv_indptr[b] + -(-L // page_size)]
+        if used:
+            lo, hi = min(used), max(used)
+            if lo < 0 or (num_pages is not None and hi >= num_pages):
+                bound = ">= 0" if num_pages is None else f"in [0, {num_pages})"
+                raise ValueError(f"kv_indices: request {b} references pages in [{lo}, {hi}], expected page ids "
+                                 f"{bound}")
+            top = max(top, hi)
+    return top

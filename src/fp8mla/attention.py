@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_indptr, check_positive_int, check_tensor, same_device
+from ._checks import INDEX_DTYPES, check_indptr, check_page_table, check_positive_int, check_tensor, same_device
 from .formats import KVFormat, get_format
 from ._torch_backend import LOG2E, TorchPlan, run_torch
 
@@ -159,24 +159,11 @@ class MLAPagedAttention:
         kvp = kv_indptr.tolist()
         lens = kv_len_arr.tolist()
         pages = kv_indices.tolist()
-        if kvp[-1] > len(pages):
-            raise ValueError(f"kv_indices: kv_indptr[-1]={kvp[-1]} but kv_indices has {len(pages)} entries")
-        for b, L in enumerate(lens):
-            have = kvp[b + 1] - kvp[b]
-            if L < 0 or L > have * page_size:
-                raise ValueError(f"kv_len_arr: request {b} has kv_len {L}, expected 0 <= kv_len <= its "
-                                 f"{have} pages x page_size {page_size} = {have * page_size}")
-        used = [p for b in range(B) for p in pages[kvp[b]: kvp[b] + -(-lens[b] // page_size)]]
-        if used and min(used) < 0:
-            raise ValueError(f"kv_indices: expected page ids >= 0, got {min(used)}")
-        max_page = max(used, default=-1)
+        max_page = check_page_table(kvp, lens, pages, page_size)
 
         if self._strategy == "gather_cast":
             self._plan_gather_cast(qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
-                                   head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max(
-                                       [p for b in range(B) for p in pages[kvp[b]: kvp[b] + -(-lens[b] //
-                                                                                               page_size)]],
-                                       default=-1))
+                                   head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max_page)
             return
         backend = self._choose_backend(device)
         qo_lens = [qo[b + 1] - qo[b] for b in range(B)]

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_indptr, check_tensor
+from ._checks import INDEX_DTYPES, check_indptr, check_page_table, check_tensor
 
 __all__ = ["gather_dequant", "token_slots"]
 
@@ -90,18 +90,8 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
                              f"{ckv_scale!r}")
 
     # Host checks: a page id outside the pool or a kv_len past a request's pages would read garbage silently.
-    kvp, lens, pages = kv_indptr.tolist(), kv_len_arr.tolist(), kv_indices.tolist()
-    if kvp[-1] > len(pages):
-        raise ValueError(f"kv_indices: kv_indptr[-1]={kvp[-1]} but kv_indices has {len(pages)} entries")
-    for b, L in enumerate(lens):
-        have = kvp[b + 1] - kvp[b]
-        if L < 0 or L > have * page_size:
-            raise ValueError(f"kv_len_arr: request {b} has kv_len {L}, expected 0 <= kv_len <= its {have} pages "
-                             f"x page_size {page_size} = {have * page_size}")
-        used = pages[kvp[b]: kvp[b] + -(-L // page_size)]
-        if used and (min(used) < 0 or max(used) >= P):
-            raise ValueError(f"kv_indices: request {b} references pages in [{min(used)}, {max(used)}], expected "
-                             f"ids in [0, {P})")
+    lens = kv_len_arr.tolist()
+    check_page_table(kv_indptr.tolist(), lens, kv_indices.tolist(), page_size, num_pages=P)
     T = sum(lens)
 
     if (out_ckv is None) != (out_kpe is None):

@@ -64,27 +64,32 @@ class L2Flush:
         self.buf.zero_()
 
 
+def capture(fn):
+    """A CUDA graph of ``fn()`` (warmed up on a side stream first), or None when ``fn`` cannot be captured
+    (e.g. an op that syncs with the host)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+    except Exception:  # noqa: BLE001 - any capture failure means "time it with plain launches"
+        torch.cuda.synchronize()
+        return None
+
+
 def time_ms(fn, *, reps: int = 50, warmup: int = 3, cuda_graph: bool = True, flush_l2: bool = True) -> float:
     """Median time of ``fn()`` in ms: captured in a CUDA graph when ``cuda_graph`` (falls back to plain launches
     if capture fails), L2 flushed before each replay."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    run = fn
-    if cuda_graph:
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
-        except Exception:  # noqa: BLE001 - an op that cannot be captured is timed with plain launches
-            torch.cuda.synchronize()
-            run = fn
+    g = capture(fn) if cuda_graph else None
+    run = g.replay if g is not None else fn
     run()
     torch.cuda.synchronize()
     flush = L2Flush() if flush_l2 else None

@@ -223,20 +223,8 @@ def add_arguments(p):
 
 def capturable(fn) -> bool:
     """Whether ``fn`` can be captured in a CUDA graph (the torch backend cannot: boolean indexing syncs)."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        del g
-        return True
-    except Exception:  # noqa: BLE001 - any capture failure means "time it with plain launches"
-        torch.cuda.synchronize()
-        return False
+    from .common import capture
+    return capture(fn) is not None
 
 
 def _cpu_time_ms(fn, reps: int, **_) -> float:
