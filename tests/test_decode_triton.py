@@ -183,3 +183,14 @@ def test_gather_cast_strategy(backend, fmt):
     check(b, out, lse, TOL.get(fmt, DEFAULT_TOL), LSE_TOL.get(fmt, 1e-4))
     with pytest.raises(ValueError, match="strategy"):
         fp8mla.MLAPagedAttention(backend=backend, strategy="gather_cast", use_cuda_graph=True)
+
+
+def test_separate_caches_match_pool_views():
+    """FlashInfer layout (two contiguous tensors) and SGLang/vLLM layout (views of one [P, page, 576] pool)."""
+    b = make_paged_batch([50, 130], [1, 2], 16, 16, "fp8_e4m3", device=DEVICE, seed=14, ckv_scale=0.5)
+    out_views, lse_views = run_case(b)
+    assert not b.run_args["ckv_cache"].is_contiguous()
+    b.run_args["ckv_cache"] = b.run_args["ckv_cache"].contiguous()
+    b.run_args["kpe_cache"] = b.run_args["kpe_cache"].contiguous()
+    out_sep, lse_sep = run_case(b)
+    assert torch.equal(out_views, out_sep) and torch.equal(lse_views, lse_sep)
