@@ -97,8 +97,8 @@ class MLAPagedAttention:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
         if strategy == "gather_cast" and use_cuda_graph:
-            raise ValueError("strategy: 'gather_cast' sizes its workspace on the host at run(); it cannot be "
-                             "captured (use_cuda_graph=True); use strategy='native'")
+            raise ValueError("strategy: 'gather_cast' sizes its workspace by each plan's tokens, so a captured "
+                             "run() could not follow a re-plan (use_cuda_graph=True); use strategy='native'")
         self._strategy = strategy
         if float_workspace_buffer is not None:
             check_tensor("float_workspace_buffer", float_workspace_buffer)
