@@ -121,3 +121,42 @@ def test_bench_step_dry_run_writes_results(tmp_path, capsys):
     assert {r["way"] for r in rows} == set(WAYS)
     assert all(float(r["rel_l2"]) < 1e-2 for r in rows)
     assert "| 4 | 256 |" in (tmp_path / "step.md").read_text()
+
+
+def test_step_scenario_set_batch_recovers_after_out_of_pages():
+    """A batch the pool cannot hold raises OutOfPagesError without leaking pages or leaving freed ids behind:
+    the next set_batch must work and the pool must hold exactly the new batch."""
+    from fp8mla.bench.step import StepScenario
+    from fp8mla.cache import OutOfPagesError
+    sc = StepScenario(layers=1, heads=2, pool_tokens=256, page_size=64)  # 4 pages
+    sc.set_batch([10])
+    with pytest.raises(OutOfPagesError):
+        sc.set_batch([100, 200])  # 2 + 4 pages > 4
+    assert sc.cache.num_free_pages == sc.cache.num_pages
+    sc.set_batch([65, 3])  # must not free the ids of the failed (or of the previous) batch again
+    assert sc.cache.num_free_pages == sc.cache.num_pages - 3
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--heads", "--pool-tokens", "--batch", "--context", "--reps",
+                                  "--threads"])
+def test_demo_refuses_non_positive_sizes(flag, monkeypatch, capsys):
+    """`--layers 0` (or any size <= 0) must be refused, not silently replaced by the scale's default."""
+    from fp8mla.commands import demo
+    ran = []
+    monkeypatch.setattr(demo, "run_formats", lambda *a, **k: ran.append("formats") or [])
+    monkeypatch.setattr(demo, "run_scenario", lambda *a, **k: ran.append("scenario"))
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["demo", "--device", "cpu", "--scale", "small", flag, "0"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 2 and not ran
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--pool-tokens", "--reps"])
+def test_bench_step_refuses_non_positive_sizes(flag, tmp_path, capsys):
+    rc = main(["bench", "step", "--device", "cpu", "--pool-tokens", "1024", "--batches", "1", "--contexts", "256",
+               "--reps", "1", "--out", str(tmp_path), flag, "0"])
+    assert rc == 2
+    assert flag in capsys.readouterr().err

@@ -115,10 +115,19 @@ class StepScenario:
         """Replace the batch: one decode query per request; ``context_lens`` count the step's new token."""
         for i in self.ids:
             self.cache.free(i)
+        self.ids = []
         B, H, dev = len(context_lens), self.heads, self.device
+        ids: list = []
+        try:  # all or nothing: a batch the pool cannot hold leaves no sequence (and no page) behind
+            for L in context_lens:
+                ids.append(self.cache.add_sequence(num_tokens=L - 1))
+            self.cache.extend(ids, 1)  # the decode step's token; each layer appends its own latent
+        except Exception:
+            for i in ids:
+                self.cache.free(i)
+            raise
+        self.ids = ids
         self.context_lens = list(context_lens)
-        self.ids = [self.cache.add_sequence(num_tokens=L - 1) for L in context_lens]
-        self.cache.extend(self.ids, 1)  # the decode step's token; each layer appends its own latent
         for layer in range(self.layers):
             self.cache.append(self.cache_layer(layer), self.ids,
                               torch.randn(B, HEAD_DIM_CKV, generator=self.gen, device=dev),
@@ -249,6 +258,15 @@ def main(args) -> int:
     if dry:
         print("DRY RUN on the CPU: checks the benchmark's plumbing; the times are not a benchmark")
         time_ms, args.cuda_graph, args.ceilings = _cpu_time_ms, False, False  # noqa: F811
+    for name in ("layers", "pool_tokens", "reps"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            print(f"fp8mla bench step: --{name.replace('_', '-')}: expected a positive int, got {v}", file=sys.stderr)
+            return 2
+    for name in ("batches", "contexts"):
+        if any(v < 1 for v in getattr(args, name)):
+            print(f"fp8mla bench step: --{name}: expected positive ints, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     scale = SCALES[args.scale]
     layers = args.layers or scale.layers
     env = environment()

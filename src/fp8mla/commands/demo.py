@@ -293,6 +293,11 @@ def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
 
 
 def main(args) -> int:
+    for name in ("layers", "heads", "pool_tokens", "batch", "context", "reps", "threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:  # 0 would silently fall back to the scale's default (`args.x or scale.x`)
+            print(f"fp8mla demo: --{name.replace('_', '-')}: expected a positive int, got {v}", file=sys.stderr)
+            return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fp8mla demo: --device cuda but torch sees no CUDA device; run without --device for the CPU",
