@@ -121,3 +121,17 @@ def test_torchrun_generate_tp2():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "4 per rank, tp 2" in p.stdout and "done: 3 requests" in p.stdout
     assert p.stdout.count("done: 3 requests") == 1  # only rank 0 prints
+
+
+def test_torchrun_bench_step_tp2():
+    """`torchrun --nproc-per-node 2 -m fp8mla bench step --tp 2` (gloo dry run on the CPU): heads split, one table."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           f"--master-port={free_port()}", "-m", "fp8mla", "bench", "step", "--tp", str(WORLD), "--config", "tiny",
+           "--layers", "1", "--batches", "1,3", "--contexts", "40", "--reps", "2", "--device", "cpu"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "4 per rank, tp 2" in p.stdout and "DRY RUN" in p.stdout
+    lines = [ln.split() for ln in p.stdout.splitlines() if ln.strip().startswith(("1 ", "3 "))]
+    assert [ln[:2] for ln in lines] == [["1", "40"], ["3", "40"]]  # one row per point, printed by rank 0 only
+    assert all(float(ln[2]) > 0 for ln in lines)

@@ -225,6 +225,10 @@ def add_arguments(p):
                    help="attention on cast_pool's BF16 copy (auto: the same kernel native gets)")
     p.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="skip the ceiling probes")
     p.add_argument("--out", default="out/bench_step", help="folder for step.csv, step.md, step.png")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: time the DeepSeek MLA layer stack with heads split over N ranks "
+                        "(launch with torchrun --nproc-per-node N; see fp8mla.bench.step_tp)")
+    p.add_argument("--config", default="dsv3", help="with --tp: model config (dsv3, dsv2-lite, kimi-k2, tiny)")
     p.add_argument("--device", default="cuda",
                    help="cuda (default). 'cpu' is a dry run of the benchmark's plumbing at whatever size you give "
                         "it: wall-clock times, no CUDA graphs, no ceilings; its numbers are not a benchmark")
@@ -249,15 +253,6 @@ def _cpu_time_ms(fn, reps: int, **_) -> float:
 
 
 def main(args) -> int:
-    dry = torch.device(args.device).type == "cpu"
-    if not dry and not torch.cuda.is_available():
-        print("fp8mla bench step: needs a CUDA device (torch.cuda.is_available() is False). "
-              "On a CPU, `fp8mla demo` runs the same scenario at a small size.", file=sys.stderr)
-        return 2
-    from .common import environment, measure_ceilings, time_ms
-    if dry:
-        print("DRY RUN on the CPU: checks the benchmark's plumbing; the times are not a benchmark")
-        time_ms, args.cuda_graph, args.ceilings = _cpu_time_ms, False, False  # noqa: F811
     for name in ("layers", "pool_tokens", "reps"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -267,6 +262,21 @@ def main(args) -> int:
         if any(v < 1 for v in getattr(args, name)):
             print(f"fp8mla bench step: --{name}: expected positive ints, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.tp < 1:
+        print(f"fp8mla bench step: --tp: expected a positive int, got {args.tp}", file=sys.stderr)
+        return 2
+    if args.tp > 1:
+        from .step_tp import run_tp
+        return run_tp(args)
+    dry = torch.device(args.device).type == "cpu"
+    if not dry and not torch.cuda.is_available():
+        print("fp8mla bench step: needs a CUDA device (torch.cuda.is_available() is False). "
+              "On a CPU, `fp8mla demo` runs the same scenario at a small size.", file=sys.stderr)
+        return 2
+    from .common import environment, measure_ceilings, time_ms
+    if dry:
+        print("DRY RUN on the CPU: checks the benchmark's plumbing; the times are not a benchmark")
+        time_ms, args.cuda_graph, args.ceilings = _cpu_time_ms, False, False  # noqa: F811
     scale = SCALES[args.scale]
     layers = args.layers or scale.layers
     env = environment()
