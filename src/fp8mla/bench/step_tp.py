@@ -12,27 +12,19 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
+from .common import _events_ms
+
 
 def _time_ms(fn, reps: int, device: torch.device) -> float:
+    """Median ms of ``fn()``: CUDA events on a GPU (no graph: the step plans on the host), wall clock on a CPU."""
+    if device.type != "cuda":
+        from .step import _cpu_time_ms
+        return _cpu_time_ms(fn, reps)
     fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_events_ms(fn, reps))
 
 
 def run_tp(args) -> int:
