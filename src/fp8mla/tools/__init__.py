@@ -7,6 +7,14 @@
 
 Tools may import formats, cache and attention; nothing in the core imports the tools.
 """
-from .sentinel import PoolCastError, forbid_pool_casts
+
+
+def __getattr__(name):
+    # imported on first access (PEP 562): the sentinel needs torch, `fp8mla audit` must not load it
+    if name in ("PoolCastError", "forbid_pool_casts"):
+        from . import sentinel
+        return getattr(sentinel, name)
+    raise AttributeError(f"module 'fp8mla.tools' has no attribute {name!r}")
+
 
 __all__ = ["PoolCastError", "forbid_pool_casts"]
