@@ -182,3 +182,24 @@ def test_get_format_errors(spec, exc):
         get_format(spec)
     with pytest.raises(exc, match="kv_format"):
         get_format(spec, arg="kv_format")
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("scale", [0.0, -0.0, -0.5, math.nan, math.inf, -math.inf,
+                                   torch.tensor(0.0), torch.tensor(math.nan), torch.tensor([1.0, -1.0]),
+                                   torch.tensor([[0.5, math.inf]])])
+def test_bad_scales_are_refused(name, scale):
+    """A zero scale used to store x / 0 = +-inf saturated to +-max (and 0 / 0 = NaN): plausible-looking garbage.
+    Zero, negative, NaN and inf scales are refused, as floats and as tensors, by quantize and dequantize."""
+    fmt = FORMATS[name]
+    x = torch.randn(2, 2)
+    with pytest.raises(ValueError, match=r"^scale: expected (a )?positive finite"):
+        fmt.quantize(x, scale)
+    with pytest.raises(ValueError, match=r"^scale: expected (a )?positive finite"):
+        fmt.dequantize(fmt.quantize(x), scale)
+
+
+@pytest.mark.parametrize("scale", ["0.5", None, True, [0.5]])
+def test_scale_of_another_type_is_refused(scale):
+    with pytest.raises(TypeError, match=r"^scale: expected a positive finite float"):
+        FORMATS["fp8_e4m3"].quantize(torch.ones(2), scale)

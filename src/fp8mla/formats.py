@@ -69,10 +69,14 @@ class KVFormat:
     def quantize(self, x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stored values of ``x`` (any float dtype): ``clamp(x / scale, -max, max)`` in the storage dtype.
 
-        ``scale`` is a float, a 0-d tensor, or a tensor that broadcasts against ``x`` (group scales). ``x / scale``
+        ``scale`` is a positive finite float, a 0-d tensor, or a tensor that broadcasts against ``x`` (group
+        scales); zero, negative, NaN or inf is refused (``x / 0`` would store NaN and inf, saturated to
+        plausible +-max values). A tensor scale is checked on the host: one device sync, so this is a host-side
+        helper, not a hot path (the Triton write kernel has its own). ``x / scale``
         is an IEEE fp32 division (``fp32(x) / fp32(scale)``, rounded to nearest) on every device, so the stored
         bytes do not depend on where this runs (see ``_fp32_div``).
         """
+        _check_scale(scale)
         unit = not isinstance(scale, torch.Tensor) and scale == 1.0
         y = x.float() if unit else _fp32_div(x.float(), scale)
         # clamp() keeps NaN and maps +-inf to +-max: saturating, never NaN or inf from overflow. The 16-bit
@@ -81,7 +85,8 @@ class KVFormat:
 
     def dequantize(self, stored: torch.Tensor, scale: float | torch.Tensor = 1.0,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Real values ``stored * scale`` in ``dtype``."""
+        """Real values ``stored * scale`` in ``dtype``; ``scale`` as in :meth:`quantize` (checked the same way)."""
+        _check_scale(scale)
         y = stored.to(dtype)
         if isinstance(scale, torch.Tensor):
             return y * scale.to(dtype)
@@ -105,6 +110,21 @@ class KVFormat:
     def quantize_groups(self, c_kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Stored c_kv under group ``scales [..., D // 128]`` (from :meth:`group_scales`)."""
         return self.quantize(c_kv, expand_group_scales(scales, c_kv.shape[-1]))
+
+
+def _check_scale(scale) -> None:
+    """A scale must be positive and finite: real = stored x scale has no meaning for 0, < 0, NaN or inf."""
+    if isinstance(scale, torch.Tensor):
+        if not (scale.is_floating_point() and scale.numel() and bool(torch.isfinite(scale).all())
+                and bool((scale > 0).all())):
+            bad = scale if scale.numel() <= 1 else f"a {scale.dtype} tensor of shape {list(scale.shape)} " \
+                                                   "with zero, negative or non-finite values"
+            raise ValueError(f"scale: expected positive finite values, got {bad}")
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a positive finite float or a float tensor, got {type(scale).__name__}")
+    if not (0 < scale < float("inf")):  # NaN fails too
+        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
 
 
 def _fp32_div(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
