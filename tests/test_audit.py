@@ -36,8 +36,9 @@ def test_every_rule_and_shape_is_covered():
 
 def test_finding_says_where_why_and_how_to_fix():
     (f,) = [f for f in audit_file(FIXTURES / "bad_missed_call_site.py") if f.rule == "KV003"]
-    assert f.path.endswith("bad_missed_call_site.py") and f.code.startswith("wrapper.plan(")
+    assert f.path.endswith("bad_missed_call_site.py") and f.code.startswith("wrapper.begin_forward(")
     assert "self.kv_data_type" in f.message and "missed" in f.message
+    assert "BatchDecodeWithPagedKVCacheWrapper" in f.message
     assert f.fix == "pass kv_data_type=self.kv_data_type here as at the other plan() calls"
     assert str(f).startswith(f"{f.path}:{f.line}:9: KV003 ")
 
@@ -70,7 +71,7 @@ def test_star_kwargs_plan_is_not_guessed():
 
 
 def test_cli_exit_status_and_output(tmp_path, capsys):
-    assert cli(["audit", *map(str, CLEAN)]) == 0
+    assert cli(["audit", "-j", "1", *map(str, CLEAN)]) == 0
     assert "no KV-pool casts" in capsys.readouterr().out
     assert cli(["audit", str(FIXTURES)]) == 1
     out = capsys.readouterr().out
@@ -84,10 +85,10 @@ def test_cli_exit_status_and_output(tmp_path, capsys):
 
 @pytest.mark.parametrize("content, msg", [
     (None, "no such file or directory"),
-    (b"def broken(:\n", "not valid Python (line 1"),
+    (b"def broken(kv_cache:\n", "not valid Python (line 1"),
     (b"\xff\xfe\x00bin", "not a UTF-8 text file"),
 ])
-def test_unreadable_input_exits_2(tmp_path, capsys, content, msg):
+def test_unreadable_input_exits_2_when_nothing_is_flagged(tmp_path, capsys, content, msg):
     p = tmp_path / "x.py"
     if content is not None:
         p.write_bytes(content)

@@ -1,21 +1,52 @@
-"""``fp8mla audit PATH...``: static check of attention-backend sources (Python ``ast``, nothing imported) for
-KV-pool reads converted to the compute dtype and plan() calls that plan the KV as the query dtype.
-Exit status: 0 clean, 1 findings, 2 a path could not be read or parsed."""
+"""``fp8mla audit PATH...``: static check of attention-backend sources (Python ``ast``; nothing imported, no torch)
+for KV-pool reads converted to the compute dtype and FlashInfer plan() calls that plan the KV as the query dtype."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-from ..tools.audit import DEFAULT_POOL_NAMES, audit_paths, findings_json, format_findings
+from ..tools.audit import (DEFAULT_POOL_NAMES, RULES, audit_paths, exit_status, findings_json, findings_sarif,
+                           format_findings)
+
+EPILOG = """\
+rules:
+""" + "".join(f"  {r}  {d}\n" for r, d in RULES.items()) + """
+A line opts out with a comment on any line of the flagged expression:
+  # fp8mla: ignore[KV001]      (several: ignore[KV001,KV002]; every rule: # fp8mla: ignore)
+
+exit status:
+  0  every path was read and nothing was flagged
+  1  something was flagged (paths that could not be read are listed on stderr too)
+  2  nothing was flagged and some path could not be read (missing, not UTF-8, a syntax error, or
+     Python 3.12 syntax on an older Python)
+"""
 
 
 def _names(text):
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+def _rules(text):
+    got = {r.strip().upper() for r in text.split(",") if r.strip()}
+    bad = sorted(got - set(RULES))
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown rule code(s) {', '.join(bad)}; expected some of "
+                                         f"{', '.join(RULES)}")
+    return got
+
+
 def add_arguments(p):
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
     p.add_argument("paths", nargs="+", metavar="PATH", help="Python files or directories (*.py below them)")
-    p.add_argument("--json", action="store_true", help="print findings as JSON")
+    p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
+                   help="output: text (default), json, or sarif (SARIF 2.1.0 for CI code-scanning annotations)")
+    p.add_argument("--json", action="store_const", const="json", dest="format", help="same as --format json")
+    p.add_argument("--select", type=_rules, default=None, metavar="KV001,...", help="report only these rules")
+    p.add_argument("--ignore", type=_rules, default=None, metavar="KV001,...", help="do not report these rules")
+    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="worker processes for large trees (default: one per CPU; 1: none)")
     p.add_argument("--pool-names", type=_names, default=None, metavar="A,B",
                    help="names that read a KV pool (calls, attributes or variables), replacing the defaults: "
                         + ",".join(DEFAULT_POOL_NAMES))
@@ -25,13 +56,19 @@ def add_arguments(p):
 
 def main(args) -> int:
     names = tuple(args.pool_names if args.pool_names is not None else DEFAULT_POOL_NAMES) + args.add_pool_names
-    findings, errors, n = audit_paths(args.paths, pool_names=names)
-    if args.json:
-        print(json.dumps({"findings": findings_json(findings), "errors": errors, "files_checked": n}, indent=1))
+    if args.jobs is not None and args.jobs < 1:
+        print(f"fp8mla audit: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    findings, errors, n = audit_paths(args.paths, pool_names=names, select=args.select, ignore=args.ignore,
+                                      jobs=args.jobs)
+    status = exit_status(findings, errors)
+    if args.format == "json":
+        print(json.dumps({"findings": findings_json(findings), "errors": errors, "files_checked": n,
+                          "exit_status": status}, indent=1))
+    elif args.format == "sarif":
+        print(json.dumps(findings_sarif(findings, errors), indent=1))
     elif n or not errors:  # nothing read at all: the errors alone say it
         print(format_findings(findings, n))
     for e in errors:
         print(f"fp8mla audit: {e}", file=sys.stderr)
-    if errors:
-        return 2
-    return 1 if findings else 0
+    return status

@@ -1,0 +1,143 @@
+"""Rules KV002/KV003 of ``fp8mla audit``: ``plan()``/``begin_forward()`` calls of FlashInfer wrappers that plan
+the KV as the query/model dtype.
+
+1. Which wrapper: the receiver's class from the module's data flow (``self.decode_wrapper =
+   BatchMLAPagedAttentionWrapper(...)``, parameter annotations, ``List[...]`` of wrappers, subclasses); when that
+   is unknown, every FlashInfer signature the call fits (argument count, keywords, required parameters, and no
+   argument whose name is another parameter's), provided the call looks like a wrapper's plan (a dtype keyword,
+   or an ``*indptr`` first and enough positionals to reach the dtypes). A receiver of a class that is not a
+   FlashInfer wrapper (a library's compiled ``_cached_module``, an engine's own wrapper class) is not judged.
+2. Which arguments are the dtypes: resolved against :mod:`flashinfer_signatures`; when the candidate signatures
+   disagree (versions, or ragged vs paged), the call is not judged.
+3. What they are: :meth:`ModuleIndex.classify` (compute dtype / KV-cache dtype / unknown). Ragged prefill takes
+   fresh K/V and is never judged; an unknown KV dtype is never flagged.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+from .audit_flow import COMPUTE, ModuleIndex, dotted, text
+from .flashinfer_signatures import SIGNATURES, signatures_for
+
+__all__ = ["check_plans"]
+
+# an FP8 pool (or its dtype) is visible somewhere in the module: only then is a compute-dtype KV a finding
+KV_EVIDENCE = re.compile(r"kv_cache_dtype|cache_dtype|kv_dtype|kv_data_type|store_dtype|token_to_kv_pool|float8|"
+                         r"fp8|get_key_buffer|kv_cache|kv_pool|kv_buffer", re.I)
+_NOT_A_WRAPPER = re.compile(r"module|^_?ops?$|_op$|^lib|kernel|^torch$", re.I)
+_SUFFIX = re.compile(r"(_cpu|_host|_gpu|_device|_buf|_buffer|_tensor|_list)+$")
+
+
+def _norm(name: str) -> str:
+    return _SUFFIX.sub("", name.lower()).removeprefix("paged_").removeprefix("self.")
+
+
+def _loose(name: str) -> str:
+    return re.sub(r"^(kv_|qo_|q_|paged_kv_)", "", name)
+
+
+def _fits(sig, call) -> bool:
+    """``call`` could be a call of ``sig`` (count, keywords, required args, argument names)."""
+    args, kws = call.args, {k.arg for k in call.keywords}
+    if len(args) > len(sig.params) or not kws <= sig.names():
+        return False
+    given = set(sig.params[:len(args)]) | kws
+    if not set(sig.params[:sig.required]) <= given:
+        return False
+    norm = [_norm(p) for p in sig.params]
+    loose = [_loose(n) for n in norm]
+    dtypes = set(sig.q) | set(sig.kv) | {"o_data_type"}
+    for i, a in enumerate(args):
+        d = dotted(a)
+        if d is None or sig.params[i] in dtypes or re.search(r"dtype|data_type", d):
+            continue  # dtype arguments are what is judged, whatever their names say
+        n = _norm(d.split(".")[-1])
+        if n in norm and norm.index(n) != i:
+            return False  # e.g. `sm_scale` passed where this signature has `data_type`
+        ln = _loose(n)
+        if loose.count(ln) == 1 and loose.index(ln) != i and n != norm[i]:
+            return False  # `kv_indptr` in the `indices` slot of the decode signature
+    return True
+
+
+def _looks_like_plan(sig, call) -> bool:
+    kws = {k.arg for k in call.keywords}
+    if kws & (set(sig.q) | set(sig.kv)):
+        return True
+    first = dotted(call.args[0]) if call.args else None
+    pos = [sig.params.index(p) for p in sig.q + sig.kv if p in sig.params]
+    return bool(first and "indptr" in first.lower() and pos and len(call.args) > min(pos))
+
+
+def _bind(sig, call):
+    """(q expr or None, kv expr or None) of ``call`` under ``sig``; first passed parameter wins."""
+    got = dict(zip(sig.params, call.args))
+    got.update({k.arg: k.value for k in call.keywords})
+    q = next((got[p] for p in sig.q if p in got), None)
+    kv = next((got[p] for p in sig.kv if p in got), None)
+    return q, kv
+
+
+def _candidates(index: ModuleIndex, call, func):
+    """The signatures this call is judged against: None when it is not a FlashInfer wrapper call we can read."""
+    recv = call.func.value
+    types = index.wrapper_types(recv, func)
+    if types:
+        fi = {index.flashinfer_class(t) for t in types}
+        if None in fi:
+            return None  # an engine's own class (or one we cannot see through): not FlashInfer's plan()
+        return [s for c in fi for s in signatures_for(c) if _fits(s, call)] or None
+    name = (dotted(recv) or text(recv)).split(".")[-1]
+    if _NOT_A_WRAPPER.search(name):
+        return None
+    sigs = [s for s in SIGNATURES if _fits(s, call) and _looks_like_plan(s, call)]
+    if "ragged" in text(recv).lower():
+        sigs = [s for s in sigs if not s.paged]
+    return sigs or None
+
+
+def check_plans(index: ModuleIndex, source: str, emit) -> None:
+    evidence = None
+    for call, func in index.plan_calls:
+        if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+            continue  # **kwargs / *args: the dtypes cannot be seen
+        sigs = _candidates(index, call, func)
+        if not sigs or len({s.paged for s in sigs}) > 1 or not sigs[0].paged:
+            continue  # unknown, ambiguous, or ragged prefill (fresh K/V, the query dtype is right)
+        binds = {(id(q), id(kv), s.kv_default_q) for s in sigs for q, kv in [_bind(s, call)]}
+        if len(binds) > 1:
+            continue  # the versions disagree on which argument is which
+        q, kv = _bind(sigs[0], call)
+        cls = func.cls if func is not None else None
+        kv_attrs = index.kv_attrs(cls)
+        if evidence is None:
+            evidence = bool(KV_EVIDENCE.search(source))
+        method = call.func.attr
+        wrapper = sigs[0].cls
+        if kv is not None:
+            kind = index.classify(kv, func)
+            if kind == COMPUTE and evidence:
+                where = ", ".join(kv_attrs) or "the pool's dtype"
+                qs = f" (the query's is `{text(q)}`)" if q is not None else ""
+                emit(call, "KV002",
+                     f"`{method}()` of {wrapper} plans the KV data type as `{text(kv)}`, a compute dtype"
+                     f"{qs}, while an FP8-capable KV pool is visible in this module: the kernel then expects a "
+                     "compute-dtype pool, so the FP8 pool gets converted before every call",
+                     f"pass the pool's dtype as the KV data type ({where}) and the pool unconverted")
+            continue
+        if not sigs[0].kv_default_q:
+            continue  # a required argument is missing: a TypeError at run time, not this bug
+        if kv_attrs:
+            emit(call, "KV003",
+                 f"`{method}()` of {wrapper} on a paged KV cache passes no KV data type (FlashInfer then plans "
+                 f"the KV as the query dtype), but this class keeps the KV dtype in {', '.join(kv_attrs)}: "
+                 "this call site was missed",
+                 f"pass kv_data_type={kv_attrs[0]} here as at the other plan() calls")
+        elif q is not None and evidence and index.classify(q, func) == COMPUTE and re.search(
+                r"kv_cache_dtype|kv_dtype|store_dtype|float8|fp8", source, re.I):
+            emit(call, "KV002",
+                 f"`{method}()` of {wrapper} passes only a query dtype (`{text(q)}`, a compute dtype): FlashInfer "
+                 "then plans the KV as that dtype, while this module has an FP8-capable KV cache",
+                 "pass kv_data_type=<the pool's dtype> as well, and the pool unconverted")
+
