@@ -7,11 +7,21 @@ in page ``pages[t // page_size]`` at slot ``t % page_size``; flat slot id = ``pa
 
 A decode step::
 
-    cache.extend(seq_ids, 1)                      # reserve one slot per sequence (allocates pages as needed)
+    cache.reserve(seq_ids, 1)                     # reserve one slot per sequence (allocates pages as needed)
     for layer in range(num_layers):
         cache.append(layer, seq_ids, c_kv, k_pe)  # quantize-on-write into the reserved slots
     attn.plan(**cache.plan_inputs(seq_ids), num_heads=H, causal=True, sm_scale=s, q_data_type=torch.bfloat16)
     out = attn.run(q_nope, q_pe, **cache.run_inputs(layer))
+
+Two ways to write tokens, one quantize-on-write underneath:
+
+- ``append(layer, seq_ids, c_kv, k_pe)`` writes the tokens that the last :meth:`PagedMLACache.reserve` of
+  those sequences reserved; the cache knows their slots, the caller gives rows in the order of ``seq_ids``.
+- ``write(layer, slot_mapping, c_kv, k_pe)`` writes rows into any flat slot ids the caller gives (an engine's
+  ``slot_mapping``); it knows nothing of sequences. ``append`` is ``write`` on ``pending_slots(seq_ids)``.
+
+``reserve`` was called ``extend`` (a name it shared with the paged-prefill kernel, ``kernels/extend.py``, that
+has nothing to do with allocation); ``extend`` stays as an alias.
 """
 from __future__ import annotations
 
@@ -24,6 +34,64 @@ from ._checks import check_positive_int, check_tensor
 from .formats import KVFormat, get_format
 
 
+def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
+    """A per-tensor scale the format does not use must stay 1.0 (the identity): anything else was meant to
+    scale the stored values, and the format would drop it without a word."""
+    if fmt.scale_kind != "tensor" and ckv_scale != 1.0:
+        why = ("its c_kv scales are per token and 128 channels, computed on write" if fmt.scale_kind == "group"
+               else "it stores values as they are")
+        raise ValueError(f"ckv_scale: the {fmt.name} format takes no per-tensor c_kv scale ({why}); expected "
+                         f"1.0 (the default), got {ckv_scale!r}")
+    if not fmt.is_fp8 and kpe_scale != 1.0:
+        raise ValueError(f"kpe_scale: the {fmt.name} format takes no per-tensor scale (it stores values as they "
+                         f"are); expected 1.0 (the default), got {kpe_scale!r}")
+
+
+def _hashable(seq_id):
+    """``seq_id`` itself, or an error naming it when it cannot key the sequence table (a list, a set, ...)."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise TypeError(f"seq_id: expected a hashable id (an int or a str), got a {type(seq_id).__name__}: "
+                        f"{seq_id!r}") from None
+    return seq_id
+
+
+def _check_device(device) -> torch.device:
+    """The device as a torch.device, or an error naming ``device`` (torch's own is an assert about how it was
+    compiled, or a parse error listing every device type it knows)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") \
+            from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda}); expected 'cpu' here")
+        if d.index is not None and d.index >= n:
+            raise ValueError(f"device: expected cuda:0 .. cuda:{n - 1} ({n} CUDA device(s)), got {device!r}")
+    elif d.type != "cpu":
+        mod = getattr(torch, d.type, None)
+        if mod is not None and hasattr(mod, "is_available") and not mod.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch has no such device available")
+    return d
+
+
+def _device_memory(device: torch.device):
+    """Total bytes of ``device``'s memory, or None when it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            import os
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+    return None
+
+
 class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than a request needs. Nothing was allocated."""
 
@@ -32,7 +100,7 @@ class OutOfPagesError(RuntimeError):
 class _Sequence:
     pages: list = field(default_factory=list)
     length: int = 0          # tokens reserved, including the pending ones
-    pending: int = 0         # tokens reserved by the last extend(), written by append()
+    pending: int = 0         # tokens reserved by the last reserve(), written by append()
 
 
 class PagedMLACache:
@@ -44,7 +112,11 @@ class PagedMLACache:
             ``"bf16"``, ``"fp16"``).
         head_dim_ckv, head_dim_kpe: latent and rope widths (512 and 64 for DeepSeek-V2/V3, Kimi-K2).
         ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
-            ``kpe_scale`` only, its c_kv scales are computed per token on write.
+            ``kpe_scale`` only, its c_kv scales are computed per token on write. A scale other than 1.0 that
+            the format has no use for (``ckv_scale`` of the group and 16-bit formats, ``kpe_scale`` of the
+            16-bit formats) is an error: it used to be dropped silently, leaving a caller who meant it to scale
+            the values with unscaled ones.
+        device: where the pool lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); it must exist.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_format="fp8_e4m3", *,
@@ -54,9 +126,11 @@ class PagedMLACache:
                         ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
             check_positive_int(name, v)
         for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
-            if not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
                 raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
         self.format: KVFormat = get_format(kv_format, arg="kv_format")
+        _check_unused_scales(self.format, ckv_scale, kpe_scale)
+        device = _check_device(device)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
         self.ckv_scale = float(ckv_scale) if self.format.scale_kind == "tensor" else 1.0
@@ -76,10 +150,23 @@ class PagedMLACache:
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, num_layers: int, page_size: int, kv_format="fp8_e4m3",
                            *, head_dim_ckv: int = 512, head_dim_kpe: int = 64, **kw) -> "PagedMLACache":
-        """The largest cache whose pool and scales fit in ``budget_bytes``."""
+        """The largest cache whose pool and scales fit in ``budget_bytes`` (an int, or a finite float rounded
+        down; at most the device's memory). ``kw`` as in the constructor (``device``, ``ckv_scale``, ...)."""
         for name, v in (("num_layers", num_layers), ("page_size", page_size)):
             check_positive_int(name, v)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+            raise TypeError(f"budget_bytes: expected a number of bytes (an int such as 2 * 1024**3), got "
+                            f"{budget_bytes!r} ({type(budget_bytes).__name__})")
+        if not 0 < budget_bytes < float("inf"):  # NaN fails too
+            raise ValueError(f"budget_bytes: expected a positive finite number of bytes, got {budget_bytes!r}")
         fmt = get_format(kv_format, arg="kv_format")
+        # Checked before any allocation: the constructor would build a Python free list of num_pages entries.
+        _check_unused_scales(fmt, kw.get("ckv_scale", 1.0), kw.get("kpe_scale", 1.0))
+        device = _check_device(kw.get("device", "cpu"))
+        total = _device_memory(device)
+        if total is not None and budget_bytes > total:
+            raise ValueError(f"budget_bytes: {budget_bytes:.4g} B is more than the memory of {device} "
+                             f"({total:.4g} B); expected a budget that fits")
         per_page = num_layers * page_size * fmt.bytes_per_token(head_dim_ckv, head_dim_kpe)
         num_pages = int(budget_bytes) // per_page
         if num_pages < 1:
@@ -124,8 +211,21 @@ class PagedMLACache:
     def sequences(self) -> list[int]:
         return list(self._seqs)
 
+    @staticmethod
+    def _id_list(seq_ids) -> list:
+        """One id or a list / tuple / range of ids, as a list. Sets are refused: their order is arbitrary, and the
+        rows of c_kv, the slots returned and the plan follow the order of ``seq_ids``."""
+        if isinstance(seq_ids, (list, tuple, range)):
+            return list(seq_ids)
+        if isinstance(seq_ids, (set, frozenset, dict)) or (isinstance(seq_ids, torch.Tensor) and seq_ids.dim()):
+            raise TypeError(f"seq_ids: expected one id or a list or tuple of ids (in the order of the rows), got "
+                            f"a {type(seq_ids).__name__}")
+        if isinstance(seq_ids, torch.Tensor):
+            return [int(seq_ids)]
+        return [seq_ids]
+
     def _seq(self, seq_id) -> _Sequence:
-        if seq_id not in self._seqs:
+        if _hashable(seq_id) not in self._seqs:
             raise KeyError(f"seq_id: no sequence {seq_id!r} in the cache (live ids: {sorted(self._seqs)[:16]})")
         return self._seqs[seq_id]
 
@@ -139,12 +239,12 @@ class PagedMLACache:
         """Register a new sequence (an id is chosen when ``seq_id`` is None) and reserve ``num_tokens`` slots."""
         if seq_id is None:
             seq_id = next(i for i in self._ids if i not in self._seqs)
-        elif seq_id in self._seqs:
+        elif _hashable(seq_id) in self._seqs:
             raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
         self._seqs[seq_id] = _Sequence()
         if num_tokens:
             try:
-                self.extend(seq_id, num_tokens)
+                self.reserve(seq_id, num_tokens)
             except Exception:
                 del self._seqs[seq_id]
                 raise
@@ -163,12 +263,17 @@ class PagedMLACache:
         return max(0, -(-(seq.length + n) // self.page_size) - len(seq.pages))
 
     def extend(self, seq_ids, num_tokens) -> torch.Tensor:
+        """Alias of :meth:`reserve`, its old name (kept for existing callers; new code says ``reserve``)."""
+        return self.reserve(seq_ids, num_tokens)
+
+    def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
         """Reserve ``num_tokens`` more slots at the end of each sequence; returns their flat slot ids (int64).
+        Nothing is written: :meth:`append` fills the reserved slots, layer by layer.
 
         ``seq_ids`` is one id or a list; ``num_tokens`` an int or one per sequence. All or nothing: when the
         pool cannot hold every request, nothing is reserved and :class:`OutOfPagesError` is raised.
         """
-        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+        ids = self._id_list(seq_ids)
         counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
@@ -237,27 +342,28 @@ class PagedMLACache:
 
     # -- writes ---------------------------------------------------------------------------------------------
     def pending_slots(self, seq_ids) -> torch.Tensor:
-        """Flat slot ids of the tokens reserved by the last :meth:`extend` of each sequence, in order."""
+        """Flat slot ids of the tokens reserved by the last :meth:`reserve` of each sequence, in order."""
         slots = []
-        for i in (list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]):
+        for i in self._id_list(seq_ids):
             s = self._seq(i)
             for t in range(s.length - s.pending, s.length):
                 slots.append(s.pages[t // self.page_size] * self.page_size + t % self.page_size)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def append(self, layer: int, seq_ids, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Quantize and write the new tokens of ``seq_ids`` (reserved by the last :meth:`extend`).
+        """Quantize and write the new tokens of ``seq_ids`` (reserved by the last :meth:`reserve`): the cache
+        finds their slots. :meth:`write` is the same for slots the caller gives.
 
         Args:
             c_kv: ``[T, head_dim_ckv]``, k_pe: ``[T, head_dim_kpe]`` (any float dtype); T = tokens reserved by
-                the last extend() of these sequences, in the order of ``seq_ids``.
+                the last reserve() of these sequences, in the order of ``seq_ids``.
         """
-        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
-        self.write(layer, self.pending_slots(ids), c_kv, k_pe)
+        self.write(layer, self.pending_slots(self._id_list(seq_ids)), c_kv, k_pe)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, *,
               use_triton: bool | None = None) -> None:
-        """Quantize ``c_kv [T, Dc]``/``k_pe [T, Dk]`` into flat slots ``slot_mapping [T]`` of ``layer``.
+        """Quantize ``c_kv [T, Dc]``/``k_pe [T, Dk]`` into flat slots ``slot_mapping [T]`` of ``layer`` (any slots:
+        an engine's slot mapping; :meth:`append` is this on the slots its sequences reserved).
 
         ``use_triton``: write with the Triton quantize-on-write kernel (default: when the pool is on CUDA and
         triton imports). It stores the same bytes and scales as the torch code below.
@@ -294,20 +400,29 @@ class PagedMLACache:
         rows[slot_mapping, Dc:] = fmt.quantize(k_pe, self.kpe_scale)
 
     # -- plan / run inputs ----------------------------------------------------------------------------------
-    def plan_inputs(self, seq_ids, qo_lens=None) -> dict:
+    def plan_inputs(self, seq_ids, qo_lens=None, *, _device=None) -> dict:
         """The cache-side arguments of ``MLAPagedAttention.plan`` for a batch of sequences.
 
-        ``qo_lens``: query tokens per sequence (default 1: decode). Returns ``qo_indptr, kv_indptr,
-        kv_indices, kv_len_arr`` (int32, on the cache's device), ``head_dim_ckv, head_dim_kpe, page_size,
-        kv_data_type`` (the format's name).
+        ``seq_ids``: one id or a list (as the other methods). ``qo_lens``: query tokens per sequence (default 1:
+        decode; an int for all). Returns ``qo_indptr, kv_indptr, kv_indices, kv_len_arr`` (int32, on the cache's
+        device), ``head_dim_ckv, head_dim_kpe, page_size, kv_data_type`` (the format's name).
         """
-        ids = list(seq_ids)
-        qo_lens = [1] * len(ids) if qo_lens is None else list(qo_lens)
+        ids = self._id_list(seq_ids)
+        if qo_lens is None or (isinstance(qo_lens, int) and not isinstance(qo_lens, bool)):
+            qo_lens = [1 if qo_lens is None else qo_lens] * len(ids)
+        elif isinstance(qo_lens, (list, tuple, range)):
+            qo_lens = list(qo_lens)
+        else:
+            raise TypeError(f"qo_lens: expected an int or a list of ints (one per sequence), got "
+                            f"{type(qo_lens).__name__}")
+        for n in qo_lens:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"qo_lens: expected non-negative ints, got {n!r}")
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
         seqs = [self._seq(i) for i in ids]
         kv_pages = [len(s.pages[: -(-s.length // self.page_size)]) for s in seqs]
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device if _device is None else _device)
         return dict(
             qo_indptr=torch.tensor([0] + list(itertools.accumulate(qo_lens)), **i32),
             kv_indptr=torch.tensor([0] + list(itertools.accumulate(kv_pages)), **i32),
@@ -317,7 +432,31 @@ class PagedMLACache:
             kv_data_type=self.format.name,
         )
 
+    def layout(self, seq_ids, qo_lens=None):
+        """The batch's page table as a :class:`~fp8mla.layout.PagedLayout` on the cache's device, with the host
+        lengths filled in (built from host lists, checked on the host, copied to the device without a sync).
+        Arguments as :meth:`plan_inputs`; pass it to ``MLAPagedAttention.plan_layout``."""
+        from .layout import PagedLayout
+        args = self.plan_inputs(seq_ids, qo_lens, _device="cpu")
+        return PagedLayout.from_csr(args["qo_indptr"], args["kv_indptr"], args["kv_indices"], args["kv_len_arr"],
+                                    self.page_size, device=self.device)
+
     def run_inputs(self, layer: int) -> dict:
         """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``."""
         return dict(ckv_cache=self.ckv_cache(layer), kpe_cache=self.kpe_cache(layer),
                     ckv_scale=self.ckv_scale, kpe_scale=self.kpe_scale, ckv_scale_arr=self.ckv_scale_arr(layer))
+
+    def unreserve(self, seq_ids) -> None:
+        """Undo the last reservation of each sequence (a step that failed after reserving): its pending tokens are
+        dropped and the pages they alone took go back to the pool. Tokens written before stay as they were.
+        (A shared last page copied by that reservation stays the sequence's private copy, with equal contents.)"""
+        ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+        for s in [self._seq(i) for i in ids]:  # all ids checked before anything changes
+            s.length -= s.pending
+            s.pending = 0
+            keep = -(-s.length // self.page_size)
+            for p in s.pages[keep:]:
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    self._free.append(p)
+            del s.pages[keep:]

@@ -1,7 +1,12 @@
-"""One timing helper and one ceiling probe, shared by every benchmark.
+"""Every timer and the ceiling probe, shared by every benchmark (one module: no benchmark imports another's).
+
+Timers: :func:`events_ms` (CUDA events around each call), :func:`time_ms` (a CUDA-graph replay of ``fn``, L2
+flushed: the kernels' time), :func:`step_time_ms` (CUDA events on a GPU, wall clock on a CPU: a whole model step
+as it runs), :func:`cpu_time_ms` (wall clock: host work such as planning, or CPU dry runs) and
+:func:`kernel_time_ms` (the sum of the device time of the kernels one call launches, from the profiler).
 
 Ceilings are measured in the same run as the kernels: read bandwidth (``torch.sum`` over >= 4 GB) and bf16
-matmul rate (8192^3). Kernel times are medians of CUDA-graph replays with the L2 flushed before each replay.
+matmul rate (8192^3).
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ class Ceilings:
         return max(bytes_ / (self.read_gbps * 1e9), flops / (self.matmul_tflops * 1e12)) * 1e3
 
 
-def _events_ms(fn, reps: int, flush=None) -> list[float]:
+def events_ms(fn, reps: int, flush=None) -> list[float]:
+    """CUDA-event time of each of ``reps`` calls of ``fn()`` (``flush()`` before each, untimed)."""
     times = []
     for _ in range(reps):
         if flush is not None:
@@ -42,15 +48,18 @@ def measure_ceilings(device="cuda", read_gb: float = 4.0, reps: int = 20) -> Cei
     n = int(read_gb * 1e9) // 2
     x = torch.randn(n // 4096, 4096, device=device).to(torch.bfloat16)  # random, never zeros
     torch.sum(x, dtype=torch.float32)
-    t_read = statistics.median(_events_ms(lambda: torch.sum(x, dtype=torch.float32), reps))
+    t_read = statistics.median(events_ms(lambda: torch.sum(x, dtype=torch.float32), reps))
     nbytes = x.numel() * 2
     del x
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    t_mm = statistics.median(_events_ms(lambda: a @ b, reps))
+    t_mm = statistics.median(events_ms(lambda: a @ b, reps))
     return Ceilings(nbytes / (t_read * 1e-3) / 1e9, 2 * 8192**3 / (t_mm * 1e-3) / 1e12)
+
+
+_events_ms = events_ms  # the old private name, still imported by some benchmarks
 
 
 class L2Flush:
@@ -93,7 +102,51 @@ def time_ms(fn, *, reps: int = 50, warmup: int = 3, cuda_graph: bool = True, flu
     run()
     torch.cuda.synchronize()
     flush = L2Flush() if flush_l2 else None
-    return statistics.median(_events_ms(run, reps, flush))
+    return statistics.median(events_ms(run, reps, flush))
+
+
+def cpu_time_ms(fn, reps: int, warmup: int = 1, **_) -> float:
+    """Median wall-clock ms of ``fn()`` (no device sync: on a GPU this is the host's share of the work)."""
+    import time
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def step_time_ms(fn, reps: int, device, warmup: int = 2) -> float:
+    """Median ms of ``fn()`` as it runs (no graph is made here, no L2 flush): CUDA events on a GPU (the step's
+    host work counts when the GPU waits for it), wall clock on a CPU."""
+    if torch.device(device).type != "cuda":
+        return cpu_time_ms(fn, reps, warmup)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(events_ms(fn, reps))
+
+
+def kernel_time_ms(fn, reps: int = 3) -> tuple[float, int]:
+    """``(device ms, kernels)`` per call of ``fn()``: the sum of the durations of the GPU kernels it launches
+    (profiler, CUDA activity; memcpy/memset included), averaged over ``reps`` calls. This is what a step would
+    take with no gap at all between its kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us, n = 0.0, 0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset as the GPU ran it
+            total_us += e.time_range.elapsed_us()
+            n += 1
+    return total_us / reps / 1e3, n // reps
 
 
 def start_run(what: str, out_dir: str) -> Ceilings | None:

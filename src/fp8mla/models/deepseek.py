@@ -75,13 +75,17 @@ def _attn_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class MLAStep:
-    """Everything one forward step shares across layers: reserved slots, rope angles, and the plans."""
+    """Everything one forward step shares across layers: reserved slots, rope angles, and the plans.
+
+    Rows of the step's hidden states are the sequences' new tokens, in ``seq_ids`` order (``num_tokens[i]`` rows
+    for ``seq_ids[i]``); their positions are the sequences' lengths in the cache before the step, counting up.
+    """
 
     cache: PagedMLACache
     seq_ids: list
     num_tokens: list
     prefix_lens: list            # tokens each sequence had in the cache before this step
-    slots: torch.Tensor          # [T] int64 flat cache slots of the new tokens (from cache.extend)
+    slots: torch.Tensor          # [T] int64 flat cache slots of the new tokens (from the cache's reservation)
     cos: torch.Tensor            # [T, rope_dim // 2] fp32
     sin: torch.Tensor
     attn_dtype: torch.dtype
@@ -93,21 +97,32 @@ class MLAStep:
     paged: MLAPagedAttention | None     # absorbed decode over the paged pool
     rope: YarnRope
     backend: str = "auto"
+    fused: bool = False          # decode-only steps use the fused Triton kernels (models/fused.py)
+    reserved: bool = True        # the slots are still this step's to give back (see cancel())
+    committed: bool = False      # a forward pass finished: a later failure no longer gives the slots back
 
     @property
     def num_rows(self) -> int:
         return self.slots.numel()
 
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill_rows is None
 
-def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rope: YarnRope,
-               num_heads: int, attn_dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> MLAStep:
-    """Reserve ``num_tokens[i]`` new slots for each ``seq_ids[i]`` (already added to ``cache``) and plan the
-    step. Rows of the step's hidden states are the sequences' new tokens, in ``seq_ids`` order.
+    def cancel(self) -> None:
+        """Give the step's reservation back to the cache (a failed step): nothing leaks. Once only; a step whose
+        forward pass completed keeps its tokens."""
+        if self.reserved and not self.committed:
+            self.cache.unreserve(self.seq_ids)
+            self.reserved = False
 
-    A sequence takes the decode path when it adds one token to a non-empty prefix, else the prefill path.
-    All or nothing: when the pool cannot hold the tokens, :class:`~fp8mla.cache.OutOfPagesError` is raised
-    and nothing is reserved.
-    """
+
+def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
+    # ``reserve`` is the new name of ``extend`` (kept as an alias); either reserves slots, all or nothing.
+    return (cache.reserve if hasattr(cache, "reserve") else cache.extend)(ids, counts)
+
+
+def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -> tuple[list, list]:
     ids = list(seq_ids)
     counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
     if not ids:
@@ -119,55 +134,101 @@ def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rop
     if (cache.head_dim_ckv, cache.head_dim_kpe) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
         raise ValueError(f"cache: head dims ({cache.head_dim_ckv}, {cache.head_dim_kpe}) differ from the model's "
                          f"kv_lora_rank/qk_rope_head_dim ({cfg.kv_lora_rank}, {cfg.qk_rope_head_dim})")
+    return ids, counts
+
+
+def plan_decode(attn: MLAPagedAttention, cache: PagedMLACache, seq_ids: list, *, num_heads: int, sm_scale: float,
+                attn_dtype: torch.dtype) -> None:
+    """Plan one decode query per sequence over the cache's page tables (the cache's layout when it has one)."""
+    if hasattr(cache, "layout") and hasattr(attn, "plan_layout"):
+        attn.plan_layout(cache.layout(seq_ids), num_heads, cache.head_dim_ckv, cache.head_dim_kpe, True, sm_scale,
+                         attn_dtype, cache.format.name)
+    else:
+        attn.plan(**cache.plan_inputs(seq_ids), num_heads=num_heads, causal=True, sm_scale=sm_scale,
+                  q_data_type=attn_dtype)
+
+
+def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rope: YarnRope,
+               num_heads: int, attn_dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+               fused: bool = False) -> MLAStep:
+    """Reserve ``num_tokens[i]`` new slots for each ``seq_ids[i]`` (already added to ``cache``) and plan the
+    step. Rows of the step's hidden states are the sequences' new tokens, in ``seq_ids`` order.
+
+    A sequence takes the decode path when it adds one token to a non-empty prefix, else the prefill path.
+    All or nothing: when the pool cannot hold the tokens, :class:`~fp8mla.cache.OutOfPagesError` is raised
+    and nothing is reserved; when planning fails, the reservation is given back. Host work: O(batch) Python and
+    vectorized tensor ops (the positions, rows and prefill index arrays are never built token by token).
+    """
+    ids, counts = check_step_args(cache, seq_ids, num_tokens, cfg)
     prefix = [cache.seq_len(s) for s in ids]
-    slots = cache.extend(ids, counts)
+    slots = _reserve(cache, ids, counts)
+    try:
+        return _plan_step(cache, ids, counts, prefix, slots, cfg=cfg, rope=rope, num_heads=num_heads,
+                          attn_dtype=attn_dtype, backend=backend, fused=fused)
+    except BaseException:
+        cache.unreserve(ids)
+        raise
+
+
+def _plan_step(cache, ids, counts, prefix, slots, *, cfg, rope, num_heads, attn_dtype, backend, fused) -> MLAStep:
     dev = cache.device
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, counts)])
-    cos, sin = rope.cos_sin(positions.to(dev))
-    is_dec = [n == 1 and p > 0 for n, p in zip(counts, prefix)]
-    starts = [0]
-    for n in counts:
-        starts.append(starts[-1] + n)
-
-    def rows(sel):
-        r = [i for b, s in enumerate(sel) if s for i in range(starts[b], starts[b + 1])]
-        return None if not r else torch.tensor(r, dtype=torch.int64, device=dev)
-
-    i32 = dict(dtype=torch.int32, device=dev)
-    step = MLAStep(cache, ids, counts, prefix, slots, cos, sin, attn_dtype, rows([not d for d in is_dec]),
-                   rows(is_dec), None, None, None, None, rope, backend)
+    B = len(ids)
+    cnt = torch.tensor(counts, dtype=torch.int64)
+    pre = torch.tensor(prefix, dtype=torch.int64)
+    T = int(sum(counts))
+    is_dec = (cnt == 1) & (pre > 0)
+    n_dec = int(is_dec.sum())
+    if n_dec == B:  # the common decode step: one token per sequence at position = its prefix
+        positions = pre
+    else:  # token i of sequence b sits at prefix[b] + i
+        start = torch.cumsum(cnt, 0) - cnt
+        positions = torch.repeat_interleave(pre - start, cnt, output_size=T) + torch.arange(T)
+    cos, sin = rope.cos_sin(positions.to(dev, non_blocking=True))
+    prefill_rows = decode_rows = None
+    if n_dec == B:
+        decode_rows = torch.arange(T, device=dev)
+    elif n_dec == 0:
+        prefill_rows = torch.arange(T, device=dev)
+    else:
+        tok_dec = torch.repeat_interleave(is_dec, cnt, output_size=T)
+        decode_rows = torch.nonzero(tok_dec).view(-1).to(dev, non_blocking=True)
+        prefill_rows = torch.nonzero(~tok_dec).view(-1).to(dev, non_blocking=True)
+    step = MLAStep(cache, ids, counts, prefix, slots, cos, sin, attn_dtype, prefill_rows, decode_rows, None, None,
+                   None, None, rope, backend, fused=fused and n_dec == B)
     sm_scale = cfg.sm_scale
-    pre = [b for b, d in enumerate(is_dec) if not d]
-    if pre:
-        qo = torch.tensor([0] + _cumsum(counts[b] for b in pre), **i32)
+    i32 = dict(dtype=torch.int32, device=dev)
+    if n_dec < B:
+        pre_b = torch.nonzero(~is_dec).view(-1).tolist()     # O(batch)
+        qo = torch.zeros(len(pre_b) + 1, dtype=torch.int64)
+        torch.cumsum(cnt[pre_b], 0, out=qo[1:])
+        qo = qo.to(**i32)
         step.ragged = MLARaggedPrefill(backend=backend)
         step.ragged.plan(qo, qo, num_heads, num_heads, cfg.qk_head_dim, cfg.v_head_dim, causal=True,
                          sm_scale=sm_scale, q_data_type=attn_dtype, kv_data_type=attn_dtype)
-        if any(prefix[b] for b in pre):
+        with_prefix = [b for b in pre_b if prefix[b]]
+        if with_prefix:
+            # The prefill chunks' cached prefixes: their pages (a prefill step reads its tokens anyway).
             ps = cache.page_size
-            pages = [cache.pages(ids[b])[: -(-prefix[b] // ps)] for b in pre]
+            pages = [cache.pages(ids[b])[: -(-prefix[b] // ps)] for b in pre_b]
+            n_pages = torch.tensor([len(p) for p in pages], dtype=torch.int64)
+            kv_indptr = torch.zeros(len(pre_b) + 1, dtype=torch.int64)
+            torch.cumsum(n_pages, 0, out=kv_indptr[1:])
+            plen = pre[pre_b]
             step.prefix_gather = dict(
-                kv_indptr=torch.tensor([0] + _cumsum(len(p) for p in pages), **i32),
+                kv_indptr=kv_indptr.to(**i32),
                 kv_indices=torch.tensor([x for p in pages for x in p], **i32),
-                kv_len_arr=torch.tensor([prefix[b] for b in pre], **i32))
-            kv = torch.tensor([0] + _cumsum(prefix[b] for b in pre), **i32)
+                kv_len_arr=plen.to(**i32))
+            kv = torch.zeros(len(pre_b) + 1, dtype=torch.int64)
+            torch.cumsum(plen, 0, out=kv[1:])
             step.ragged_prefix = MLARaggedPrefill(backend=backend)
-            step.ragged_prefix.plan(qo, kv, num_heads, num_heads, cfg.qk_head_dim, cfg.v_head_dim, causal=False,
-                                    sm_scale=sm_scale, q_data_type=attn_dtype, kv_data_type=attn_dtype)
-    dec = [ids[b] for b, d in enumerate(is_dec) if d]
-    if dec:
+            step.ragged_prefix.plan(qo, kv.to(**i32), num_heads, num_heads, cfg.qk_head_dim, cfg.v_head_dim,
+                                    causal=False, sm_scale=sm_scale, q_data_type=attn_dtype,
+                                    kv_data_type=attn_dtype)
+    if n_dec:
+        dec = [ids[b] for b in torch.nonzero(is_dec).view(-1).tolist()]
         step.paged = MLAPagedAttention(backend=backend)
-        step.paged.plan(**cache.plan_inputs(dec), num_heads=num_heads, causal=True, sm_scale=sm_scale,
-                        q_data_type=attn_dtype)
+        plan_decode(step.paged, cache, dec, num_heads=num_heads, sm_scale=sm_scale, attn_dtype=attn_dtype)
     return step
-
-
-def _cumsum(xs) -> list[int]:
-    out, t = [], 0
-    for x in xs:
-        t += x
-        out.append(t)
-    return out
 
 
 class DeepseekMLA(nn.Module):
@@ -258,13 +319,15 @@ class DeepseekMLA(nn.Module):
         T, H = step.num_rows, self.num_local_heads
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")
+        if step.fused:
+            return self._decode_step(x, step)
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(T, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         ckv = self.kv_a_layernorm(ckv)
         q_pe = _rope(step, q_pe)
         k_pe = _rope(step, k_pe)
-        step.cache.write(self.layer_idx, step.slots, ckv, k_pe)  # quantize-on-write, before decode reads it
+        _write(step, self.layer_idx, ckv, k_pe)  # quantize-on-write, before decode reads it
 
         if step.decode_rows is None:
             o = self._prefill(q_nope, q_pe, ckv, k_pe, step)
@@ -275,8 +338,37 @@ class DeepseekMLA(nn.Module):
             pr, dr = step.prefill_rows, step.decode_rows
             o[pr] = self._prefill(q_nope[pr], q_pe[pr], ckv[pr], k_pe[pr], step)
             o[dr] = self._decode(q_nope[dr], q_pe[dr], step)
-        out = self.tp.all_reduce(F.linear(o.reshape(T, H * c.v_head_dim), self.o_proj.weight))
+        return self._out(o, T)
+
+    def _out(self, o: torch.Tensor, T: int) -> torch.Tensor:
+        c = self.cfg
+        out = self.tp.all_reduce(F.linear(o.reshape(T, self.num_local_heads * c.v_head_dim), self.o_proj.weight))
         return out if self.o_proj.bias is None else out + self.o_proj.bias
+
+    def _decode_step(self, x: torch.Tensor, step: MLAStep) -> torch.Tensor:
+        """A decode-only step with the fused kernels: no host sync, nothing sized by data (CUDA-graph safe).
+        Launches per layer: q_a, norm, q_b, kv_a, norm+rope+write, q rope, absorb, attention (+ merge), W_UV,
+        o_proj (+ all-reduce)."""
+        from . import fused
+        c, cache = self.cfg, step.cache
+        T, H = step.num_rows, self.num_local_heads
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(fused.rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS))
+        q = q.view(T, H, c.qk_head_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        if fused.supports_kv_format(cache.format):
+            rows = cache.pool[self.layer_idx].view(cache.num_pages * cache.page_size, -1)
+            fused.kv_norm_rope_write(kv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, step.cos, step.sin,
+                                     step.slots, rows, cache.format, cache.ckv_scale, cache.kpe_scale,
+                                     interleave=c.rope_interleave, head_dim_ckv=c.kv_lora_rank)
+        else:  # group scales: the torch norm and rope, then the quantize-on-write kernel
+            ckv, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            _write(step, self.layer_idx, self.kv_a_layernorm(ckv), _rope(step, k_pe))
+        q_pe = fused.q_rope(q, c.qk_nope_head_dim, step.cos, step.sin, step.attn_dtype, interleave=c.rope_interleave)
+        o = self._decode(q[..., : c.qk_nope_head_dim], q_pe, step)
+        return self._out(o, T)
 
     def _up_project(self, ckv: torch.Tensor, k_pe: torch.Tensor, adt: torch.dtype):
         """Per-head ``k [n, H, nope + rope]`` and ``v [n, H, v]`` of latents, in the attention dtype."""
@@ -317,6 +409,20 @@ def _rope(step: MLAStep, x: torch.Tensor) -> torch.Tensor:
     return step.rope.apply(x, step.cos, step.sin)
 
 
+def _write(step: MLAStep, layer: int, ckv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """Quantize-on-write of the step's tokens. On a GPU the kernel is called directly: the slots came from the
+    allocator (no range check, which would cost a device-to-host sync per layer and break graph capture)."""
+    cache = step.cache
+    if cache.device.type != "cuda":
+        cache.write(layer, step.slots, ckv, k_pe)
+        return
+    from ..kernels.quant_append import quant_append
+    total = cache.num_pages * cache.page_size
+    scales = None if cache.scale_arr is None else cache.scale_arr[layer].view(total, -1)
+    quant_append(cache.pool[layer].view(total, -1), scales, step.slots, ckv, k_pe, cache.format, cache.ckv_scale,
+                 cache.kpe_scale)
+
+
 def _randn(shape: tuple, key: list) -> torch.Tensor:
     seed = 0
     for k in key:
@@ -348,7 +454,7 @@ class DeepseekMLAModel(nn.Module):
     """
 
     def __init__(self, cfg, num_layers: int | None = None, *, dtype=torch.bfloat16, device="cpu", tp_group=None,
-                 backend: str = "auto"):
+                 backend: str = "auto", fused: bool | None = None):
         super().__init__()
         self.cfg = cfg = load_config(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
@@ -358,6 +464,10 @@ class DeepseekMLAModel(nn.Module):
                                     for i in range(n))
         self.backend, self.dtype, self.device = backend, dtype, torch.device(device)
         self.rope = YarnRope(cfg, device=device)
+        if fused is None:  # the fused decode kernels: on a GPU with triton (tests force them under the interpreter)
+            import importlib.util
+            fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.fused = bool(fused)
 
     @property
     def num_local_heads(self) -> int:
@@ -389,10 +499,18 @@ class DeepseekMLAModel(nn.Module):
         if cache.num_layers < len(self.layers):
             raise ValueError(f"cache: {cache.num_layers} layers, the model has {len(self.layers)}")
         return begin_step(cache, seq_ids, num_tokens, cfg=self.cfg, rope=self.rope,
-                          num_heads=self.num_local_heads, attn_dtype=_attn_dtype(self.dtype), backend=self.backend)
+                          num_heads=self.num_local_heads, attn_dtype=_attn_dtype(self.dtype), backend=self.backend,
+                          fused=self.fused)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: MLAStep) -> torch.Tensor:
-        for blk in self.layers:
-            x = blk(x, step)
+        """The residual stream after every layer's ``x + attn(norm(x))``, ``[T, hidden_size]``. A failure gives the
+        step's reservation back to the cache (see :meth:`MLAStep.cancel`)."""
+        try:
+            for blk in self.layers:
+                x = blk(x, step)
+        except BaseException:
+            step.cancel()
+            raise
+        step.committed = True
         return x
