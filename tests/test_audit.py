@@ -85,7 +85,7 @@ def test_cli_exit_status_and_output(tmp_path, capsys):
 
 @pytest.mark.parametrize("content, msg", [
     (None, "no such file or directory"),
-    (b"def broken(kv_cache:\n", "not valid Python (line 1"),
+    (b"def broken(kv_cache.to(:\n", "not valid Python (line 1"),
     (b"\xff\xfe\x00bin", "not a UTF-8 text file"),
 ])
 def test_unreadable_input_exits_2_when_nothing_is_flagged(tmp_path, capsys, content, msg):

@@ -40,8 +40,9 @@ RULES = {
 _IGNORE = re.compile(r"#\s*fp8mla:\s*ignore(?:\[([A-Za-z0-9_,\s]*)\])?")
 _PEP695 = re.compile(r"^[ \t]*(type[ \t]+[A-Za-z_]\w*[ \t]*(\[[^\]\n]*\])?[ \t]*=|(async[ \t]+)?def[ \t]+\w+[ \t]*\[|"
                      r"class[ \t]+\w+[ \t]*\[)", re.M)
-# a file with none of these strings cannot produce a finding; it is not parsed (the speed of whole-tree runs)
+# a file without these strings cannot produce a finding of the rule; it is not parsed for it (whole-tree speed)
 _PLAN_TOKENS = ("plan(", "begin_forward(")
+_CAST_TOKENS = (".to(", ".float(", ".half(", ".bfloat16(", ".double(", ".type(", ".type_as(")
 
 
 class AuditError(Exception):
@@ -98,9 +99,10 @@ def _parse(source, path):
 def audit_source(source: str, path: str = "<string>", pool_names=DEFAULT_POOL_NAMES, select=None,
                  ignore=None) -> list:
     """Findings in one Python source text. Raises :class:`AuditError` on a syntax error of a file that could
-    have findings (one with none of the pool names and no ``plan(``/``begin_forward(`` is not parsed)."""
+    have findings (a file with no ``plan(``/``begin_forward(`` and no pool name next to a conversion spelling
+    such as ``.to(`` is not parsed)."""
     select, ignore = _check_rules(select, "select"), _check_rules(ignore, "ignore") or set()
-    want_casts = any(n in source for n in pool_names)
+    want_casts = any(t in source for t in _CAST_TOKENS) and any(n in source for n in pool_names)
     want_plans = any(t in source for t in _PLAN_TOKENS)
     if not (want_casts or want_plans):
         return []
@@ -117,11 +119,17 @@ def audit_source(source: str, path: str = "<string>", pool_names=DEFAULT_POOL_NA
         code = lines[node.lineno - 1].strip() if 0 < node.lineno <= len(lines) else ""
         found[key] = Finding(path, node.lineno, node.col_offset, rule, message, fix, code)
 
-    index = ModuleIndex(tree)
+    built = []
+
+    def get_index():
+        if not built:
+            built.append(ModuleIndex(tree))
+        return built[0]
+
     if want_casts:
-        check_casts(tree, index, pool_names, emit)
+        check_casts(tree, get_index, pool_names, emit)
     if want_plans:
-        check_plans(index, source, emit)
+        check_plans(get_index(), source, emit)
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.rule))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import re
 
-from .audit_flow import COMPUTE, KV, MIXED, ModuleIndex, dotted, leaf, text
+from .audit_flow import COMPUTE, KV, MIXED, dotted, leaf, text
 
 __all__ = ["DEFAULT_POOL_NAMES", "check_casts"]
 
@@ -34,9 +34,9 @@ FIX = ("read the pool in its own dtype: plan attention with kv_data_type=<the po
 
 
 class _PoolCasts:
-    def __init__(self, pool_names, index: ModuleIndex, emit):
+    def __init__(self, pool_names, get_index, emit):
         self.names = set(pool_names)
-        self.index = index
+        self.get_index = get_index  # the module's data flow, built only if a conversion needs judging
         self.emit = emit
 
     def pool(self, node, env: dict):
@@ -127,7 +127,8 @@ class _PoolCasts:
                 continue
             desc, tgt = got
             if tgt is not None:
-                kind = self.index.classify(tgt, func)
+                index = self.get_index()
+                kind = index.classify(tgt, index.funcs.get(id(func)) if func is not None else None)
                 if kind in (KV, MIXED):
                     continue  # converted to the KV cache's own dtype: no widening to the compute dtype
                 if kind != COMPUTE and self._guarded(tgt, guards):
@@ -155,7 +156,7 @@ class _PoolCasts:
                 for d in st.decorator_list:
                     self.check(d, env, func, guards)
                 # a closure sees the names bound so far
-                self.run(st.body, dict(env), self.index.funcs.get(id(st), func), ())
+                self.run(st.body, dict(env), st, ())
             elif isinstance(st, ast.ClassDef):
                 self.run(st.body, {}, None, ())
             elif isinstance(st, (ast.Assign, ast.AnnAssign)):
@@ -191,5 +192,6 @@ class _PoolCasts:
                 self.check(st, env, func, guards)
 
 
-def check_casts(tree, index: ModuleIndex, pool_names, emit) -> None:
-    _PoolCasts(pool_names, index, emit).run(tree.body, {})
+def check_casts(tree, get_index, pool_names, emit) -> None:
+    """``get_index()`` returns the module's :class:`ModuleIndex` (built on first use)."""
+    _PoolCasts(pool_names, get_index, emit).run(tree.body, {})

@@ -107,6 +107,7 @@ class ModuleIndex:
         self.appends = {}        # receiver leaf -> [value] for `<x>.append(value)`
         self.ctor_calls = {}     # class name -> [(call, _Func|None)]
         self.plan_calls = []     # (call, _Func|None)
+        self.aliases = {}        # import alias -> imported name
         self._memo = {}
         self._visit_body(tree.body, None, None)
 
@@ -124,6 +125,11 @@ class ModuleIndex:
             for d in node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d]:
                 self._exprs(d, cls, func)
             self._visit_body(node.body, cls if func is None else None, f)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:  # `from flashinfer import BatchMLAPagedAttentionWrapper as MLAWrapper`
+                if a.asname:
+                    self.aliases[a.asname] = a.name.split(".")[-1]
             return
         if isinstance(node, ast.ClassDef):
             c = _Class(node)
@@ -311,6 +317,7 @@ class ModuleIndex:
             return set()
         if isinstance(expr, ast.Call):
             name = leaf(expr.func)
+            name = self.aliases.get(name, name)
             if name in WRAPPER_CLASSES or name in self.classes:
                 return {name}
             return set()
@@ -364,18 +371,20 @@ class ModuleIndex:
                 ann = ast.parse(ann.value, mode="eval").body
             except SyntaxError:
                 return set()
-        return {n for n in (leaf(x) for x in ast.walk(ann) if isinstance(x, (ast.Name, ast.Attribute)))
-                if n in WRAPPER_CLASSES or n in self.classes}
+        names = (leaf(x) for x in ast.walk(ann) if isinstance(x, (ast.Name, ast.Attribute)))
+        return {n for n in (self.aliases.get(m, m) for m in names) if n in WRAPPER_CLASSES or n in self.classes}
 
     def flashinfer_class(self, name) -> str | None:
         """The FlashInfer wrapper ``name`` is or derives from (within this module); None for other classes."""
+        name = self.aliases.get(name, name)
         seen = set()
         while name not in WRAPPER_CLASSES:
             c = self.classes.get(name)
             if c is None or name in seen:
                 return None
             seen.add(name)
-            bases = [b for b in c.bases if b in WRAPPER_CLASSES or b in self.classes]
+            bases = [self.aliases.get(b, b) for b in c.bases]
+            bases = [b for b in bases if b in WRAPPER_CLASSES or b in self.classes]
             if not bases:
                 return None
             name = bases[0]
