@@ -1,0 +1,305 @@
+"""A CUDA-graph decode runner for the DeepSeek MLA layer stack: the way serving engines run decode steps.
+
+Eager decode leaves the GPU waiting on the host (~60 launches per layer, each a few microseconds of Python and
+driver work). The runner captures the whole stack's decode step once per **batch bucket** (1, 2, 4, ... up to
+``max_batch``) and replays it:
+
+- **plan on the host, outside the graph**, into fixed device buffers: the batch is padded to its bucket with
+  requests of no tokens (output 0, never read), the attention is planned through its ``use_cuda_graph=True``
+  buffers (the captured kernels read the real lengths and page tables from device memory), and the new
+  tokens' slots, positions and inputs are copied into the runner's static tensors;
+- **replay inside**: norms, projections, rope + quantize-on-write (one fused kernel), absorbed attention, o_proj
+  and, under tensor parallelism, the NCCL all-reduce, all in one graph per bucket.
+
+Planning is O(batch) host work whatever the page size: the runner keeps a device **block table** (one row of page
+ids per sequence) and updates only the entry of each new token (a device scatter), so a page-1 cache costs the same
+as a page-64 one. A sequence the runner has not seen, or that an eager (prefill) step changed, has its row filled
+once from the cache.
+
+Steps that are not decode-only (a prompt joins, a chunked prefill) run eagerly through the model, as before; so do
+batches above ``max_batch`` and devices without CUDA graphs (the CPU tests run the same padded plan eagerly).
+A step that fails after reserving its slots gives them back (nothing leaks).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import MLAPagedAttention
+from ..cache import PagedMLACache
+from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, _reserve, check_step_args
+
+__all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for: powers of two below ``max_batch``, and ``max_batch`` itself."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket_for(batch: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds ``batch`` requests."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    raise ValueError(f"batch: {batch} requests, more than the largest bucket {buckets[-1]} (max_batch)")
+
+
+class DecodeRunner:
+    """Decode steps of ``model`` over ``cache`` with one CUDA graph per batch bucket.
+
+    Args:
+        model: a :class:`~fp8mla.models.deepseek.DeepseekMLAModel` (any tensor-parallel split: each rank runs its
+            own runner with the same schedule, and its graphs hold the all-reduce).
+        cache: the model's paged cache (one per rank).
+        max_batch: the largest decode batch run in a graph (larger ones run eagerly).
+        max_context: the longest sequence (tokens) a graph step may read; sets the block table's width
+            (default: the whole pool).
+        use_cuda_graph: capture graphs (default: on a CUDA device with the Triton backend); False runs the same
+            padded, pre-planned step eagerly (what the CPU tests check).
+    """
+
+    def __init__(self, model: DeepseekMLAModel, cache: PagedMLACache, *, max_batch: int = 64,
+                 max_context: int | None = None, use_cuda_graph: bool | None = None):
+        self.model, self.cache = model, cache
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        dev = self.device = cache.device
+        ps = cache.page_size
+        if max_context is None:
+            max_context = cache.num_pages * ps
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context: expected a positive int, got {max_context!r}")
+        self.max_context = max_context
+        self.width = -(-max_context // ps)
+        if use_cuda_graph is None:
+            use_cuda_graph = dev.type == "cuda" and model.backend in ("auto", "triton")
+        if use_cuda_graph and dev.type != "cuda":
+            raise ValueError(f"use_cuda_graph: CUDA graphs need a CUDA device, the cache is on {dev}")
+        self.use_cuda_graph = bool(use_cuda_graph)
+        cfg = model.cfg
+        self.attn_dtype = _attn_dtype(model.dtype)
+        # Padding rows write their latents into a slot of the runner's own one-token sequence, never read.
+        self.pad_id = cache.add_sequence(num_tokens=1)
+        self.pad_slot = cache.pages(self.pad_id)[0] * ps
+        i64 = dict(dtype=torch.int64, device=dev)
+        B = max_batch
+        self.x = torch.zeros(B, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.pos = torch.zeros(B, **i64)
+        self.slots = torch.full((B,), self.pad_slot, **i64)
+        # Block table: a row of page ids per sequence the runner tracks, a row of zeros for padding and a scratch
+        # row that eager steps write the tokens of untracked sequences into.
+        self.table = torch.zeros(B + 2, self.width, dtype=torch.int32, device=dev)
+        self.pad_row, self.scratch_row = B, B + 1
+        self._free_rows = list(range(B - 1, -1, -1))
+        self._rows: dict = {}     # seq_id -> (row, the cache's sequence record, tokens whose pages the row holds)
+        self._graphs: dict = {}   # bucket -> (graph or None, attention, static step, output)
+        self._pool = None
+        self.stats = dict(graph_steps=0, eager_steps=0, captures=0, row_fills=0)
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+    def release(self, seq_id) -> None:
+        """Forget ``seq_id`` (call when it leaves; rows of freed sequences are also reclaimed when rows run out)."""
+        ent = self._rows.pop(seq_id, None)
+        if ent is not None:
+            self._free_rows.append(ent[0])
+
+    def close(self) -> None:
+        """Give the padding sequence's page back and drop the graphs."""
+        if self.pad_id in self.cache.sequences:
+            self.cache.free(self.pad_id)
+        self._graphs.clear()
+
+    def _reclaim(self) -> None:
+        live = set(self.cache.sequences)
+        for sid in [s for s in self._rows if s not in live]:
+            self.release(sid)
+
+    def _row(self, sid, prefix: int) -> int:
+        """The sequence's block-table row, filled from the cache when the row does not hold its current pages."""
+        rec = self.cache._seq(sid)  # identity of the cache's record: a freed-and-re-added id is a new sequence
+        ent = self._rows.get(sid)
+        if ent is not None and ent[1] is rec and ent[2] == prefix:
+            return ent[0]
+        if ent is None:
+            if not self._free_rows:
+                self._reclaim()
+            if not self._free_rows:
+                raise ValueError(f"seq_ids: more than max_batch={self.max_batch} sequences tracked; call "
+                                 "runner.release(seq_id) for sequences that left")
+            row = self._free_rows.pop()
+        else:
+            row = ent[0]
+        pages = self.cache.pages(sid)[: -(-prefix // self.cache.page_size)]
+        if pages:
+            self.table[row, : len(pages)].copy_(torch.tensor(pages, dtype=torch.int32), non_blocking=True)
+        self.stats["row_fills"] += 1
+        self._rows[sid] = (row, rec, prefix)
+        return row
+
+    def _follow(self, ids: list, counts: list, prefix: list, slots: torch.Tensor) -> None:
+        """After an eager step: put its tokens' pages into the rows of the tracked sequences (a device scatter, no
+        refill), so that their next decode step plans in O(batch)."""
+        rows = []
+        for sid, p, n in zip(ids, prefix, counts):
+            ent = self._rows.get(sid)
+            ok = ent is not None and ent[2] == p and ent[1] is self.cache._seq(sid)
+            rows.append(ent[0] if ok else self.scratch_row)
+            if ok:
+                self._rows[sid] = (ent[0], ent[1], p + n)
+        if all(r == self.scratch_row for r in rows):
+            return
+        cnt = torch.tensor(counts)
+        T = int(cnt.sum())
+        start = torch.cumsum(cnt, 0) - cnt
+        pos = torch.repeat_interleave(torch.tensor(prefix) - start, cnt, output_size=T) + torch.arange(T)
+        row = torch.repeat_interleave(torch.tensor(rows), cnt, output_size=T)
+        col = torch.div(pos, self.cache.page_size, rounding_mode="floor").clamp_(max=self.width - 1)
+        dev = self.device
+        self.table[row.to(dev), col.to(dev)] = (slots // self.cache.page_size).to(torch.int32)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def is_graph_step(self, prefix_lens: list, counts: list) -> bool:
+        return (len(counts) <= self.max_batch and all(n == 1 for n in counts) and all(p > 0 for p in prefix_lens)
+                and max(prefix_lens) + 1 <= self.max_context)
+
+    def step(self, seq_ids, num_tokens, x: torch.Tensor) -> torch.Tensor:
+        """Reserve, plan and run one step of ``x [T, hidden]`` (rows: each sequence's new tokens, in order);
+        returns ``[T, hidden]`` (a new tensor). Decode-only steps up to ``max_batch`` replay a graph; others run
+        eagerly. A failure gives the reservation back."""
+        ids, counts = check_step_args(self.cache, seq_ids, num_tokens, self.model.cfg)
+        prefix = [self.cache.seq_len(s) for s in ids]
+        if not self.is_graph_step(prefix, counts):
+            st = self.model.begin_step(self.cache, ids, counts)
+            self.stats["eager_steps"] += 1
+            out = self.model(x, st)
+            self._follow(ids, counts, prefix, st.slots)
+            return out
+        st = self.begin_step(ids, prefix)
+        try:
+            out = self.forward(x, st)
+        except BaseException:
+            st.cancel()
+            raise
+        return out
+
+    def begin_step(self, ids: list, prefix: list) -> MLAStep:
+        """Reserve one token per sequence and plan its bucket's graph (O(batch) host work). Returns the bucket's
+        static step with this batch's size in ``num_tokens``; on failure nothing stays reserved."""
+        B = len(ids)
+        Bb = bucket_for(B, self.buckets)
+        slots = _reserve(self.cache, ids, [1] * B)
+        try:
+            st = self._plan(ids, prefix, slots, B, Bb)
+        except BaseException:
+            self.cache.unreserve(ids)
+            raise
+        return st
+
+    def _plan(self, ids, prefix, slots, B, Bb) -> MLAStep:
+        cache, dev, ps = self.cache, self.device, self.cache.page_size
+        rows = [self._row(s, p) for s, p in zip(ids, prefix)]
+        rows += [self.pad_row] * (Bb - B)
+        host = torch.tensor(rows + prefix, dtype=torch.int64)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        d = host.to(dev, non_blocking=True)
+        rows_d, pos_d = d[:Bb], d[Bb:]
+        self.pos[:B].copy_(pos_d)
+        self.pos[B:Bb].zero_()
+        self.slots[:B].copy_(slots)
+        self.slots[B:Bb].fill_(self.pad_slot)
+        # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
+        # boundary; the copy when a shared last page was unshared).
+        self.table[rows_d[:B], torch.div(pos_d, ps, rounding_mode="floor")] = (slots // ps).to(torch.int32)
+        for sid, p in zip(ids, prefix):
+            row, rec, _ = self._rows[sid]
+            self._rows[sid] = (row, rec, p + 1)
+        kv_len = torch.tensor([p + 1 for p in prefix] + [0] * (Bb - B), dtype=torch.int32)
+        g = self._bucket(Bb)
+        attn, st = g["attn"], g["step"]
+        block_table = torch.index_select(self.table, 0, rows_d, out=g["block_table"])
+        self._plan_attention(attn, block_table, kv_len)
+        st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
+        st.reserved, st.committed = True, False
+        if g["graph"] is None and self.use_cuda_graph:
+            self._capture(g)
+        return st
+
+    def _plan_attention(self, attn: MLAPagedAttention, block_table: torch.Tensor, kv_len: torch.Tensor) -> None:
+        m, cache = self.model, self.cache
+        H, cfg = m.num_local_heads, m.cfg
+        if hasattr(attn, "plan_layout"):
+            from ..layout import PagedLayout
+            lay = PagedLayout.from_block_table(block_table, kv_len, cache.page_size)
+            attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
+                             cache.format.name)
+            return
+        Bb, W = block_table.shape
+        i32 = dict(dtype=torch.int32, device=self.device)
+        attn.plan(torch.arange(Bb + 1, **i32), torch.arange(Bb + 1, **i32) * W, block_table.view(-1),
+                  kv_len.to(self.device), H, cache.head_dim_ckv, cache.head_dim_kpe, cache.page_size, True,
+                  cfg.sm_scale, self.attn_dtype, cache.format.name)
+
+    def _bucket(self, Bb: int) -> dict:
+        g = self._graphs.get(Bb)
+        if g is None:
+            m, cache = self.model, self.cache
+            kw = dict(use_cuda_graph=True, max_batch_size=Bb, max_kv_indices=Bb * self.width) \
+                if self.use_cuda_graph else {}
+            attn = MLAPagedAttention(backend=m.backend, **kw)
+            st = MLAStep(cache, [], [], [], self.slots[:Bb], None, None, self.attn_dtype, None,
+                         torch.arange(Bb, device=self.device), None, None, None, attn, m.rope, m.backend,
+                         fused=m.fused)
+            g = self._graphs[Bb] = dict(graph=None, attn=attn, step=st, out=None, bucket=Bb,
+                                        block_table=torch.empty(Bb, self.width, dtype=torch.int32,
+                                                                device=self.device))
+        return g
+
+    def _run_bucket(self, g: dict) -> torch.Tensor:
+        """The bucket's step on the static tensors: what the graph holds."""
+        Bb, st, m = g["bucket"], g["step"], self.model
+        st.cos, st.sin = m.rope.cos_sin(self.pos[:Bb])
+        y = self.x[:Bb]
+        for blk in m.layers:
+            y = blk(y, st)
+        return y
+
+    def _capture(self, g: dict) -> None:
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s), torch.no_grad():
+            self._run_bucket(g)  # warm up: compiles the kernels, sets up the communicators, fills the caches
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            g["out"] = self._run_bucket(g)
+        g["graph"] = graph
+        self.stats["captures"] += 1
+
+    def forward(self, x: torch.Tensor, st: MLAStep) -> torch.Tensor:
+        """Run a step planned by :meth:`begin_step`: ``x [B, hidden]`` -> a new ``[B, hidden]`` tensor."""
+        B, Bb = len(st.seq_ids), st.slots.numel()
+        hid = self.model.cfg.hidden_size
+        if x.shape != (B, hid):
+            raise ValueError(f"x: expected shape [{B}, {hid}] (one row per sequence), got {list(x.shape)}")
+        g = self._graphs[Bb]
+        self.x[:B].copy_(x)
+        self.x[B:Bb].zero_()
+        with torch.no_grad():
+            if g["graph"] is not None:
+                g["graph"].replay()
+                out = g["out"]
+                self.stats["graph_steps"] += 1
+            else:
+                out = self._run_bucket(g)
+                self.stats["eager_steps"] += 1
+        st.committed = True
+        return out[:B].clone()
