@@ -31,6 +31,13 @@ def _read(cache: PagedMLACache, layer: int, seq_id):
                               ckv_scale_arr=cache.ckv_scale_arr(layer))
 
 
+def _scales(kv_format, ckv_scale, kpe_scale) -> dict:
+    """The per-tensor scales ``kv_format`` takes (the cache refuses the others, see test_unused_scale_is_refused)."""
+    fmt = FORMATS[kv_format]
+    return dict(ckv_scale=ckv_scale if fmt.scale_kind == "tensor" else 1.0,
+                kpe_scale=kpe_scale if fmt.is_fp8 else 1.0)
+
+
 def _expected(fmt, x: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """What reading ``x`` back may give: (saturated x, allowed abs error) for stored = x / scale."""
     m = fmt.max_value * scale
@@ -43,7 +50,7 @@ def _expected(fmt, x: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_append_read_back(kv_format, page_size):
     fmt = FORMATS[kv_format]
-    cache = PagedMLACache(2, 64, page_size, kv_format, device=DEVICE, ckv_scale=0.5, kpe_scale=0.25)
+    cache = PagedMLACache(2, 64, page_size, kv_format, device=DEVICE, **_scales(kv_format, 0.5, 0.25))
     g = torch.Generator().manual_seed(7)
     lens = [5, 17, 1]
     ids = [cache.add_sequence() for _ in lens]
@@ -89,7 +96,7 @@ def test_append_read_back(kv_format, page_size):
 def test_scales_of_the_cache(kv_format):
     """Per-tensor scales only where the format has them; group scales per token and 128 channels."""
     fmt = FORMATS[kv_format]
-    cache = PagedMLACache(1, 4, 16, kv_format, device=DEVICE, ckv_scale=0.5, kpe_scale=0.25)
+    cache = PagedMLACache(1, 4, 16, kv_format, device=DEVICE, **_scales(kv_format, 0.5, 0.25))
     assert cache.ckv_scale == (0.5 if fmt.scale_kind == "tensor" else 1.0)
     assert cache.kpe_scale == (0.25 if fmt.is_fp8 else 1.0)
     assert cache.bytes_per_token == fmt.bytes_per_token()
@@ -165,7 +172,7 @@ ORIGINAL_REL_L2 = {"bf16": 1e-2, "fp16": 1e-2, "fp8_e4m3": 8e-2, "fp8_e4m3_group
 def test_plan_inputs_drive_attention(backend, kv_format, page_size, case_seed):
     g = torch.Generator().manual_seed(case_seed)
     H = 16
-    cache = PagedMLACache(2, 96, page_size, kv_format, device=DEVICE, ckv_scale=0.02, kpe_scale=0.01)
+    cache = PagedMLACache(2, 96, page_size, kv_format, device=DEVICE, **_scales(kv_format, 0.02, 0.01))
     lens = [33, 0, 17, 1]
     ids = [cache.add_sequence() for _ in lens]
     orig = {}
@@ -320,9 +327,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.sampled_from([1, 3, 8]), num_pages=st.integers(1, 16))
     def setup(self, page_size, num_pages):
-        # kpe_scale 8: token values up to 3584 fit e4m3's range in the group machine (ignored by fp16)
+        # kpe_scale 8: token values up to 3584 fit e4m3's range in the group machine (fp16 takes no scale)
         self.cache = PagedMLACache(1, num_pages, page_size, self.FORMAT, head_dim_ckv=128, head_dim_kpe=16,
-                                   device=DEVICE, kpe_scale=8.0)
+                                   device=DEVICE, **_scales(self.FORMAT, 1.0, 8.0))
         self.model: dict = {}     # seq id -> list of token values
         self.next_value = 1.0
 
@@ -484,3 +491,101 @@ class GroupAllocatorMachine(AllocatorMachine):
 @pytest.mark.parametrize("machine", [AllocatorMachine, GroupAllocatorMachine], ids=["fp16", "fp8_e4m3_group"])
 def test_allocator_properties(machine):
     run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=30))
+
+
+# -- bad arguments: an error naming the argument, what was expected and what came ------------------------------
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3_group", "bf16", "fp16"])
+def test_unused_scale_is_refused(kv_format):
+    """ckv_scale used to be dropped without a word by the group and 16-bit formats (kpe_scale by the 16-bit
+    ones): a caller meaning to scale the values got unscaled ones. 1.0, the identity, stays accepted."""
+    fmt = FORMATS[kv_format]
+    with pytest.raises(ValueError, match=rf"^ckv_scale: the {kv_format} format takes no per-tensor .* got 0.5"):
+        PagedMLACache(1, 4, 16, kv_format, ckv_scale=0.5)
+    with pytest.raises(ValueError, match=r"^ckv_scale: .*expected 1.0 \(the default\), got 2.0"):
+        PagedMLACache.from_memory_budget(10**6, 1, 16, kv_format, ckv_scale=2.0)
+    if not fmt.is_fp8:
+        with pytest.raises(ValueError, match=rf"^kpe_scale: the {kv_format} format takes no per-tensor"):
+            PagedMLACache(1, 4, 16, kv_format, kpe_scale=0.25)
+        with pytest.raises(ValueError, match=r"^kpe_scale:"):
+            PagedMLACache.from_memory_budget(10**6, 1, 16, kv_format, kpe_scale=0.25)
+    cache = PagedMLACache(1, 4, 16, kv_format, ckv_scale=1.0, kpe_scale=1.0)
+    assert cache.ckv_scale == cache.kpe_scale == 1.0
+
+
+def test_reserve_and_its_alias_extend():
+    """``reserve`` is the name; ``extend`` (the old one) does the same, and its docstring says it is an alias."""
+    a, b = PagedMLACache(1, 8, 4), PagedMLACache(1, 8, 4)
+    for cache, fn in ((a, a.reserve), (b, b.extend)):
+        s, t = cache.add_sequence(), cache.add_sequence(num_tokens=3)
+        assert fn([s, t], [5, 2]).tolist() == [4, 5, 6, 7, 8, 3, 12]  # t holds page 0
+        assert fn(s, 1).tolist() == [9]
+    assert a._seqs.keys() == b._seqs.keys() and a.pages(0) == b.pages(0) and a.pages(1) == b.pages(1)
+    assert "Alias of" in PagedMLACache.extend.__doc__ and "reserve" in PagedMLACache.extend.__doc__
+
+
+@pytest.mark.parametrize("ids, what", [({0, 1}, "set"), (frozenset([0]), "frozenset"), ({0: 1}, "dict"),
+                                       (torch.tensor([0, 1]), "Tensor")])
+def test_seq_ids_without_an_order_are_refused(ids, what):
+    """A set used to reach the sequence table as one unhashable id (``unhashable type: 'set'``)."""
+    cache = PagedMLACache(1, 8, 4)
+    cache.add_sequence(), cache.add_sequence()
+    for call in (lambda: cache.extend(ids, 1), lambda: cache.reserve(ids, 1), lambda: cache.plan_inputs(ids),
+                 lambda: cache.pending_slots(ids)):
+        with pytest.raises(TypeError, match=rf"^seq_ids: expected one id or a list or tuple of ids .* got a {what}$"):
+            call()
+    with pytest.raises(TypeError, match=r"^seq_id: expected a hashable id .* got a list: \[0\]"):
+        cache.reserve([[0], 1], 1)
+    with pytest.raises(TypeError, match=r"^seq_id: expected a hashable id"):
+        cache.add_sequence([3])
+    assert cache.seq_len(0) == cache.seq_len(1) == 0 and cache.num_free_pages == 8
+
+
+def test_plan_inputs_takes_one_id_like_the_other_methods():
+    cache = PagedMLACache(1, 8, 4)
+    a = cache.add_sequence(num_tokens=6)
+    one, listed = cache.plan_inputs(a), cache.plan_inputs([a])
+    assert one.keys() == listed.keys()
+    for k in one:
+        assert (torch.equal(one[k], listed[k]) if isinstance(one[k], torch.Tensor) else one[k] == listed[k]), k
+    assert cache.plan_inputs(torch.tensor(a))["kv_len_arr"].tolist() == [6]
+    assert cache.plan_inputs([a], 3)["qo_indptr"].tolist() == [0, 3]
+    with pytest.raises(ValueError, match=r"^qo_lens: expected non-negative ints, got -1"):
+        cache.plan_inputs([a], [-1])
+    with pytest.raises(TypeError, match=r"^qo_lens: expected an int or a list"):
+        cache.plan_inputs([a], "1")
+
+
+@pytest.mark.parametrize("budget, exc, msg", [
+    (math.nan, ValueError, "expected a positive finite number of bytes, got nan"),
+    (math.inf, ValueError, "expected a positive finite number of bytes, got inf"),
+    (-5, ValueError, "expected a positive finite number of bytes, got -5"),
+    ("1GB", TypeError, r"expected a number of bytes .* got '1GB' \(str\)"),
+    (None, TypeError, r"expected a number of bytes .* got None"),
+    (True, TypeError, r"expected a number of bytes .* got True"),
+    (10**18, ValueError, r"1e\+18 B is more than the memory of cpu"),
+])
+def test_from_memory_budget_refuses_bad_budgets(budget, exc, msg):
+    """NaN and "1GB" used to fail inside int() with no argument named; 10**18 tried to build a free list of
+    ~10**12 pages."""
+    with pytest.raises(exc, match=rf"^budget_bytes: {msg}"):
+        PagedMLACache.from_memory_budget(budget, num_layers=1, page_size=16)
+
+
+def test_from_memory_budget_takes_a_float():
+    per_page = 16 * FORMATS["fp8_e4m3"].bytes_per_token()
+    assert PagedMLACache.from_memory_budget(2.5 * per_page, 1, 16).num_pages == 2
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("cuda", r"^device: 'cuda' asked for, but torch sees no CUDA device"),
+    ("cuda:1", r"^device: 'cuda:1' asked for, but torch sees no CUDA device"),
+    ("tpu9", r"^device: expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got 'tpu9'"),
+    (3.5, r"^device: expected a torch device"),
+])
+def test_unavailable_device_is_named(device, msg, monkeypatch):
+    """``device="cuda"`` without CUDA used to end in torch's AssertionError about how torch was compiled."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=msg):
+        PagedMLACache(1, 4, 16, device=device)
+    with pytest.raises(ValueError, match=msg):
+        PagedMLACache.from_memory_budget(10**6, 1, 16, device=device)

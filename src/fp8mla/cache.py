@@ -277,7 +277,7 @@ class PagedMLACache:
         counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-        if len(set(ids)) != len(ids):
+        if len(set(map(_hashable, ids))) != len(ids):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         for c in counts:
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
@@ -442,9 +442,12 @@ class PagedMLACache:
                                     self.page_size, device=self.device)
 
     def run_inputs(self, layer: int) -> dict:
-        """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``."""
+        """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``: the caches and exactly one of
+        ``ckv_scale`` (per tensor) / ``ckv_scale_arr`` (group format), as FlashInfer requires."""
+        arr = self.ckv_scale_arr(layer)
         return dict(ckv_cache=self.ckv_cache(layer), kpe_cache=self.kpe_cache(layer),
-                    ckv_scale=self.ckv_scale, kpe_scale=self.kpe_scale, ckv_scale_arr=self.ckv_scale_arr(layer))
+                    ckv_scale=None if arr is not None else self.ckv_scale, kpe_scale=self.kpe_scale,
+                    ckv_scale_arr=arr)
 
     def unreserve(self, seq_ids) -> None:
         """Undo the last reservation of each sequence (a step that failed after reserving): its pending tokens are
