@@ -22,7 +22,7 @@ import fp8mla  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # The Triton backend is tested when it can run here (a GPU, or the interpreter) and its module exists.
-_HAS_TRITON_BACKEND = (Path(fp8mla.__file__).parent / "_triton_backend.py").exists()
+_HAS_TRITON_BACKEND = (Path(fp8mla.__file__).parent / "backends" / "triton.py").exists()
 BACKENDS = ["torch"] + (["triton"] if _HAS_TRITON_BACKEND and "triton" in fp8mla.available_backends(DEVICE)
                         else [])
 
@@ -31,7 +31,7 @@ BACKENDS = ["torch"] + (["triton"] if _HAS_TRITON_BACKEND and "triton" in fp8mla
 BACKEND_PARAMS = [pytest.param("torch", id="torch")] + [
     pytest.param("triton", id="triton", marks=[pytest.mark.triton] + (
         [] if "triton" in BACKENDS else
-        [pytest.mark.skip(reason="triton backend not here (no fp8mla/_triton_backend.py, or triton cannot run)")]))
+        [pytest.mark.skip(reason="triton backend not here (no fp8mla/backends/triton.py, or triton cannot run)")]))
 ]
 
 # Deterministic property tests: the same examples on every run and every machine.

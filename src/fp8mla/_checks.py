@@ -5,15 +5,21 @@ from __future__ import annotations
 import torch
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A wrong dtype or type of an argument. Both a TypeError and a ValueError: FlashInfer raises ValueError for
+    dtype mismatches, Python code usually TypeError; code that catches either one catches this."""
+
+
 def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=None, device=None) -> torch.Tensor:
     """``shape`` may hold ``None`` for dimensions that are free."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, (tuple, list, set)) else (dtype,)
         if t.dtype not in allowed:
             want = allowed[0] if len(allowed) == 1 else f"one of {list(allowed)}"
-            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+            raise ArgumentTypeError(f"{name}.dtype={t.dtype} does not match: {name}: expected dtype {want}, "
+                                    f"got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
     if shape is not None:

@@ -1,79 +1,68 @@
-"""MLAPagedAttention: FlashInfer-compatible plan()/run() for MLA over a paged latent cache.
+"""MLAPagedAttention: FlashInfer's ``BatchMLAPagedAttentionWrapper`` API for MLA over a paged latent cache.
 
-``plan()`` does the host work once per batch layout (checks, split scheduling, index tensors); ``run()`` only
-checks its tensors against the plan and launches. The query dtype and the KV dtype are planned separately,
-so BF16 queries read an FP8 pool directly: nothing converts the pool.
+``plan()`` turns its arguments into one :class:`~fp8mla.layout.PagedLayout` (validated once; O(batch) host
+work; no device-to-host sync when ``qo_indptr`` is a CPU tensor, as the engine adapters pass it) and hands it to
+one backend (``fp8mla.backends``: torch, triton, gluon, or the gather_cast strategy), chosen by
+:func:`fp8mla.runtime.choose_backend`. ``run()`` checks its tensors against the plan and launches. The query
+dtype and the KV dtype are planned separately, so BF16 queries read an FP8 pool directly: nothing converts
+the pool.
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_indptr, check_page_table, check_positive_int, check_tensor, same_device
-from .formats import KVFormat, get_format
-from ._torch_backend import LOG2E, TorchPlan, run_torch
+from . import backends
+from ._checks import ArgumentTypeError, check_positive_int, check_tensor, same_device
+from .backends import AttentionSpec
+from .formats import FORMATS, KVFormat, get_format
+from .layout import PagedLayout, debug_checks
+from .runtime import available_backends, choose_backend
 
 __all__ = ["MLAPagedAttention", "available_backends"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
-# Triton backend tuning and CUDA-graph capacities (defaults in _triton_backend.DEFAULTS).
 STRATEGIES = ("native", "gather_cast")
-KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first", "index64", "cvt_asm",
-                  "max_batch_size",
-                  "max_qo_len", "max_kv_indices")
-BACKENDS = ("auto", "torch", "triton")
-
-
-def _triton_usable(device: torch.device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def available_backends(device="cpu") -> list[str]:
-    """Backends that can run on ``device`` here ("triton" on CPU only under ``TRITON_INTERPRET=1``)."""
-    return ["torch"] + (["triton"] if _triton_usable(torch.device(device)) else [])
+CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices")  # CUDA-graph buffer sizes
+KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
+                  "index64", "fp8_math") + CAPACITY_OPTIONS
+FLASHINFER_BACKENDS = ("fa2", "fa3")
+# Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
+MAX_SM_SCALE = 1e6
 
 
 @dataclass
 class _Plan:
-    batch_size: int
-    num_qo: int
-    num_heads: int
-    head_dim_ckv: int
-    head_dim_kpe: int
-    page_size: int
-    causal: bool
-    sm_scale: float
-    q_dtype: torch.dtype
-    kv_format: KVFormat
-    device: torch.device
-    max_page_id: int
+    layout: PagedLayout
+    spec: AttentionSpec
     backend: str
-    impl: object  # backend-specific plan data
+    impl: object                  # the backend's plan object (has .run)
+    group_impl: object = None     # built on the first run that passes ckv_scale_arr under a plain FP8 dtype
 
 
 class MLAPagedAttention:
     """Batch MLA attention over a paged latent cache (decode, multi-token decode, paged prefill).
 
-    Drop-in for FlashInfer's ``BatchMLAPagedAttentionWrapper``.
+    Drop-in for FlashInfer's ``BatchMLAPagedAttentionWrapper`` (0.6.x / 0.7.x: same positional order of the
+    constructor, ``plan()`` and ``run()``; see docs/flashinfer_compat.md). fp8mla's own options are keywords.
 
     Args:
         float_workspace_buffer: optional tensor; only its device is used (kernels size their own workspace).
-        use_cuda_graph: keep plan data in fixed buffers so run() can be captured (Triton backend).
-        backend: ``"auto"`` (Triton on CUDA when it can run the plan, else torch), ``"torch"`` or ``"triton"``.
+        use_cuda_graph: keep every tensor run() reads in fixed buffers, so run() can be captured and replayed
+            after a re-plan (triton / gluon backends).
+        qo_indptr, kv_indptr, kv_indices, kv_len_arr: FlashInfer's CUDA-graph buffers. fp8mla keeps its own
+            buffers; these only size them (batch = ``qo_indptr.numel() - 1``, ``kv_indices.numel()`` pages).
+        backend: ``"auto"`` (gluon on Hopper for the plans it supports, else triton on CUDA, else torch),
+            ``"torch"``, ``"triton"`` or ``"gluon"``.
         strategy: ``"native"`` (the kernel reads the pool's storage dtype directly) or ``"gather_cast"`` (gather
             the batch's tokens into a 16-bit workspace sized by those tokens, then run the 16-bit kernel on it; a
             baseline and a fallback, never a cast of the pool).
-        **kernel_options: Triton tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
-            ``min_chunk``) and, with ``use_cuda_graph``, the capacities of the fixed buffers
-            (``max_batch_size`` 256, ``max_qo_len`` 1, ``max_kv_indices`` 2^20; a larger ``max_qo_len`` for
-            multi-token decode makes the decode tiles taller for every plan on those buffers).
+        **kernel_options: tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
+            ``min_chunk``, ``evict_first``, ``index64``; ``fp8_math`` for the gluon backend) and the CUDA-graph
+            capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
+            ``max_kv_indices`` 2^20).
 
     Example:
         >>> import torch, fp8mla
@@ -91,206 +80,293 @@ class MLAPagedAttention:
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor | None = None, use_cuda_graph: bool = False,
+                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
                  backend: str = "auto", *, strategy: str = "native", **kernel_options):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend in FLASHINFER_BACKENDS:
+            backend = "auto"  # FlashInfer's kernel names: engines and FlashInfer's tests pass them as is
+        if not isinstance(backend, str) or backend not in ("auto", "torch", "triton", "gluon"):
+            raise ValueError(f"backend: expected one of ('auto', 'torch', 'triton', 'gluon') or FlashInfer's "
+                             f"{FLASHINFER_BACKENDS} (= 'auto'), got {backend!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
         if strategy == "gather_cast" and use_cuda_graph:
             raise ValueError("strategy: 'gather_cast' sizes its workspace by each plan's tokens, so a captured "
                              "run() could not follow a re-plan (use_cuda_graph=True); use strategy='native'")
-        self._strategy = strategy
         if float_workspace_buffer is not None:
             check_tensor("float_workspace_buffer", float_workspace_buffer)
-        self._workspace = float_workspace_buffer
-        self._use_cuda_graph = bool(use_cuda_graph)
-        self._backend = backend
         unknown = set(kernel_options) - set(KERNEL_OPTIONS)
         if unknown:
             raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
                             f"{sorted(KERNEL_OPTIONS)}")
+        for name in ("block_m", "block_n", "num_warps", "ctas_per_sm", "min_chunk", "max_batch_size",
+                     "max_qo_len", "max_kv_indices"):
+            if kernel_options.get(name) is not None:
+                check_positive_int(name, kernel_options[name])
+        # FlashInfer's graph buffers: they size fp8mla's, and (int32 ones) are the very tensors the kernels read,
+        # as in FlashInfer: plan() copies into them and a captured run() reads their live contents (vLLM writes
+        # page ids into the kv_indices buffer inside its captured forward).
+        self._external = {}
+        for name, key, t in (("qo_indptr", "qo_indptr", qo_indptr), ("kv_indptr", "kv_indptr", kv_indptr),
+                             ("kv_indices", "kv_indices", kv_indices), ("kv_len_arr", "kv_len", kv_len_arr)):
+            if t is not None:
+                check_tensor(name, t, ndim=1)
+                if use_cuda_graph and t.dtype == torch.int32 and t.is_contiguous():
+                    self._external[key] = t
+        if qo_indptr is not None:
+            kernel_options.setdefault("max_batch_size", max(1, qo_indptr.numel() - 1))
+        elif kv_len_arr is not None:
+            kernel_options.setdefault("max_batch_size", max(1, kv_len_arr.numel()))
+        if kv_indices is not None:
+            kernel_options.setdefault("max_kv_indices", max(1, kv_indices.numel()))
+        self._strategy = strategy
+        self._workspace = float_workspace_buffer
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._backend = backend
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
-        self._triton_state = None  # fixed buffers kept across plans for CUDA graphs
+        self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
+        self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
+        self._scales_host = None     # what _scales holds, when it came from host floats
 
     @property
     def backend(self) -> str | None:
         """The backend chosen by the last plan() (None before the first plan)."""
         return None if self._plan is None else self._plan.backend
 
+    @property
+    def layout(self) -> PagedLayout | None:
+        """The page table of the last plan()."""
+        return None if self._plan is None else self._plan.layout
+
+    # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
-             causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type, *,
+             causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type,
              use_profiler: bool = False) -> None:
-        """Plan a batch.
+        """Plan a batch (FlashInfer's arguments, in FlashInfer's order).
 
         Args:
-            qo_indptr: ``[B + 1]`` int32/int64; request b owns queries ``qo_indptr[b]:qo_indptr[b+1]``.
-            kv_indptr: ``[B + 1]`` int32/int64 into ``kv_indices``.
-            kv_indices: ``[>= kv_indptr[-1]]`` int32/int64 page ids, in token order per request.
-            kv_len_arr: ``[B]`` int32/int64 tokens per request (<= its pages x page_size).
-            num_heads, head_dim_ckv, head_dim_kpe, page_size: ints (512 and 64 for DeepSeek).
+            qo_indptr: ``[>= B + 1]`` int32/int64; request b owns queries ``qo_indptr[b]:qo_indptr[b+1]``. Read on
+                the host: pass a CPU tensor and plan() never syncs (a CUDA one costs one small copy, as in
+                FlashInfer).
+            kv_indptr: ``[>= B + 1]`` int32/int64 into ``kv_indices``; only the first B + 1 entries are read.
+            kv_indices: ``[>= kv_indptr[B]]`` int32/int64 page ids, in token order per request.
+            kv_len_arr: ``[B]`` int32/int64 tokens per request (<= its pages x page_size); B comes from here.
+                CPU tensors are checked on the host; CUDA ones are never read on the host (the kernels guard
+                them on the device; ``FP8MLA_CHECK=1`` checks them with a sync).
+            num_heads, head_dim_ckv, head_dim_kpe, page_size: ints (512 and 64 for DeepSeek; head_dim_kpe may be
+                0 for MLA without a rope part).
             causal: queries are aligned to the end of their request's tokens.
             sm_scale: softmax scale (DeepSeek: ``1 / sqrt(192)`` times the YaRN factor).
-            q_data_type: ``torch.bfloat16`` or ``torch.float16``.
+            q_data_type: ``torch.bfloat16`` or ``torch.float16`` (fp16 queries over FP8 are an fp8mla superset).
             kv_data_type: pool storage — a dtype (``torch.float8_e4m3fn``/``float8_e5m2`` with per-tensor scales,
-                ``bfloat16``, ``float16``) or a format name (``"fp8_e4m3_group"`` for ``ckv_scale_arr``).
+                or e4m3 with ``ckv_scale_arr`` group scales given to run(); ``bfloat16``, ``float16``) or a
+                format name (``"fp8_e4m3_group"``).
+            use_profiler: FlashInfer's profiler; not supported (must be False).
         """
-        check_tensor("kv_indices", kv_indices, dtype=INDEX_DTYPES, ndim=1)
+        if use_profiler:
+            raise ValueError("use_profiler: fp8mla has no intra-kernel profiler; pass use_profiler=False")
+        check_tensor("kv_len_arr", kv_len_arr, ndim=1)
         device = self._workspace.device if self._workspace is not None else kv_indices.device
-        check_indptr("qo_indptr", qo_indptr)
-        B = qo_indptr.numel() - 1
-        check_indptr("kv_indptr", kv_indptr, B + 1)
-        check_tensor("kv_len_arr", kv_len_arr, dtype=INDEX_DTYPES, ndim=1)
-        if kv_len_arr.numel() != B:
-            raise ValueError(f"kv_len_arr: expected {B} entries (one per request of qo_indptr), "
-                             f"got {kv_len_arr.numel()}")
-        for name, v in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv),
-                        ("head_dim_kpe", head_dim_kpe), ("page_size", page_size)):
+        if isinstance(qo_indptr, torch.Tensor) and qo_indptr.device.type != "cpu":
+            qo_indptr = qo_indptr[: kv_len_arr.numel() + 1].cpu()  # O(batch) ints; FlashInfer copies it too
+        layout = PagedLayout.from_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size, device=device)
+        self.plan_layout(layout, num_heads, head_dim_ckv, head_dim_kpe, causal, sm_scale, q_data_type,
+                         kv_data_type)
+
+    def plan_layout(self, layout: PagedLayout, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
+                    causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type) -> None:
+        """The same plan from a ready :class:`~fp8mla.layout.PagedLayout` (``PagedMLACache.layout()``, the model
+        runner and the engine adapters)."""
+        if not isinstance(layout, PagedLayout):
+            raise TypeError(f"layout: expected a fp8mla.layout.PagedLayout, got {type(layout).__name__}")
+        for name, v in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv)):
             check_positive_int(name, v)
-        if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
-            raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+        if isinstance(head_dim_kpe, bool) or not isinstance(head_dim_kpe, int) or head_dim_kpe < 0:
+            raise ValueError(f"head_dim_kpe: expected a non-negative int (0: no rope part), got {head_dim_kpe!r}")
+        if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and sm_scale.device.type == "cpu":
+            sm_scale = float(sm_scale)
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
+                or not 0 < sm_scale <= MAX_SM_SCALE:
+            raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g} (larger scales "
+                             f"overflow the fp32 scores), got {sm_scale!r}")
         if q_data_type not in Q_DTYPES:
-            raise TypeError(f"q_data_type: expected one of {list(Q_DTYPES)}, got {q_data_type}")
+            raise ArgumentTypeError(f"q_data_type: expected one of {list(Q_DTYPES)}, got {q_data_type}")
         fmt = get_format(kv_data_type, arg="kv_data_type")
         fmt.num_groups(head_dim_ckv)  # validates head_dim_ckv for the group format
+        spec = AttentionSpec(num_heads, head_dim_ckv, head_dim_kpe, layout.page_size, bool(causal),
+                             float(sm_scale), q_data_type, fmt, layout.device, self._use_cuda_graph)
+        name, impl = self._build(layout, spec)
+        self._plan = _Plan(layout, spec, name, impl)
 
-        qo = qo_indptr.tolist()
-        kvp = kv_indptr.tolist()
-        lens = kv_len_arr.tolist()
-        pages = kv_indices.tolist()
-        max_page = check_page_table(kvp, lens, pages, page_size)
-
+    def _build(self, layout: PagedLayout, spec: AttentionSpec):
+        opts = self._kernel_options
+        triton_dims = all(d >= 16 and d & (d - 1) == 0 for d in (spec.head_dim_ckv, spec.head_dim_kpe))
+        requested = self._backend
+        if requested == "auto" and not triton_dims:
+            requested = "torch"  # the kernels need power-of-two dims >= 16 (rope-free MLA runs on torch)
+        name = choose_backend(requested, spec.device,
+                              supports_gluon=lambda: backends.supports_gluon(spec, layout, opts))
         if self._strategy == "gather_cast":
-            self._plan_gather_cast(qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
-                                   head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max_page)
-            return
-        backend = self._choose_backend(device)
-        qo_lens = [qo[b + 1] - qo[b] for b in range(B)]
-        kv_pages = [pages[kvp[b]: kvp[b + 1]] for b in range(B)]
-        plan = _Plan(B, qo[-1], num_heads, head_dim_ckv, head_dim_kpe, page_size, bool(causal), float(sm_scale),
-                     q_data_type, fmt, device, max_page, backend, None)
-        if backend == "triton":
-            from ._triton_backend import TritonPlan
-            plan.impl = TritonPlan.build(self, plan, qo_indptr, kv_indptr, kv_indices, kv_len_arr, qo_lens, lens)
-        else:
-            plan.impl = TorchPlan(qo_lens, kv_pages, lens, page_size, bool(causal), device)
-        self._plan = plan
+            from .backends import gather_cast
+            inner = "triton" if name in ("triton", "gluon") else "torch"
+            return f"gather_cast+{inner}", gather_cast.build(layout, spec, opts, {}, inner=inner)
+        state = self._state.setdefault(name, {})
+        if spec.use_cuda_graph:
+            state["external"] = self._external
+        return name, backends.build(name, layout, spec, opts, state)
 
-    def _plan_gather_cast(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, lens, num_heads, head_dim_ckv,
-                          head_dim_kpe, page_size, causal, sm_scale, q_data_type, fmt, device, max_page):
-        """Plans the 16-bit kernel over a workspace of the batch's tokens (one token per 'page'), and the slots
-        the gather reads, so that run() does no host work."""
-        from .gather import token_slots
-        inner = MLAPagedAttention(self._workspace, False, self._backend, **self._kernel_options)
-        tok = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
-        T = int(tok[-1])
-        inner.plan(qo_indptr, tok, torch.arange(max(1, T), dtype=torch.int32, device=device),
-                   kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, 1, causal, sm_scale, q_data_type,
-                   q_data_type)
-        slots, _ = token_slots(kv_indptr.to(device), kv_indices.to(device), kv_len_arr.to(device), page_size, T)
-        ws = dict(dtype=q_data_type, device=device)  # sized by the tokens used, never by the pool
-        p = inner._plan
-        self._plan = _Plan(p.batch_size, p.num_qo, num_heads, head_dim_ckv, head_dim_kpe, page_size, p.causal,
-                           p.sm_scale, q_data_type, fmt, device, max_page, "gather_cast+" + p.backend,
-                           dict(inner=inner, slots=slots, ckv=torch.zeros(max(1, T), head_dim_ckv, **ws),
-                                kpe=torch.zeros(max(1, T), head_dim_kpe, **ws)))
-
-    def _run_gather_cast(self, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
-                         base_e):
-        from .gather import gather_rows  # same layer: the gather kernel's public entry
-        g = self._plan.impl
-        as_float = (lambda v: float(v) if isinstance(v, torch.Tensor) else v)  # a tensor scale costs a sync
-        T = g["slots"].numel()
-        gather_rows(ckv_cache, kpe_cache, g["slots"], g["ckv"][:T], g["kpe"][:T], ckv_scale=as_float(ckv_scale),
-                    kpe_scale=as_float(kpe_scale), ckv_scale_arr=ckv_scale_arr,
-                    backend="triton" if self._plan.backend.endswith("triton") else "torch")
-        rows = g["ckv"].shape[0]
-        g["inner"].run(q_nope, q_pe, g["ckv"].view(rows, 1, -1), g["kpe"].view(rows, 1, -1), out=out, lse=lse,
-                       return_lse_base_on_e=base_e)
-
-    def _choose_backend(self, device: torch.device) -> str:
-        if self._backend == "torch":
-            return "torch"
-        usable = _triton_usable(device) and _triton_backend_exists()
-        if self._backend == "triton" and not usable:
-            raise RuntimeError(f"backend: 'triton' cannot run on {device} here (needs triton and a CUDA device, "
-                               "or TRITON_INTERPRET=1 on the CPU)")
-        if self._backend == "auto":
-            return "triton" if usable and device.type == "cuda" else "torch"
-        return "triton"
-
+    # -- run ------------------------------------------------------------------------------------------------
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            return_lse_base_on_e: bool = False, *, ckv_scale=None, kpe_scale=None,
-            ckv_scale_arr: torch.Tensor | None = None):
-        """Attention for the planned batch.
+            profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale=None, *,
+            ckv_scale=None, ckv_scale_arr: torch.Tensor | None = None, kpe_scale=None):
+        """Attention for the planned batch (FlashInfer's arguments, in FlashInfer's order).
 
         Args:
             q_nope: ``[n, H, head_dim_ckv]``, q_pe: ``[n, H, head_dim_kpe]`` in the planned query dtype
-                (n = ``qo_indptr[-1]``; rows may be strided, the last dim contiguous).
+                (n = ``qo_indptr[B]``; rows may be strided, the last dim contiguous).
             ckv_cache: ``[P, page_size, head_dim_ckv]``, kpe_cache: ``[P, page_size, head_dim_kpe]`` in the planned
                 storage dtype: views of one ``[P, page_size, 576]`` pool or separate tensors.
-            out: optional ``[n, H, head_dim_ckv]`` query-dtype buffer; lse: optional ``[n, H]`` fp32 buffer.
-            ckv_scale, kpe_scale: per-tensor scales (float or 0-d fp32 tensor; real = stored x scale).
-            ckv_scale_arr: ``[P, page_size, head_dim_ckv // 128]`` fp32 for the ``fp8_e4m3_group`` format.
+            out: optional ``[n, H, head_dim_ckv]`` query-dtype buffer; lse: optional ``[n, H]`` fp32 buffer (both
+                with a contiguous last dimension).
+            return_lse: also return lse.
+            profiler_buffer: FlashInfer's profiler; not supported (must be None).
+            kv_len, page_table: FlashInfer's inputs of its trtllm-gen backend; fp8mla runs the planned page
+                table: if given, they must describe it (they are not read otherwise).
+            return_lse_base_on_e: natural-log lse instead of base 2.
+            o_scale: optional float multiplying the output (FlashInfer's output scale).
+            ckv_scale, kpe_scale: per-tensor scales (real = stored x scale): floats, or 1-element fp32 tensors
+                on the plan's device (a tensor holding a non-positive or non-finite value makes the output NaN).
+            ckv_scale_arr: ``[P, page_size, head_dim_ckv // 128]`` fp32 per-token group scales of c_kv.
+            An FP8 pool needs exactly one of ``ckv_scale`` / ``ckv_scale_arr``, and ``kpe_scale`` (as FlashInfer):
+            a missing scale is an error, never a silent 1.0.
         Returns:
             ``out`` or ``(out, lse)`` with ``return_lse``; lse is base 2 unless ``return_lse_base_on_e``.
-            A query that sees no token gets 0 and lse ``-inf``.
+            A query that sees no token gets 0 and lse ``-inf``; NaN in a query or in a token it sees gives NaN.
         """
         p = self._plan
         if p is None:
             raise RuntimeError("run: call plan() first")
-        n, H, Dc, Dk = p.num_qo, p.num_heads, p.head_dim_ckv, p.head_dim_kpe
-        fmt = p.kv_format
-        check_tensor("q_nope", q_nope, dtype=p.q_dtype, shape=(n, H, Dc), device=p.device)
-        check_tensor("q_pe", q_pe, dtype=p.q_dtype, shape=(n, H, Dk), device=p.device)
-        check_tensor("ckv_cache", ckv_cache, dtype=fmt.storage_dtype, shape=(None, p.page_size, Dc),
-                     device=p.device)
+        if profiler_buffer is not None:
+            raise ValueError("profiler_buffer: fp8mla has no intra-kernel profiler; pass None")
+        spec, layout = p.spec, p.layout
+        H, Dc, Dk = spec.num_heads, spec.head_dim_ckv, spec.head_dim_kpe
+        fmt = spec.kv_format
+        n = layout.num_qo if layout.num_qo is not None else q_nope.shape[0]
+        check_tensor("q_nope", q_nope, dtype=spec.q_dtype, shape=(n, H, Dc), device=spec.device)
+        check_tensor("q_pe", q_pe, dtype=spec.q_dtype, shape=(n, H, Dk), device=spec.device)
+        check_tensor("ckv_cache", ckv_cache, dtype=fmt.storage_dtype, shape=(None, spec.page_size, Dc),
+                     device=spec.device)
         P = ckv_cache.shape[0]
-        check_tensor("kpe_cache", kpe_cache, dtype=fmt.storage_dtype, shape=(P, p.page_size, Dk), device=p.device)
-        if p.max_page_id >= P:
-            raise ValueError(f"kv_indices: the plan references page {p.max_page_id} but ckv_cache has {P} pages")
+        check_tensor("kpe_cache", kpe_cache, dtype=fmt.storage_dtype, shape=(P, spec.page_size, Dk),
+                     device=spec.device)
+        layout.check_pool(P)
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-            if t.stride(-1) != 1:
+            if t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
-        ckv_scale = _check_scale("ckv_scale", ckv_scale, fmt, p.device, allowed=fmt.scale_kind == "tensor")
-        kpe_scale = _check_scale("kpe_scale", kpe_scale, fmt, p.device, allowed=fmt.is_fp8)
+        self._check_given_table(kv_len, page_table, layout)
+
+        impl, fmt = p.impl, spec.kv_format
+        if ckv_scale_arr is not None and fmt.scale_kind == "tensor" and fmt.storage_dtype == torch.float8_e4m3fn:
+            # FlashInfer plans group scales under the plain e4m3 dtype: build the group plan once, on first use.
+            if p.group_impl is None:
+                gspec = AttentionSpec(**{**spec.__dict__, "kv_format": FORMATS["fp8_e4m3_group"]})
+                p.group_impl = self._build(layout, gspec)[1]
+            impl, fmt = p.group_impl, FORMATS["fp8_e4m3_group"]
+        scales = self._resolve_scales(fmt, ckv_scale, kpe_scale, ckv_scale_arr, P, spec)
+        if out is None:
+            out = torch.empty(n, H, Dc, dtype=spec.q_dtype, device=spec.device)
+        else:
+            check_tensor("out", out, dtype=spec.q_dtype, shape=(n, H, Dc), device=spec.device)
+            if out.stride(-1) != 1:
+                raise ValueError(f"out: expected a contiguous last dimension, got strides {out.stride()}")
+        if lse is None:
+            lse = torch.empty(n, H, dtype=torch.float32, device=spec.device)
+        else:
+            check_tensor("lse", lse, dtype=torch.float32, shape=(n, H), device=spec.device)
+            if lse.stride(-1) != 1:
+                raise ValueError(f"lse: expected a contiguous last dimension (heads), got strides {lse.stride()}")
+        if hasattr(impl, "scale_values"):
+            impl.scale_values = self._scales_host
+        impl.run(q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, bool(return_lse_base_on_e))
+        if o_scale is not None and o_scale != 1.0:
+            out.mul_(o_scale)
+        return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _check_given_table(kv_len, page_table, layout: PagedLayout) -> None:
+        """FlashInfer's run() takes kv_len/page_table for another backend; fp8mla reads the planned table. A
+        different table given here would be ignored silently, so it is compared where that costs no sync."""
+        if kv_len is not None:
+            check_tensor("kv_len", kv_len, ndim=1)
+            if kv_len.numel() != layout.batch_size:
+                raise ValueError(f"kv_len: expected {layout.batch_size} entries (the planned batch), got "
+                                 f"{kv_len.numel()}")
+            if kv_len.device.type == "cpu" and layout.kv_lens is not None and kv_len.tolist() != layout.kv_lens:
+                raise ValueError("kv_len: differs from the planned kv_len_arr; re-plan to change lengths")
+        if page_table is not None:
+            check_tensor("page_table", page_table, ndim=2)
+            if page_table.shape[0] != layout.batch_size:
+                raise ValueError(f"page_table: expected {layout.batch_size} rows (the planned batch), got "
+                                 f"{page_table.shape[0]}")
+
+    def _resolve_scales(self, fmt: KVFormat, ckv_scale, kpe_scale, ckv_scale_arr, P: int,
+                        spec: AttentionSpec) -> torch.Tensor:
+        """The fp32 [2] device tensor (ckv, kpe) the kernels read; refilled only when a host value changes, so a
+        captured replay costs nothing here."""
+        Dc = spec.head_dim_ckv
         if fmt.scale_kind == "group":
             if ckv_scale_arr is None:
-                raise ValueError("ckv_scale_arr: the plan's kv_data_type 'fp8_e4m3_group' needs per-token group "
+                raise ValueError(f"ckv_scale_arr: the plan's kv_data_type {fmt.name!r} needs per-token group "
                                  "scales, got None")
             check_tensor("ckv_scale_arr", ckv_scale_arr, dtype=torch.float32,
-                         shape=(P, p.page_size, fmt.num_groups(Dc)), device=p.device)
+                         shape=(P, spec.page_size, fmt.num_groups(Dc)), device=spec.device)
+            if ckv_scale_arr.stride(-1) != 1:
+                raise ValueError(f"ckv_scale_arr: expected a contiguous last dimension, got strides "
+                                 f"{ckv_scale_arr.stride()}")
+            if ckv_scale is not None:
+                raise ValueError("ckv_scale: with ckv_scale_arr the c_kv scales are per group; pass exactly one "
+                                 f"of ckv_scale / ckv_scale_arr (as FlashInfer), got ckv_scale={ckv_scale!r}")
+            ckv_scale = 1.0
         elif ckv_scale_arr is not None:
-            raise ValueError(f"ckv_scale_arr: the plan's kv_data_type {fmt.name!r} has no group scales; plan with "
-                             "kv_data_type='fp8_e4m3_group' to use ckv_scale_arr")
-        if out is None:
-            out = torch.empty(n, H, Dc, dtype=p.q_dtype, device=p.device)
-        else:
-            check_tensor("out", out, dtype=p.q_dtype, shape=(n, H, Dc), device=p.device)
-        if lse is None:
-            lse = torch.empty(n, H, dtype=torch.float32, device=p.device)
-        else:
-            check_tensor("lse", lse, dtype=torch.float32, shape=(n, H), device=p.device)
-
-        if p.backend.startswith("gather_cast"):
-            self._run_gather_cast(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
-                                  return_lse_base_on_e)
-        elif p.backend == "triton":
-            from ._triton_backend import run_triton
-            run_triton(p, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_arr, out, lse,
-                       base_e=return_lse_base_on_e)
-        else:
-            run_torch(p.impl, q_nope, q_pe, ckv_cache, kpe_cache, p.sm_scale, ckv_scale, kpe_scale,
-                      ckv_scale_arr, out, lse)
-            if not return_lse_base_on_e:
-                lse.mul_(LOG2E)
-        return (out, lse) if return_lse else out
+            raise ValueError(f"ckv_scale_arr: the plan's kv_data_type {fmt.name!r} has no group scales; plan "
+                             "with kv_data_type torch.float8_e4m3fn or 'fp8_e4m3_group' to use ckv_scale_arr")
+        elif fmt.is_fp8 and ckv_scale is None:
+            raise ValueError(f"ckv_scale: an FP8 pool ({fmt.name}) needs its scale (real = stored x scale): pass "
+                             "exactly one of ckv_scale (per tensor) / ckv_scale_arr (per-token groups); got neither")
+        if fmt.is_fp8 and kpe_scale is None:
+            raise ValueError(f"kpe_scale: an FP8 pool ({fmt.name}) needs kpe_scale (real = stored x scale; 1.0 "
+                             "when k_pe was stored unscaled), got None")
+        ckv = _check_scale("ckv_scale", ckv_scale, fmt, spec.device, allowed=fmt.scale_kind == "tensor")
+        kpe = _check_scale("kpe_scale", kpe_scale, fmt, spec.device, allowed=fmt.is_fp8)
+        if self._scales is None or self._scales.device != spec.device:
+            self._scales = torch.ones(2, dtype=torch.float32, device=spec.device)
+            self._scales_host = (1.0, 1.0)
+        if isinstance(ckv, float) and isinstance(kpe, float):
+            if self._scales_host != (ckv, kpe):
+                self._scales.copy_(torch.tensor([ckv, kpe]), non_blocking=True)
+                self._scales_host = (ckv, kpe)
+            return self._scales
+        for i, v in enumerate((ckv, kpe)):
+            if isinstance(v, torch.Tensor):
+                # Checked on the device: an invalid scale becomes NaN, so the output is NaN, never plausible.
+                ok = torch.isfinite(v) & (v > 0)
+                self._scales[i].copy_(torch.where(ok, v, torch.full_like(v, math.nan)))
+                if debug_checks() and not bool(ok):
+                    raise ValueError(f"{('ckv_scale', 'kpe_scale')[i]}: expected a positive finite value, got "
+                                     f"{float(v)}")
+            else:
+                self._scales[i].fill_(v)
+        self._scales_host = None
+        return self._scales
 
 
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
-    """A per-tensor scale: None (= 1), a positive float, or a 0-d/1-element fp32 tensor on the plan's device."""
+    """A per-tensor scale: None (= 1), a positive finite float, or a 1-element fp32 tensor on the plan's
+    device (returned as a 0-d tensor; its value is checked on the device)."""
     if v is None:
         return 1.0
     if isinstance(v, torch.Tensor):
@@ -305,8 +381,3 @@ def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
     if not allowed and v != 1.0:
         raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name} (only 1.0), got {v!r}")
     return float(v)
-
-
-def _triton_backend_exists() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("fp8mla._triton_backend") is not None

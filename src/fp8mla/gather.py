@@ -7,11 +7,10 @@ It replaces ``pool.to(torch.bfloat16)``, which converts every page of the pool o
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ._checks import INDEX_DTYPES, check_indptr, check_page_table, check_tensor
+from .runtime import triton_usable
 
 __all__ = ["gather_dequant", "token_slots"]
 
@@ -73,6 +72,7 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
     if dtype not in OUT_DTYPES:
         raise TypeError(f"dtype: expected one of {list(OUT_DTYPES)}, got {dtype}")
     fp8 = ckv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    ckv_scale = 1.0 if ckv_scale is None else ckv_scale  # None: no per-tensor scale (e.g. with ckv_scale_arr)
     for name, s in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf"):
             raise ValueError(f"{name}: expected a positive finite float, got {s!r}")
@@ -149,11 +149,7 @@ def _use_triton(backend: str, device: torch.device) -> bool:
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
         return False
-    try:
-        import triton  # noqa: F401
-        ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    except Exception:  # noqa: BLE001
-        ok = False
+    ok = triton_usable(device)
     if backend == "triton" and not ok:
         raise RuntimeError(f"backend: 'triton' cannot run on {device} here (needs triton and a CUDA device, or "
                            "TRITON_INTERPRET=1 on the CPU)")

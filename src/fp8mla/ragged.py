@@ -10,28 +10,20 @@ States are ``(v [n, H, D], s [n, H])`` with ``s`` the log-sum-exp in base 2 (Fla
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_indptr, check_positive_int, check_tensor
+from ._softmax import softmax_rows
+from .runtime import LOG2E, interpreting, triton_usable
 
 __all__ = ["MLARaggedPrefill", "merge_state", "merge_state_in_place"]
 
-LOG2E = 1.0 / math.log(2.0)
 Q_DTYPES = (torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
 MAX_TRITON_HEAD_DIM = 256
 _TORCH_SCORE_BYTES = 256 << 20  # fp32 scores held at once by the torch backend (queries are chunked to fit)
-
-
-def _triton_usable(device: torch.device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _choose_backend(backend: str, device: torch.device) -> str:
@@ -39,7 +31,7 @@ def _choose_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    usable = _triton_usable(device)
+    usable = triton_usable(device)
     if backend == "triton":
         if not usable:
             raise RuntimeError(f"backend: 'triton' cannot run on {device} here (needs triton and a CUDA device, "
@@ -50,7 +42,7 @@ def _choose_backend(backend: str, device: torch.device) -> str:
 
 def _fp32_dot() -> bool:
     # The interpreter computes tl.dot on bf16/fp16 wrongly without error: do the dots in fp32 there.
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreting()
 
 
 @dataclass
@@ -229,14 +221,8 @@ def _ragged_torch(p: _RaggedPlan, q, k, v, out, lse) -> None:
                 last = nk - nq + torch.arange(c0, c1, device=s.device)   # last visible key per query
                 hidden = torch.arange(nk, device=s.device)[None, :] > last[:, None]
                 s = s.masked_fill(hidden[:, None, None, :], -math.inf)
-            m = s.amax(dim=-1, keepdim=True)
-            seen = torch.isfinite(m)
-            m = torch.where(seen, m, 0.0)
-            e = torch.exp(s - m)
-            denom = e.sum(dim=-1, keepdim=True)
-            o = torch.einsum("chgk,khd->chgd", e, vb) / torch.where(seen, denom, 1.0)
-            o = torch.where(seen, o, 0.0)
-            ls = torch.where(seen, m + torch.log(denom), -math.inf).squeeze(-1) * LOG2E
+            o, ls = softmax_rows(s, vb.permute(1, 0, 2)[None])                # [c, Hk, G, Dvo]
+            ls = ls * LOG2E
             out[q0 + c0: q0 + c1] = o.reshape(c1 - c0, Hq, -1).to(out.dtype)
             lse[q0 + c0: q0 + c1] = ls.reshape(c1 - c0, Hq)
 

@@ -9,9 +9,9 @@ import math
 
 import torch
 
+from ._softmax import softmax_rows
 from .formats import expand_group_scales
-
-LOG2E = 1.0 / math.log(2.0)
+from .runtime import LOG2E
 
 
 def gather_sequence_kv(ckv_cache, kpe_cache, pages, kv_len, *, ckv_scale=1.0, kpe_scale=1.0,
@@ -39,7 +39,8 @@ def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_i
         qo_indptr, kv_indptr: ``[B + 1]``; kv_indices: page ids; kv_len_arr: ``[B]``.
         causal: query ``i`` of ``q`` queries sees kv positions ``<= kv_len - q + i`` (aligned to the end).
     Returns:
-        ``(out [n, H, Dc] float64, lse [n, H] float64, base 2)``. A query that sees no token gets 0 and -inf.
+        ``(out [n, H, Dc] float64, lse [n, H] float64, base 2)``. A query that sees no token gets 0 and -inf;
+        NaN in a query or in a token it sees gives NaN.
     """
     n, H, Dc = q_nope.shape
     out = torch.zeros(n, H, Dc, dtype=torch.float64, device=q_nope.device)
@@ -59,12 +60,7 @@ def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_i
             last = L - nq + torch.arange(nq, device=s.device)  # last visible position per query
             hidden = torch.arange(L, device=s.device)[None, :] > last[:, None]
             s = s.masked_fill(hidden[:, None, :], -math.inf)
-        m = s.amax(dim=-1, keepdim=True)
-        seen = torch.isfinite(m)  # rows with at least one visible token
-        m = torch.where(seen, m, torch.zeros_like(m))
-        p = torch.exp(s - m)
-        denom = p.sum(dim=-1, keepdim=True)
-        o = torch.einsum("qhl,ld->qhd", p, ckv) / torch.where(seen, denom, torch.ones_like(denom))
-        out[q0:q1] = torch.where(seen, o, torch.zeros_like(o))
-        lse[q0:q1] = torch.where(seen, m + torch.log(denom), torch.full_like(m, -math.inf)).squeeze(-1) * LOG2E
+        o, ls = softmax_rows(s, ckv)
+        out[q0:q1] = o
+        lse[q0:q1] = ls * LOG2E
     return out, lse

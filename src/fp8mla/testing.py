@@ -27,7 +27,8 @@ class PagedBatch:
         a, r = self.plan_args, self.run_args
         return mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"],
                              a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"],
-                             causal=a["causal"], ckv_scale=r["ckv_scale"], kpe_scale=r["kpe_scale"],
+                             causal=a["causal"], ckv_scale=1.0 if r["ckv_scale"] is None else r["ckv_scale"],
+                             kpe_scale=r["kpe_scale"],
                              ckv_scale_arr=r["ckv_scale_arr"])
 
 
@@ -100,7 +101,7 @@ def make_paged_batch(kv_lens, qo_lens, num_heads: int, page_size: int, kv_format
         q_nope=torch.randn(n, num_heads, head_dim_ckv, generator=g).to(device=device, dtype=q_dtype),
         q_pe=torch.randn(n, num_heads, head_dim_kpe, generator=g).to(device=device, dtype=q_dtype),
         ckv_cache=stored[..., :head_dim_ckv], kpe_cache=stored[..., head_dim_ckv:],
-        ckv_scale=ckv_scale_used, kpe_scale=kpe_scale_used,
+        ckv_scale=None if scale_arr is not None else ckv_scale_used, kpe_scale=kpe_scale_used,
         ckv_scale_arr=None if scale_arr is None else scale_arr.to(device))
     return PagedBatch(plan_args, run_args, stored)
 

@@ -1,0 +1,35 @@
+"""Softmax attention over score rows where some rows see no key, shared by every torch code path (the float64
+reference, the torch backend, the ragged prefill's torch path): one definition of the edge cases.
+
+- a row that sees no key (all scores -inf) gives out 0 and lse -inf: the "no keys" answer;
+- NaN in a visible score (a NaN query, or NaN in a token the row sees) gives NaN out and NaN lse, never the
+  "no keys" answer;
+- masked keys (``visible`` False) never contribute, whatever their scores hold.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["softmax_rows"]
+
+
+def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None):
+    """Softmax over the last dim of scores ``s [..., L]`` (fp32/64), times ``v [..., L, D]``, with rows that see
+    no key giving 0 and lse ``-inf`` (natural log). NaN in a visible score propagates to out and lse.
+
+    Returns ``(o [..., D], lse [...])``.
+    """
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)
+    seen = m > -math.inf                 # NaN compares False: handled below, never taken as "no keys"
+    nan = torch.isnan(m)
+    m0 = torch.where(seen, m, torch.zeros_like(m))
+    p = torch.exp(s - m0)
+    denom = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p, v) / torch.where(seen, denom, torch.ones_like(denom))
+    o = torch.where(seen | nan, o, torch.zeros_like(o))
+    lse = torch.where(seen | nan, m0 + torch.log(denom), torch.full_like(m, -math.inf)).squeeze(-1)
+    return torch.where(nan, torch.full_like(o, math.nan), o), torch.where(nan.squeeze(-1), m.squeeze(-1), lse)

@@ -1,0 +1,111 @@
+"""The "torch" backend: gather the referenced tokens, dequantize them, fp32 math. Any device.
+
+It reads only the tokens the batch references (never the whole pool) and writes an fp32 copy of those tokens.
+Requests are run in buckets of similar lengths (powers of two of kv_len and qo_len), each padded only to its
+own longest request, so time and memory follow the batch's tokens, not B x the longest request.
+It reads the lengths on the host (a sync when they live only on the device): it is the fallback and the
+reference-like path, not the fast one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._softmax import softmax_rows
+from ..formats import expand_group_scales
+from ..runtime import LOG2E
+
+__all__ = ["build", "TorchPlan"]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Bucket:
+    """Requests of similar lengths, padded to the bucket's longest: token t of row r at ``slots[r, t]``."""
+
+    def __init__(self, reqs, qo_start, qo_lens, kv_lens, layout, causal, device):
+        R = len(reqs)
+        L = max(kv_lens[b] for b in reqs)
+        Q = max(qo_lens[b] for b in reqs)
+        lens = torch.tensor([kv_lens[b] for b in reqs], dtype=torch.int64)
+        qlens = torch.tensor([qo_lens[b] for b in reqs], dtype=torch.int64)
+        kvp = layout.kv_indptr.to("cpu", torch.int64)[torch.tensor(reqs)]
+        pos = torch.arange(L)
+        page_col = torch.div(pos, layout.page_size, rounding_mode="floor")
+        kv_valid = pos[None, :] < lens[:, None]                                     # [R, L]
+        index = torch.where(kv_valid, kvp[:, None] + page_col[None, :], 0)           # into kv_indices
+        q0 = torch.tensor([qo_start[b] for b in reqs], dtype=torch.int64)
+        qpos = torch.arange(Q)
+        q_valid = qpos[None, :] < qlens[:, None]                                    # [R, Q]
+        visible = kv_valid[:, None, :].expand(R, Q, L)
+        if causal:
+            last = lens[:, None] - qlens[:, None] + qpos[None, :]                     # last visible position
+            visible = visible & (pos[None, None, :] <= last[:, :, None])
+        self.index, self.offset = index.to(device), (pos % layout.page_size).to(device)
+        self.kv_valid, self.q_valid = kv_valid.to(device), q_valid.to(device)
+        self.qidx = torch.where(q_valid, q0[:, None] + qpos[None, :], 0).to(device)
+        self.visible = visible.to(device)
+
+
+class TorchPlan:
+    def __init__(self, layout, spec):
+        self.spec = spec
+        qo_lens = layout.qo_lens if layout.qo_lens is not None else (
+            (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).tolist())
+        kv_lens = layout.kv_lens if layout.kv_lens is not None else layout.kv_len.tolist()
+        qo_start = [0]
+        for q in qo_lens:
+            qo_start.append(qo_start[-1] + q)
+        self.num_qo = qo_start[-1]
+        groups: dict = {}
+        for b, (q, L) in enumerate(zip(qo_lens, kv_lens)):
+            if q:
+                groups.setdefault((_pow2(L), _pow2(q)), []).append(b)
+        self.layout = layout
+        self.buckets = [_Bucket(reqs, qo_start, qo_lens, kv_lens, layout, spec.causal, spec.device)
+                        for reqs in groups.values() if max(kv_lens[b] for b in reqs) > 0]
+        # Requests with queries but no token at all: out 0, lse -inf.
+        empty = [b for reqs in groups.values() if max(kv_lens[b] for b in reqs) == 0 for b in reqs]
+        rows = [t for b in empty for t in range(qo_start[b], qo_start[b + 1])]
+        self.empty_rows = torch.tensor(rows, dtype=torch.int64, device=spec.device)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
+        if self.empty_rows.numel():
+            out[self.empty_rows] = 0
+            lse[self.empty_rows] = -math.inf
+        if not self.buckets:
+            return
+        page_size = self.layout.page_size
+        ckv_flat, kpe_flat = ckv_cache.flatten(0, 1), kpe_cache.flatten(0, 1)
+        sa_flat = None if ckv_scale_arr is None else ckv_scale_arr.flatten(0, 1)
+        ckv_s, kpe_s = scales.to(device=out.device, dtype=torch.float32).unbind(0)
+        pages = self.layout.kv_indices.long()
+        for bk in self.buckets:
+            R, L = bk.kv_valid.shape
+            slots = (pages[bk.index] * page_size + bk.offset).reshape(-1)
+            valid = bk.kv_valid.reshape(-1, 1)
+            # Gather first, convert second: only these tokens are converted, never the pool.
+            ckv = ckv_flat.index_select(0, slots).float()
+            kpe = kpe_flat.index_select(0, slots).float() * kpe_s
+            if sa_flat is not None:
+                ckv = ckv * expand_group_scales(sa_flat.index_select(0, slots).float(), ckv.shape[-1])
+            else:
+                ckv = ckv * ckv_s
+            # Padding slots may point at pages full of NaN: zero them so 0-weight x NaN cannot leak.
+            ckv = torch.where(valid, ckv, 0.0).view(R, L, -1)
+            kpe = torch.where(valid, kpe, 0.0).view(R, L, -1)
+            qn = q_nope[bk.qidx].float()                                     # [R, Q, H, Dc]
+            qp = q_pe[bk.qidx].float()
+            s = (torch.einsum("bqhd,bld->bqhl", qn, ckv) + torch.einsum("bqhd,bld->bqhl", qp, kpe)) \
+                * self.spec.sm_scale
+            o, ls = softmax_rows(s, ckv[:, None], bk.visible[:, :, None, :])
+            rows = bk.qidx[bk.q_valid]
+            out[rows] = o[bk.q_valid].to(out.dtype)
+            lse[rows] = ls[bk.q_valid] if base_e else ls[bk.q_valid] * LOG2E
+
+
+def build(layout, spec, options: dict, state: dict) -> TorchPlan:
+    return TorchPlan(layout, spec)

@@ -1,0 +1,231 @@
+"""The "triton" backend: the portable split-KV decode kernel (and the paged extend kernel for long query blocks).
+
+Scheduling runs on the device, from the layout's device tensors, so plan() never reads the page table or the
+lengths on the host: every request's tokens are cut into chunks of at most ``chunk`` tokens (a multiple of
+BLOCK_N), with ``chunk = max(min_chunk, ceil(total tokens / items_target))`` and ``items_target`` about
+``ctas_per_sm`` waves of the GPU's SMs over the row tiles; no chunk is shorter than ``min_chunk`` tokens, since
+each split costs one fp32 partial (the size of ~57 FP8 tokens at H=16) and a merge. The number of work items is
+then at most ``items_target + B``: the grids are sized by that bound and the kernels read the real count from
+device memory. A request with one chunk is written directly; the others go through the merge kernel.
+
+With ``use_cuda_graph=True`` every device tensor run() touches lives in buffers allocated once (capacities from
+the constructor), and plan() writes into them: a captured run() replays correctly after a re-plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.decode import KV_BF16, KV_FP16_MATH, KV_GROUP, mla_decode
+from ..runtime import LN2, interpreting, num_sms
+
+__all__ = ["build", "DEFAULTS", "KERNEL_OPTIONS", "schedule", "kernel_config"]
+
+DEFAULTS = dict(block_n=None, num_stages=2, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
+                max_qo_len=None, max_kv_indices=1 << 20)
+# Tuning options this backend reads (validated by MLAPagedAttention's constructor).
+KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
+                  "index64")
+EXTEND_MIN_QO = 9  # plans with longer query blocks run the extend (paged prefill) kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kernel_config(num_heads: int, max_qo_len: int, kv_mode: int, opts: dict) -> dict:
+    """BLOCK_M / BLOCK_N / warps / stages for a plan (overridable through the constructor's keywords)."""
+    rows = num_heads * max_qo_len
+    block_m = opts.get("block_m") or min(64, max(16, _pow2(rows)))
+    # The group format's fp32 dequantization tiles overflow shared memory at BLOCK_N 64 (259 KB on the H200).
+    block_n = opts.get("block_n") or (32 if kv_mode == KV_GROUP else 64)
+    for name, v in (("block_m", block_m), ("block_n", block_n)):
+        if v != _pow2(v) or v < 16:
+            raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
+    return dict(block_m=block_m, block_n=block_n, evict_first=opts.get("evict_first", DEFAULTS["evict_first"]),
+                index64=opts.get("index64"), num_warps=opts.get("num_warps") or (4 if block_m <= 16 else 8),
+                num_stages=opts.get("num_stages", DEFAULTS["num_stages"]))
+
+
+def items_target(row_tiles: int, device, ctas_per_sm: int) -> int:
+    return max(1, (num_sms(device) * ctas_per_sm) // max(1, row_tiles))
+
+
+def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
+             target: int, max_items: int, block_n: int, min_chunk: int) -> dict:
+    """Work items on the device (no host sync): ``item_req/start/end/part [max_items]``, ``split_indptr [B+1]``,
+    ``num_items [1]`` and ``kv_len`` clamped to each request's pages (a device-only table that claims more tokens
+    than its pages can never make a kernel read past them). int32 tensors on kv_len's device."""
+    dev = kv_len.device
+    B = kv_len.numel()
+    i64 = dict(dtype=torch.int64, device=dev)
+    cap = (kv_indptr[1: B + 1] - kv_indptr[:B]).long() * page_size
+    L = torch.minimum(kv_len.long(), cap).clamp(min=0)
+    active = (qo_indptr[1: B + 1] - qo_indptr[:B]) > 0
+    total = (L * active).sum()
+    chunk = torch.clamp(torch.div(total + target - 1, target, rounding_mode="floor"), min=min_chunk)
+    chunk = torch.div(chunk + block_n - 1, block_n, rounding_mode="floor") * block_n
+    n = torch.clamp(torch.div(L + chunk - 1, chunk, rounding_mode="floor"), min=1)
+    per = torch.div(torch.div(L + n - 1, n, rounding_mode="floor") + block_n - 1, block_n,
+                    rounding_mode="floor") * block_n
+    per = torch.where(L > 0, per, torch.ones_like(per))
+    cnt = torch.where(L > 0, torch.div(L + per - 1, per, rounding_mode="floor"), torch.ones_like(L)) * active
+    split_indptr = torch.zeros(B + 1, **i64)
+    torch.cumsum(cnt, 0, out=split_indptr[1:])
+    multi = cnt > 1
+    part_base = torch.zeros(B + 1, **i64)
+    torch.cumsum(cnt * multi, 0, out=part_base[1:])
+    i = torch.arange(max_items, **i64)
+    if B:
+        req = torch.searchsorted(split_indptr[1:], i, right=True).clamp(max=B - 1)
+        local = i - split_indptr[req]
+        start = local * per[req]
+        end = torch.minimum(L[req], start + per[req])
+        part = torch.where(multi[req], part_base[req] + local, torch.full_like(local, -1))
+    else:
+        req = start = end = torch.zeros_like(i)
+        part = torch.full_like(i, -1)
+    i32 = torch.int32
+    return dict(item_req=req.to(i32), item_start=start.to(i32), item_end=end.to(i32), item_part=part.to(i32),
+                split_indptr=split_indptr.to(i32), num_items=split_indptr[B:].to(i32), kv_len=L.to(i32))
+
+
+def _kv_mode(spec) -> int:
+    fmt = spec.kv_format
+    if fmt.scale_kind == "group":
+        return KV_GROUP
+    return KV_BF16 if fmt.storage_dtype == torch.bfloat16 else KV_FP16_MATH
+
+
+def check_dims(spec) -> None:
+    for name, d in (("head_dim_ckv", spec.head_dim_ckv), ("head_dim_kpe", spec.head_dim_kpe)):
+        if d != _pow2(d) or d < 16:
+            raise ValueError(f"{name}: the triton backend needs a power of two >= 16, got {d}; "
+                             "use backend='torch'")
+
+
+@dataclass
+class TritonPlan:
+    spec: object
+    kv_mode: int
+    cfg: dict
+    max_rows: int
+    grid_items: int
+    grid_batch: int
+    t: dict             # device tensors the kernels read
+    extend_qo: int = 0  # > 0: run the extend kernel with this max_qo_len instead of the decode kernel
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
+        t, c, spec = self.t, self.cfg, self.spec
+        if self.extend_qo:
+            from ..kernels.extend import mla_extend
+            mla_extend(q_nope, q_pe, ckv_cache, kpe_cache, t["qo_indptr"], t["kv_indptr"], t["kv_indices"],
+                       t["kv_len"], out, lse, sm_scale=spec.sm_scale, causal=spec.causal, scales=scales,
+                       ckv_scale_arr=ckv_scale_arr, max_qo_len=self.extend_qo, fp32_dot=interpreting())
+        else:
+            mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, lse, t["part_o"],
+                       t["part_lse"], t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
+                       t["item_req"], t["item_start"], t["item_end"], t["item_part"], t["num_items"],
+                       t["split_indptr"], t["batch_size"], grid_items=self.grid_items,
+                       grid_batch=self.grid_batch, num_heads=spec.num_heads, max_rows=self.max_rows,
+                       sm_scale=spec.sm_scale, causal=spec.causal, kv_mode=self.kv_mode, block_m=c["block_m"],
+                       block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+                       fp32_dot=interpreting(), evict_first=c["evict_first"], index64=c["index64"],
+                       q_split=self.kv_mode == KV_GROUP or (self.kv_mode == KV_BF16
+                                                            and spec.q_dtype == torch.float16))
+        if base_e:
+            lse.mul_(LN2)  # log2 -> ln
+
+
+def build(layout, spec, options: dict, state: dict) -> TritonPlan:
+    check_dims(spec)
+    opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    kv_mode = _kv_mode(spec)
+    H, Dc, device = spec.num_heads, spec.head_dim_ckv, spec.device
+    B = layout.batch_size
+    graph = spec.use_cuda_graph
+    plan_qo = layout.max_qo_len
+    if plan_qo is None:  # device-only qo_indptr (MLAPagedAttention reads it on the host; others may not)
+        plan_qo = int((layout.qo_indptr[1:] - layout.qo_indptr[:-1]).max()) if B else 0
+    if graph:
+        buffers = state.get("graph")
+        max_qo = buffers.max_qo if buffers is not None else (opts["max_qo_len"] or max(1, plan_qo))
+        if plan_qo > max_qo:
+            raise ValueError(f"qo_indptr: a request has {plan_qo} query tokens, above the {max_qo} the CUDA-graph "
+                             "buffers were sized for (max_qo_len, or the first plan's longest request)")
+    else:
+        max_qo = max(1, plan_qo)
+    # The extend kernel rounds dequantized K/V to the query dtype: fine for FP8 and same-dtype pools, but the
+    # group format and an fp16 pool under bf16 queries lose bits there; those plans stay on the decode kernel,
+    # which handles any query length (taller row tiles, exact numerics).
+    fmt = spec.kv_format
+    extend_ok = fmt.scale_kind != "group" and not (fmt.storage_dtype == torch.float16
+                                                    and spec.q_dtype == torch.bfloat16)
+    extend_qo = plan_qo if extend_ok and not graph and plan_qo >= EXTEND_MIN_QO else 0
+    cfg = kernel_config(H, max_qo, kv_mode, opts)
+    max_rows = 0 if extend_qo else H * max_qo
+    row_tiles = -(-max_rows // cfg["block_m"]) if max_rows else 1
+    target = items_target(row_tiles, device, opts["ctas_per_sm"])
+    base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices)
+    if extend_qo:
+        return TritonPlan(spec, kv_mode, cfg, 0, 1, 1, dict(base, kv_len=layout.kv_len), extend_qo)
+    if graph:
+        buffers = state.get("graph")
+        if buffers is None:
+            buffers = state["graph"] = _GraphBuffers(opts, H, Dc, max_qo, device, target,
+                                                     state.get("external", {}))
+        buffers.check(H, Dc, H * max_qo, B, layout.kv_indices.numel())
+        sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size, target=target,
+                         max_items=buffers.max_items, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+        t = buffers.load(dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32)))
+        return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
+    max_items = target + B
+    sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size, target=target,
+                     max_items=max_items, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+    f32 = dict(dtype=torch.float32, device=device)
+    t = dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
+             part_o=torch.empty(max(1, max_items), max_rows, Dc, **f32),
+             part_lse=torch.empty(max(1, max_items), max_rows, **f32))
+    return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
+
+
+class _GraphBuffers:
+    """Fixed device buffers for CUDA-graph capture; plan() copies into them, never reallocates."""
+
+    def __init__(self, opts, H, Dc, max_qo, device, target, external: dict):
+        self.H, self.Dc, self.max_qo = H, Dc, max_qo
+        self.max_batch = opts["max_batch_size"]
+        self.max_rows = H * max_qo
+        self.max_items = target + self.max_batch
+        self.max_kv_indices = opts["max_kv_indices"]
+        i32 = dict(dtype=torch.int32, device=device)
+        mb, mi = self.max_batch, self.max_items
+        self.buf = dict(qo_indptr=torch.zeros(mb + 1, **i32), kv_indptr=torch.zeros(mb + 1, **i32),
+                        kv_indices=torch.zeros(max(1, self.max_kv_indices), **i32), kv_len=torch.zeros(mb, **i32),
+                        item_req=torch.zeros(mi, **i32), item_start=torch.zeros(mi, **i32),
+                        item_end=torch.zeros(mi, **i32), item_part=torch.zeros(mi, **i32),
+                        split_indptr=torch.zeros(mb + 1, **i32), num_items=torch.zeros(1, **i32),
+                        batch_size=torch.zeros(1, **i32),
+                        part_o=torch.empty(mi, self.max_rows, Dc, dtype=torch.float32, device=device),
+                        part_lse=torch.empty(mi, self.max_rows, dtype=torch.float32, device=device))
+        for k, t in external.items():  # the caller's own int32 buffers (FlashInfer's constructor arguments)
+            if t.device == self.buf[k].device and t.numel() >= self.buf[k].numel():
+                self.buf[k] = t
+
+    def check(self, H, Dc, rows, B, n_indices):
+        for what, got, cap in (("num_heads", H, self.H), ("head_dim_ckv", Dc, self.Dc),
+                               ("batch size", B, self.max_batch), ("kv_indices entries", n_indices,
+                                                                   self.max_kv_indices),
+                               ("query rows", rows, self.max_rows)):
+            if (got != cap) if what in ("num_heads", "head_dim_ckv") else (got > cap):
+                raise ValueError(f"plan: {what} {got} does not fit the CUDA-graph buffers ({cap}); construct "
+                                 "MLAPagedAttention with larger buffers (max_batch_size / max_qo_len / "
+                                 "max_kv_indices, or FlashInfer's qo_indptr= / kv_indices= buffers)")
+
+    def load(self, tensors: dict) -> dict:
+        for k, v in tensors.items():
+            dst = self.buf[k][: v.numel()]
+            if dst.data_ptr() != v.data_ptr():  # planned straight from the buffer itself: nothing to copy
+                dst.copy_(v, non_blocking=True)
+        return self.buf

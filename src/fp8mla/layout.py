@@ -1,0 +1,244 @@
+"""PagedLayout: one batch's page table, validated once, held as device tensors.
+
+Where a page table is made, checked and read (data flows one way: cache -> layout -> backend -> kernel):
+
+- made by :meth:`PagedLayout.from_csr` (FlashInfer's ``qo_indptr, kv_indptr, kv_indices, kv_len_arr``, what
+  :meth:`MLAPagedAttention.plan` receives), :meth:`PagedLayout.from_block_table` (vLLM's padded
+  ``block_table [B, max_pages]``, used as is) or :meth:`fp8mla.PagedMLACache.layout` (the cache's own sequences);
+- checked here, once: shapes and dtypes always; the values only where reading them costs no device-to-host
+  sync (CPU tensors, which is what the cache and the engine adapters pass for the O(batch) arrays). Device-only
+  tables are guarded on the device instead: the kernels never read a page id outside the pool, and
+  ``FP8MLA_CHECK=1`` checks them fully (with a sync) for debugging;
+- read by the backends (``fp8mla.backends``): each takes the device tensors, and the host facts when they are
+  known (``qo_lens``, ``kv_lens``, ``max_qo_len``). Token slots (page * page_size + offset) are computed only when
+  a backend asks (:meth:`token_slots`).
+
+Host work is O(batch) Python plus vectorized torch ops; nothing here loops over tokens or pages in Python.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checks import INDEX_DTYPES, check_positive_int, check_tensor, same_device
+
+__all__ = ["PagedLayout"]
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def debug_checks() -> bool:
+    """``FP8MLA_CHECK=1``: check device-only page tables too, at the price of a device-to-host sync."""
+    return os.environ.get("FP8MLA_CHECK") == "1"
+
+
+def _check_indptr_values(name: str, h: torch.Tensor) -> None:
+    if int(h[0]) != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {int(h[0])}")
+    d = h[1:] - h[:-1]
+    if bool((d < 0).any()):
+        i = int(torch.nonzero(d < 0)[0])
+        raise ValueError(f"{name}: expected non-decreasing values, got {name}[{i}]={int(h[i])} > "
+                         f"{name}[{i + 1}]={int(h[i + 1])}")
+
+
+@dataclass(eq=False)
+class PagedLayout:
+    """One batch's paged KV table.
+
+    Device tensors (int32, on ``device``):
+        qo_indptr ``[B + 1]``: request b owns query tokens ``qo_indptr[b]:qo_indptr[b+1]``.
+        kv_indptr ``[B + 1]``: request b's pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, in token order.
+        kv_indices ``[N]``: page ids.
+        kv_len ``[B]``: tokens per request (<= its pages x page_size).
+    Host facts (``None`` when only device tensors were given, since reading them would sync):
+        qo_lens, kv_lens: lists of B ints; num_qo = total query tokens; max_qo_len.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len: torch.Tensor
+    page_size: int
+    device: torch.device
+    qo_lens: list | None = None
+    kv_lens: list | None = None
+    max_page_id: int | None = None      # largest page id a token uses (-1: none), when checked on the host
+    _slots: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_len.numel()
+
+    @property
+    def num_qo(self) -> int | None:
+        return None if self.qo_lens is None else sum(self.qo_lens)
+
+    @property
+    def max_qo_len(self) -> int | None:
+        return None if self.qo_lens is None else max(self.qo_lens, default=0)
+
+    @property
+    def max_kv_len(self) -> int | None:
+        return None if self.kv_lens is None else max(self.kv_lens, default=0)
+
+    @property
+    def num_tokens(self) -> int | None:
+        return None if self.kv_lens is None else sum(self.kv_lens)
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 kv_len: torch.Tensor, page_size: int, *, device=None) -> "PagedLayout":
+        """A layout from FlashInfer's arrays.
+
+        ``qo_indptr`` and ``kv_indptr`` may be longer than B + 1 (slices of larger buffers, as FlashInfer
+        allows): B = ``kv_len.numel()`` and only their first B + 1 entries are read. CPU tensors are checked
+        on the host; CUDA tensors are never read on the host (no sync), unless ``FP8MLA_CHECK=1``.
+        """
+        check_positive_int("page_size", page_size)
+        check_tensor("kv_len_arr", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        B = kv_len.numel()
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            check_tensor(name, t, dtype=INDEX_DTYPES, ndim=1)
+            if t.numel() < B + 1:
+                raise ValueError(f"{name}: expected at least {B + 1} entries (batch size {B} from kv_len_arr, "
+                                 f"+ 1), got {t.numel()}")
+        check_tensor("kv_indices", kv_indices, dtype=INDEX_DTYPES, ndim=1)
+        device = torch.device(device) if device is not None else kv_indices.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        qo_indptr, kv_indptr = qo_indptr[: B + 1], kv_indptr[: B + 1]
+
+        qo_lens = kv_lens = max_page = active = None
+        if _on_host(qo_indptr):
+            _check_indptr_values("qo_indptr", qo_indptr)
+            qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+            # Rows without queries are never read: engines pad them with any kv_len (vLLM's sparse backend).
+            active = (qo_indptr[1:] - qo_indptr[:-1]) > 0
+        if _on_host(kv_indptr) and _on_host(kv_len) and _on_host(kv_indices):
+            kv_lens = cls._check_table(kv_indptr, kv_indices, kv_len, page_size, active)
+            max_page = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active)
+        elif debug_checks():
+            h = [t.cpu() for t in (kv_indptr, kv_indices, kv_len)]
+            cls._check_table(h[0], h[1], h[2], page_size, active)
+            max_page = cls._max_page(h[0], h[1], h[2], page_size, active)
+        elif _on_host(kv_len):
+            kv_lens = kv_len.tolist()
+            if any(L < 0 for L in kv_lens):
+                raise ValueError(f"kv_len_arr: expected non-negative lengths, got {min(kv_lens)}")
+
+        i32 = dict(dtype=torch.int32, device=device, non_blocking=True)  # host -> device never syncs
+        return cls(qo_indptr.to(**i32), kv_indptr.to(**i32), kv_indices.to(**i32), kv_len.to(**i32), page_size,
+                   device, qo_lens, kv_lens, max_page)
+
+    @classmethod
+    def from_block_table(cls, block_table: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
+                         qo_indptr: torch.Tensor | None = None, device=None) -> "PagedLayout":
+        """A layout over a padded block table ``[B, max_pages]`` (vLLM's ``block_table``) and ``kv_len [B]``.
+
+        The table is used as is: request b's pages are row b (``kv_indptr = b * row stride``), no copy when the
+        table is int32 with contiguous rows. ``qo_indptr`` defaults to one query per request (decode).
+        """
+        check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2)
+        check_tensor("kv_len", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        B, W = block_table.shape
+        if kv_len.numel() != B:
+            raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {kv_len.numel()}")
+        dev = block_table.device
+        block_table = block_table.to(torch.int32).contiguous()  # no copy for vLLM's int32 table (row slices)
+        kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * W
+        if qo_indptr is None:
+            qo_indptr = torch.arange(B + 1, dtype=torch.int32)  # host: decode, one query per request
+        lay = cls.from_csr(qo_indptr, kv_indptr, block_table.view(-1), kv_len, page_size, device=device)
+        if lay.kv_lens is not None and any(L > W * page_size for L in lay.kv_lens):
+            b = next(i for i, L in enumerate(lay.kv_lens) if L > W * page_size)
+            raise ValueError(f"kv_len: request {b} has {lay.kv_lens[b]} tokens, more than block_table's {W} "
+                             f"pages x page_size {page_size}")
+        return lay
+
+    # -- checks ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_table(kv_indptr, kv_indices, kv_len, page_size, active=None) -> list:
+        """Host check (vectorized): kv_indptr is an index pointer into kv_indices, every kv_len fits its pages
+        and the page ids its tokens use are >= 0. A kv_len past a request's pages would read another request's
+        pages silently."""
+        _check_indptr_values("kv_indptr", kv_indptr)
+        if int(kv_indptr[-1]) > kv_indices.numel():
+            raise ValueError(f"kv_indices: kv_indptr[-1]={int(kv_indptr[-1])} but kv_indices has "
+                             f"{kv_indices.numel()} entries")
+        have = (kv_indptr[1:] - kv_indptr[:-1]).long()
+        L = kv_len.long()
+        bad = (L < 0) | (L > have * page_size)
+        if active is not None:
+            bad &= active
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise ValueError(f"kv_len_arr: request {b} has kv_len {int(L[b])}, expected 0 <= kv_len <= its "
+                             f"{int(have[b])} pages x page_size {page_size} = {int(have[b]) * page_size}")
+        return L.tolist()
+
+    @staticmethod
+    def _used_pages(kv_indptr, kv_indices, kv_len, page_size, active=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids used by tokens, request of each), vectorized over the table (rows with queries only)."""
+        need = torch.div(kv_len.long() + page_size - 1, page_size, rounding_mode="floor")
+        if active is not None:
+            need = need * active
+        total = int(need.sum())
+        B = kv_len.numel()
+        req = torch.repeat_interleave(torch.arange(B), need, output_size=total)
+        start = torch.zeros(B + 1, dtype=torch.long)
+        torch.cumsum(need, 0, out=start[1:])
+        pos = kv_indptr.long()[req] + torch.arange(total) - start[req]
+        return kv_indices.long()[pos], req
+
+    @classmethod
+    def _max_page(cls, kv_indptr, kv_indices, kv_len, page_size, active=None) -> int:
+        used, req = cls._used_pages(kv_indptr, kv_indices, kv_len, page_size, active)
+        if used.numel() == 0:
+            return -1
+        if bool((used < 0).any()):
+            i = int(torch.nonzero(used < 0)[0])
+            raise ValueError(f"kv_indices: request {int(req[i])} references page {int(used[i])}, expected page "
+                             "ids >= 0")
+        return int(used.max())
+
+    def check_pool(self, num_pages: int) -> None:
+        """Every page a token uses is < ``num_pages`` (known on the host; device-only tables are guarded in the
+        kernels, which never read outside the pool)."""
+        if self.max_page_id is not None and self.max_page_id >= num_pages:
+            raise ValueError(f"kv_indices: the plan references page {self.max_page_id} but ckv_cache has "
+                             f"{num_pages} pages")
+
+    def check_device(self, device) -> None:
+        if not same_device(self.device, device):
+            raise ValueError(f"layout: planned on {self.device}, got tensors on {device}")
+
+    # -- derived, on demand -----------------------------------------------------------------------------------
+    def token_slots(self) -> torch.Tensor:
+        """Flat slot ids (``page * page_size + offset``, int64 ``[T]``) of every request's tokens in order,
+        computed on the device on first use and kept. Needs the total token count on the host (known when the
+        lengths were given on the host; otherwise one sync, once)."""
+        if self._slots is None:
+            T = self.num_tokens if self.num_tokens is not None else int(self.kv_len.long().sum())
+            dev = self.device
+            lens = self.kv_len.long()
+            start = torch.zeros(self.batch_size + 1, dtype=torch.long, device=dev)
+            torch.cumsum(lens, 0, out=start[1:])
+            req = torch.repeat_interleave(torch.arange(self.batch_size, device=dev), lens, output_size=T)
+            pos = torch.arange(T, device=dev) - start[req]
+            page = self.kv_indices.long()[self.kv_indptr.long()[req]
+                                          + torch.div(pos, self.page_size, rounding_mode="floor")]
+            self._slots = page * self.page_size + pos % self.page_size
+        return self._slots
+
+    def token_indptr(self) -> torch.Tensor:
+        """int32 ``[B + 1]``: request b's tokens are rows ``token_indptr[b]:token_indptr[b+1]`` of
+        :meth:`token_slots`."""
+        out = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(self.kv_len, 0, out=out[1:])
+        return out
