@@ -284,6 +284,8 @@ class ModuleIndex:
 
     def _attr_flow(self, cls, attr, depth):
         kinds = [self.classify(v, f, depth + 1) for v, f in cls.attrs.get(attr, [])]
+        if cls.init is None and attr in cls.fields:  # a dataclass field: what the constructor calls pass
+            kinds += self._field_args(cls, attr, depth)
         for b in cls.bases:  # a base class defined in this module
             if b in self.classes and self.classes[b] is not cls:
                 kinds.append(self._attr_flow(self.classes[b], attr, depth + 1))
@@ -301,6 +303,18 @@ class ModuleIndex:
                 a = call.args[names.index(param)]
                 if not isinstance(a, ast.Starred):
                     kinds.append(self.classify(a, f, depth + 1))
+        return kinds
+
+    def _field_args(self, cls, field, depth):
+        order = list(cls.fields)
+        kinds = []
+        for call, f in self.ctor_calls.get(cls.name, [])[:16]:
+            for k in call.keywords:
+                if k.arg == field:
+                    kinds.append(self.classify(k.value, f, depth + 1))
+            i = order.index(field)
+            if i < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:i + 1]):
+                kinds.append(self.classify(call.args[i], f, depth + 1))
         return kinds
 
     def kv_attrs(self, cls) -> list:

@@ -118,13 +118,14 @@ def check_plans(index: ModuleIndex, source: str, emit) -> None:
         if kv is not None:
             kind = index.classify(kv, func)
             if kind == COMPUTE and evidence:
-                where = ", ".join(kv_attrs) or "the pool's dtype"
+                where = f"kv_data_type={kv_attrs[0]}" if kv_attrs else \
+                    "kv_data_type=<the pool's dtype>, e.g. the KV-cache dtype or the pool tensor's .dtype"
                 qs = f" (the query's is `{text(q)}`)" if q is not None else ""
                 emit(call, "KV002",
                      f"`{method}()` of {wrapper} plans the KV data type as `{text(kv)}`, a compute dtype"
                      f"{qs}, while an FP8-capable KV pool is visible in this module: the kernel then expects a "
                      "compute-dtype pool, so the FP8 pool gets converted before every call",
-                     f"pass the pool's dtype as the KV data type ({where}) and the pool unconverted")
+                     f"plan the KV as the pool's dtype ({where}) and pass the pool unconverted")
             continue
         if not sigs[0].kv_default_q:
             continue  # a required argument is missing: a TypeError at run time, not this bug
