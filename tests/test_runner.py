@@ -256,10 +256,13 @@ def test_runner_failed_step_gives_the_reservation_back():
     r = DecodeRunner(m, cache, max_batch=4, use_cuda_graph=False)
     ids = [cache.add_sequence() for _ in range(3)]
     r.step(ids, [4, 4, 2], torch.randn(10, 256, device=DEVICE))
-    before = cache_state(cache)
+    r.step(ids, [1, 1, 1], torch.randn(3, 256, device=DEVICE))
+    before, fills = cache_state(cache), r.stats["row_fills"]
     with pytest.raises(ValueError, match="x: expected shape"):
         r.step(ids, [1, 1, 1], torch.randn(2, 256, device=DEVICE))
     assert cache_state(cache) == before
+    r.step(ids, [1, 1, 1], torch.randn(3, 256, device=DEVICE))
+    assert r.stats["row_fills"] == fills == 3  # the rows were rewound too: no refill after the failed step
     with pytest.raises(ValueError, match="max_batch"):
         DecodeRunner(m, cache, max_batch=0)
     if DEVICE == "cpu":

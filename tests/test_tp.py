@@ -123,15 +123,20 @@ def test_torchrun_generate_tp2():
     assert p.stdout.count("done: 3 requests") == 1  # only rank 0 prints
 
 
-def test_torchrun_bench_step_tp2():
-    """`torchrun --nproc-per-node 2 -m fp8mla bench step --tp 2` (gloo dry run on the CPU): heads split, one table."""
+def test_torchrun_bench_step_tp2(tmp_path):
+    """`torchrun --nproc-per-node 2 -m fp8mla bench step --tp 2` (gloo dry run on the CPU): heads split, one table,
+    the runner's padded step equal to the eager one, then the tp 1 reference on rank 0 and the speed-up, a CSV."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
            f"--master-port={free_port()}", "-m", "fp8mla", "bench", "step", "--tp", str(WORLD), "--config", "tiny",
-           "--layers", "1", "--batches", "1,3", "--contexts", "40", "--reps", "2", "--device", "cpu"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+           "--layers", "1", "--batches", "1,3", "--contexts", "40", "--reps", "2", "--device", "cpu",
+           "--page-size", "4", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "4 per rank, tp 2" in p.stdout and "DRY RUN" in p.stdout
     lines = [ln.split() for ln in p.stdout.splitlines() if ln.strip().startswith(("1 ", "3 "))]
     assert [ln[:2] for ln in lines] == [["1", "40"], ["3", "40"]]  # one row per point, printed by rank 0 only
     assert all(float(ln[2]) > 0 for ln in lines)
+    assert all(float(ln[-1]) < 1e-5 for ln in lines)  # graph-runner path vs eager: rel_l2
+    assert p.stdout.count("tp 2 speed-up") == 2 and "tp 1 on rank 0" in p.stdout
+    assert (tmp_path / "step_model_tp2_page4.csv").exists()

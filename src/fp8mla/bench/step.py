@@ -228,7 +228,13 @@ def add_arguments(p):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: time the DeepSeek MLA layer stack with heads split over N ranks "
                         "(launch with torchrun --nproc-per-node N; see fp8mla.bench.step_tp)")
-    p.add_argument("--config", default="dsv3", help="with --tp: model config (dsv3, dsv2-lite, kimi-k2, tiny)")
+    p.add_argument("--model", action="store_true",
+                   help="time the DeepSeek MLA layer stack's decode step (eager and CUDA-graph runner, begin_step, "
+                        "kernels' device time, roofline floor) instead of the attention-only scenario; implied by "
+                        "--tp N > 1 (see fp8mla.bench.step_tp)")
+    p.add_argument("--page-size", type=int, default=64, help="with --model/--tp: cache page size (default 64)")
+    p.add_argument("--config", default="dsv3", help="with --model/--tp: model config (dsv3, dsv2-lite, kimi-k2, "
+                   "tiny)")
     p.add_argument("--device", default="cuda",
                    help="cuda (default). 'cpu' is a dry run of the benchmark's plumbing at whatever size you give "
                         "it: wall-clock times, no CUDA graphs, no ceilings; its numbers are not a benchmark")
@@ -238,18 +244,6 @@ def capturable(fn) -> bool:
     """Whether ``fn`` can be captured in a CUDA graph (the torch backend cannot: boolean indexing syncs)."""
     from .common import capture
     return capture(fn) is not None
-
-
-def _cpu_time_ms(fn, reps: int, **_) -> float:
-    import statistics
-    import time
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def main(args) -> int:
@@ -265,7 +259,10 @@ def main(args) -> int:
     if args.tp < 1:
         print(f"fp8mla bench step: --tp: expected a positive int, got {args.tp}", file=sys.stderr)
         return 2
-    if args.tp > 1:
+    if args.page_size < 1:
+        print(f"fp8mla bench step: --page-size: expected a positive int, got {args.page_size}", file=sys.stderr)
+        return 2
+    if args.tp > 1 or args.model:
         from .step_tp import run_tp
         return run_tp(args)
     dry = torch.device(args.device).type == "cpu"
@@ -273,10 +270,10 @@ def main(args) -> int:
         print("fp8mla bench step: needs a CUDA device (torch.cuda.is_available() is False). "
               "On a CPU, `fp8mla demo` runs the same scenario at a small size.", file=sys.stderr)
         return 2
-    from .common import environment, measure_ceilings, time_ms
+    from .common import cpu_time_ms, environment, measure_ceilings, time_ms
     if dry:
         print("DRY RUN on the CPU: checks the benchmark's plumbing; the times are not a benchmark")
-        time_ms, args.cuda_graph, args.ceilings = _cpu_time_ms, False, False  # noqa: F811
+        time_ms, args.cuda_graph, args.ceilings = cpu_time_ms, False, False  # noqa: F811
     scale = SCALES[args.scale]
     layers = args.layers or scale.layers
     env = environment()

@@ -100,6 +100,7 @@ class MLAStep:
     fused: bool = False          # decode-only steps use the fused Triton kernels (models/fused.py)
     reserved: bool = True        # the slots are still this step's to give back (see cancel())
     committed: bool = False      # a forward pass finished: a later failure no longer gives the slots back
+    undo: object = None          # called by cancel() after the cache's undo (the runner's own bookkeeping)
 
     @property
     def num_rows(self) -> int:
@@ -115,6 +116,8 @@ class MLAStep:
         if self.reserved and not self.committed:
             self.cache.unreserve(self.seq_ids)
             self.reserved = False
+            if self.undo is not None:
+                self.undo()
 
 
 def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:

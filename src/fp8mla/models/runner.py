@@ -142,6 +142,13 @@ class DecodeRunner:
         self._rows[sid] = (row, rec, prefix)
         return row
 
+    def _rewind(self, ids: list, prefix: list) -> None:
+        """A cancelled step: the rows hold the sequences' pages up to their old lengths again."""
+        for sid, p in zip(ids, prefix):
+            ent = self._rows.get(sid)
+            if ent is not None:
+                self._rows[sid] = (ent[0], ent[1], p)
+
     def _follow(self, ids: list, counts: list, prefix: list, slots: torch.Tensor) -> None:
         """After an eager step: put its tokens' pages into the rows of the tracked sequences (a device scatter, no
         refill), so that their next decode step plans in O(batch)."""
@@ -182,11 +189,10 @@ class DecodeRunner:
             return out
         st = self.begin_step(ids, prefix)
         try:
-            out = self.forward(x, st)
+            return self.forward(x, st)
         except BaseException:
             st.cancel()
             raise
-        return out
 
     def begin_step(self, ids: list, prefix: list) -> MLAStep:
         """Reserve one token per sequence and plan its bucket's graph (O(batch) host work). Returns the bucket's
@@ -195,11 +201,11 @@ class DecodeRunner:
         Bb = bucket_for(B, self.buckets)
         slots = _reserve(self.cache, ids, [1] * B)
         try:
-            st = self._plan(ids, prefix, slots, B, Bb)
+            return self._plan(ids, prefix, slots, B, Bb)
         except BaseException:
             self.cache.unreserve(ids)
+            self._rewind(ids, prefix)
             raise
-        return st
 
     def _plan(self, ids, prefix, slots, B, Bb) -> MLAStep:
         cache, dev, ps = self.cache, self.device, self.cache.page_size
@@ -227,6 +233,7 @@ class DecodeRunner:
         self._plan_attention(attn, block_table, kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
         st.reserved, st.committed = True, False
+        st.undo = lambda: self._rewind(ids, prefix)
         if g["graph"] is None and self.use_cuda_graph:
             self._capture(g)
         return st
