@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import fp8mla.models
 from fp8mla.cli import main
 from fp8mla.models import DeepseekMLAModel, load_config
 
@@ -58,6 +60,55 @@ def test_generate_from_checkpoint(tmp_path, capsys):
 def test_generate_errors_name_the_argument(capsys, argv, msg):
     rc, out, err = run(capsys, "--device", "cpu", "--no-progress", *argv)
     assert rc == 2 and msg in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_generate_cuda_without_cuda_names_the_device(capsys):
+    rc, out, err = run(capsys, "--device", "cuda", "--no-progress", "--prompts", "1")
+    assert rc == 2 and "--device" in err and "no CUDA device" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("{not json", "is not a valid JSON file"),
+    ("[1, 2]", "expected an object"),
+])
+def test_generate_corrupt_config_names_the_file(tmp_path, capsys, text, msg):
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    rc, out, err = run(capsys, "--config", str(path), "--device", "cpu", "--no-progress")
+    assert rc == 2 and str(path) in err and msg in err, err
+
+
+@pytest.mark.parametrize("scaling, msg", [
+    ({"type": "yarn", "original_max_position_embeddings": 128}, "'factor'"),
+    ({"type": "yarn", "factor": "8", "original_max_position_embeddings": 128}, "'factor'"),
+    ({"type": "yarn", "factor": 8, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+])
+def test_generate_yarn_without_factor(tmp_path, capsys, scaling, msg):
+    cfg = json.loads((Path(fp8mla.models.__file__).parent / "configs" / "tiny.json").read_text())
+    cfg["rope_scaling"] = scaling
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, "--config", str(path), "--device", "cpu", "--no-progress")
+    assert rc == 2 and "rope_scaling" in err and msg in err and "Traceback" not in err, err
+
+
+def test_generate_eager_flag_on_cpu(capsys):
+    rc, out, err = run(capsys, "--config", "tiny", "--prompts", "2", "--prompt-len", "4", "--max-new-tokens", "2",
+                       "--device", "cpu", "--no-progress", "--eager")
+    assert rc == 0, err
+    assert "steps: eager (--eager)" in out and "generated tok/s" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_generate_graphs_on_gpu_and_eager(capsys):
+    argv = ["--config", "tiny", "--prompts", "6", "--prompt-len", "8", "--max-new-tokens", "6", "--max-batch", "4",
+            "--no-progress"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert "CUDA graphs:" in out and "decode steps replayed" in out and "generated tok/s" in out
+    rc, out, err = run(capsys, *argv, "--eager")
+    assert rc == 0 and "steps: eager" in out, err
 
 
 def test_block_scaled_fp8_checkpoint_is_dequantized(tmp_path):

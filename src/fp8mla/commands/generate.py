@@ -5,6 +5,9 @@ serves ``--prompts`` requests of random lengths: up to ``--max-batch`` run at on
 and a waiting one joins in the same step (its prefill mixed with the others' decode). The next input of a
 sequence is its last output, RMS-normalized. Prints tokens/s and the cache's memory.
 
+On a GPU, decode-only steps replay CUDA graphs (:class:`fp8mla.models.runner.DecodeRunner`, one graph per batch
+bucket); steps where a prompt joins run eagerly. ``--eager`` runs every step eagerly (to compare tokens/s).
+
 Tensor parallel: ``torchrun --nproc-per-node N -m fp8mla generate --tp N ...`` splits the heads over N ranks
 (NCCL on GPUs, gloo on CPUs); every rank holds its own cache with the same page tables; rank 0 prints.
 """
@@ -39,6 +42,8 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="cpu, cuda (default: cuda when available)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="attention backend")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch with torchrun)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly (default on a GPU: "
+                   "decode steps replay one CUDA graph per batch bucket)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress line")
 
@@ -88,16 +93,38 @@ class _Progress:
 def main(args) -> int:
     try:
         return _run(args)
-    except (ValueError, RuntimeError, KeyError) as e:
+    except (ValueError, RuntimeError, KeyError, OSError) as e:
         print(f"fp8mla generate: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a message, never a traceback, for whatever a user passes
+        print(f"fp8mla generate: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_device(device) -> None:
+    """``--device`` names a device torch has here (torch's own error is an assert about how it was built)."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {device!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device!r} asked for, but torch sees no CUDA device here (torch "
+                         f"{torch.__version__}); use --device cpu")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"--device: expected cuda:0 .. cuda:{torch.cuda.device_count() - 1}, got {device!r}")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
 
 
 def _run(args) -> int:
     from ..models.config import load_config
     from ..models.deepseek import DeepseekMLAModel
     from ..models.parallel import init_tensor_parallel
+    from ..models.runner import DecodeRunner
 
+    _check_device(args.device)
     for name in ("prompts", "prompt_len", "max_new_tokens", "max_batch", "page_size", "tp"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     group, device = init_tensor_parallel(args.tp, args.device)
@@ -129,7 +156,11 @@ def _run(args) -> int:
                         generator=g).tolist()
     ps = args.page_size
     per_seq = -(-(args.prompt_len + args.max_new_tokens) // ps)
-    cache = model.make_cache(num_pages=args.max_batch * per_seq, page_size=ps, kv_format=args.kv_format)
+    use_graphs = device.type == "cuda" and not args.eager and args.backend != "torch"
+    # (+1 page: the runner's padding rows write into a page of their own)
+    cache = model.make_cache(num_pages=args.max_batch * per_seq + use_graphs, page_size=ps, kv_format=args.kv_format)
+    runner = (DecodeRunner(model, cache, max_batch=args.max_batch, max_context=args.prompt_len + args.max_new_tokens)
+              if use_graphs else None)
     bf16_bytes = cache.num_pages * ps * len(model.layers) * 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
     src = "random weights" if not args.checkpoint else f"checkpoint {args.checkpoint}"
@@ -162,8 +193,13 @@ def _run(args) -> int:
             counts = [running[r]["next"].shape[0] for r in order]
             x = torch.cat([running[r]["next"] for r in order])
             t_step = time.perf_counter()
-            step = model.begin_step(cache, [running[r]["sid"] for r in order], counts)
-            out = model(x, step)
+            sids = [running[r]["sid"] for r in order]
+            if runner is not None:
+                out = runner.step(sids, counts, x)
+                step = runner.last_step
+            else:
+                step = model.begin_step(cache, sids, counts)
+                out = model(x, step)
             last = torch.tensor(counts, device=device).cumsum(0) - 1
             nxt = out[last].float()
             nxt = (nxt * torch.rsqrt(nxt.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
@@ -183,6 +219,8 @@ def _run(args) -> int:
                 generated += 1
                 if st["left"] == 0:
                     cache.free(st["sid"])
+                    if runner is not None:
+                        runner.release(st["sid"])
                     del running[r]
                     done += 1
             progress.update(steps, len(running), len(waiting), done, generated, time.perf_counter() - start)
@@ -190,12 +228,20 @@ def _run(args) -> int:
     wall = time.perf_counter() - start
     progress.close()
     say(f"done: {done} requests, {prompt_tokens} prompt + {generated} generated tokens in {steps} steps, "
-        f"{wall:.3f} s (attention backends: {', '.join(sorted(backends))})")
+        f"{wall:.3f} s (attention backends: {', '.join(sorted(b for b in backends if b))}; "
+        f"{'CUDA graphs' if runner is not None else 'eager'})")
     say(f"throughput: {generated / wall:,.1f} generated tok/s, {(prompt_tokens + generated) / wall:,.1f} tok/s "
         f"with prompts" + (f"; decode-only steps: {decode_tokens / decode_time:,.1f} tok/s, "
                            f"{1e3 * decode_time / decode_steps:.2f} ms/step" if decode_time > 0 else ""))
     peak_bytes = peak_pages * ps * len(model.layers) * cache.bytes_per_token
     say(f"cache use: peak {peak_pages}/{cache.num_pages} pages ({_mib(peak_bytes)} of {_mib(cache.memory_bytes())})")
+    if runner is not None:
+        st = runner.stats
+        say(f"CUDA graphs: {st['graph_steps']} decode steps replayed ({st['captures']} graphs captured, batch buckets "
+            f"{runner.buckets}), {st['eager_steps']} steps eager (a prompt joined); --eager turns graphs off")
+        runner.close()
+    else:
+        say("steps: eager" + (" (--eager)" if args.eager else " (CUDA graphs need a GPU)"))
     if group is not None:
         torch.distributed.barrier(group)
         torch.distributed.destroy_process_group()

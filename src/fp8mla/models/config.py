@@ -67,6 +67,15 @@ class MLAConfig:
                 raise ValueError(f"rope_scaling: only YaRN (DeepSeek-V2/V3, Kimi-K2) is supported, got type {kind!r}")
             if kind in ("default", None):
                 self.rope_scaling = None
+            else:
+                f = self.rope_scaling.get("factor")
+                if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
+                    raise ValueError(f"rope_scaling: YaRN needs a positive 'factor' (how far the context was "
+                                     f"stretched), got {f!r} in {self.rope_scaling}")
+                o = self.rope_scaling.get("original_max_position_embeddings")
+                if isinstance(o, bool) or not isinstance(o, int) or o < 1:
+                    raise ValueError(f"rope_scaling: YaRN needs a positive int 'original_max_position_embeddings', "
+                                     f"got {o!r} in {self.rope_scaling}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -137,8 +146,14 @@ def load_config(spec: str | os.PathLike | dict | MLAConfig) -> MLAConfig:
         if not path.is_file():
             raise ValueError(f"config: {spec!r} is neither a known name {sorted(CONFIG_NAMES)} nor a config.json "
                              "file or checkpoint directory")
-    with open(path) as f:
-        return MLAConfig.from_dict(json.load(f), name=name)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config: {path} is not a valid JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"config: {path} holds a JSON {type(d).__name__}, expected an object (a config.json)")
+    return MLAConfig.from_dict(d, name=name)
 
 
 # -- YaRN rotary embedding ---------------------------------------------------------------------------------------

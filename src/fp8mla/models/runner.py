@@ -101,6 +101,7 @@ class DecodeRunner:
         self._graphs: dict = {}   # bucket -> (graph or None, attention, static step, output)
         self._pool = None
         self.stats = dict(graph_steps=0, eager_steps=0, captures=0, row_fills=0)
+        self.last_step: MLAStep | None = None  # the step step() ran last (its plans name the backends)
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
     def release(self, seq_id) -> None:
@@ -182,12 +183,12 @@ class DecodeRunner:
         ids, counts = check_step_args(self.cache, seq_ids, num_tokens, self.model.cfg)
         prefix = [self.cache.seq_len(s) for s in ids]
         if not self.is_graph_step(prefix, counts):
-            st = self.model.begin_step(self.cache, ids, counts)
+            st = self.last_step = self.model.begin_step(self.cache, ids, counts)
             self.stats["eager_steps"] += 1
             out = self.model(x, st)
             self._follow(ids, counts, prefix, st.slots)
             return out
-        st = self.begin_step(ids, prefix)
+        st = self.last_step = self.begin_step(ids, prefix)
         try:
             return self.forward(x, st)
         except BaseException:
