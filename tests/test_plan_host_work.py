@@ -1,0 +1,115 @@
+"""plan() does O(batch) host work and never syncs with the device.
+
+On the CPU: the number of Python-level calls plan() makes is the same for 1,000 and 200,000 tokens at page size 1
+(the page table is checked with vectorized ops, never walked in Python), and a device-only table is never
+read on the host (``tolist``/``item`` are not called on it). On a GPU: plan() runs under
+``torch.cuda.set_sync_debug_mode("error")`` with the engines' argument placement (qo_indptr on the host,
+the page table and lengths on the device), and a captured run() replays correctly after a re-plan.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import fp8mla
+from fp8mla.layout import PagedLayout
+from fp8mla.testing import assert_close, make_paged_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _page1_args(B: int, L: int, device="cpu"):
+    i32 = dict(dtype=torch.int32, device=device)
+    return dict(qo_indptr=torch.arange(B + 1, dtype=torch.int32), kv_indptr=torch.arange(B + 1, **i32) * L,
+                kv_indices=torch.randperm(B * L + 7, **i32)[: B * L], kv_len_arr=torch.full((B,), L, **i32),
+                num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=True,
+                sm_scale=192 ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+
+
+def _count_python_calls(fn) -> int:
+    calls = 0
+
+    def prof(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["triton"] if "triton" in fp8mla.available_backends("cpu") else [])
+def test_plan_python_work_does_not_grow_with_tokens(backend):
+    fp8mla.MLAPagedAttention(backend=backend).plan(**_page1_args(2, 10))  # imports and caches, once
+    counts = []
+    for L in (1000, 200_000):
+        args = _page1_args(4, L)
+        attn = fp8mla.MLAPagedAttention(backend=backend)
+        counts.append(_count_python_calls(lambda: attn.plan(**args)))
+    assert counts[0] == counts[1], f"Python calls in plan() grew with the tokens: {counts}"
+
+
+@pytest.mark.skipif("triton" not in fp8mla.available_backends("cpu"), reason="needs the triton backend here")
+def test_device_only_table_is_never_read_on_host(monkeypatch):
+    """Stand-ins for device tensors (the layout treats everything but qo_indptr as device-resident): planning
+    reads none of them on the host, so on a GPU it cannot sync."""
+    args = _page1_args(3, 50)
+    qo = args["qo_indptr"]
+    monkeypatch.setattr(fp8mla.layout, "_on_host", lambda t: t.data_ptr() == qo.data_ptr())
+    lay = PagedLayout.from_csr(qo, args["kv_indptr"], args["kv_indices"], args["kv_len_arr"], 1)
+    assert lay.kv_lens is None and lay.max_page_id is None and lay.qo_lens == [1, 1, 1]
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, (lambda real, name: lambda t, *a: (reads.append(name),
+                                                                                   real(t, *a))[1])(real, name))
+    attn = fp8mla.MLAPagedAttention(backend="triton")
+    attn.plan_layout(lay, 16, 512, 64, True, 192 ** -0.5, torch.bfloat16, torch.float8_e4m3fn)
+    assert reads == [], f"plan read tensors on the host: {reads}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plan_never_syncs_and_graph_replays_after_replan():
+    torch.manual_seed(0)
+    attn = fp8mla.MLAPagedAttention(torch.empty(1, device="cuda"), True, max_batch_size=8, max_kv_indices=4096)
+    outs = []
+    for lens in ([97, 1, 514], [300, 17, 64]):
+        pb = make_paged_batch(lens, [1] * 3, 16, 16, "fp8_e4m3", device="cuda", ckv_scale=0.02, kpe_scale=0.03)
+        a = dict(pb.plan_args, qo_indptr=pb.plan_args["qo_indptr"].cpu())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            attn.plan(**a)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs.append(pb)
+    # Capture with the second plan's tensors, re-plan the first batch's lengths into the same buffers, replay.
+    first, second = outs
+    r = second.run_args
+    out = torch.full((3, 16, 512), math.nan, dtype=torch.bfloat16, device="cuda")
+    attn.run(**r, out=out)  # warm-up (compiles)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(**r, out=out)
+    g.replay()
+    assert_close(out, second.reference()[0], 3e-3)
+    pool = second.pool  # same pool tensor: write the first batch's values into it before replaying
+    a = dict(first.plan_args, qo_indptr=first.plan_args["qo_indptr"].cpu())
+    if first.pool.shape[0] <= pool.shape[0]:
+        pool[: first.pool.shape[0]].copy_(first.pool)
+        attn.plan(**a)
+        r["q_nope"].copy_(first.run_args["q_nope"])
+        r["q_pe"].copy_(first.run_args["q_pe"])
+        g.replay()
+        ref = fp8mla.reference.mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"],
+                                             a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"],
+                                             sm_scale=a["sm_scale"], causal=True, ckv_scale=0.02, kpe_scale=0.03)
+        assert_close(out, ref[0], 3e-3)
