@@ -266,3 +266,27 @@ def test_plot(tmp_path):
     out = tmp_path / "step.png"
     plot_report(r, out)
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_corrupt_gzip_body_is_a_trace_error(tmp_path, capsys):
+    """A valid gzip header over damaged deflate data raised zlib.error, which the reader did not catch."""
+    raw = bytearray(gzip.compress(json.dumps({"traceEvents": _linked_trace()}).encode()))
+    raw[20:60] = bytes(range(40))  # inside the deflate stream, past the 10-byte header
+    p = tmp_path / "t.json.gz"
+    p.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="damaged gzip"):
+        load_trace(p)
+    assert cli(["doctor", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "damaged gzip" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where, msg", [("missing/step.png", "does not exist"), ("", "is a folder")])
+def test_plot_into_a_missing_folder_is_refused_before_reading(tmp_path, capsys, where, msg):
+    """``--plot no/such/dir/x.png`` used to read the whole trace, then end in matplotlib's FileNotFoundError."""
+    trace = _write(tmp_path, _linked_trace())
+    target = str(tmp_path / where) if where else str(tmp_path)
+    assert cli(["doctor", str(trace), "--plot", target]) == 2
+    out = capsys.readouterr()
+    assert "fp8mla doctor: --plot: " in out.err and msg in out.err and "Traceback" not in out.err
+    assert out.out == ""  # refused before the trace was read: no report

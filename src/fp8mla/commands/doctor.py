@@ -4,6 +4,7 @@ per layer, with the cost per step and the fix. Exit status: 0 nothing flagged, 1
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..tools.doctor import diagnose, format_report, parse_bytes, plot_report
@@ -44,7 +45,23 @@ def add_arguments(p):
                    "(needs matplotlib)")
 
 
+def _plot_target_error(path: str) -> str | None:
+    """Why ``--plot PATH`` cannot be written, checked before the trace is read (a long read must not end in a
+    missing folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--plot: {path} is a folder; expected a file name such as {os.path.join(path, 'doctor.png')}"
+    if not os.path.isdir(folder):
+        return f"--plot: the folder {folder} does not exist; create it first or pick another path"
+    if not os.access(folder, os.W_OK):
+        return f"--plot: the folder {folder} is not writable"
+    return None
+
+
 def main(args) -> int:
+    if args.plot and (why := _plot_target_error(args.plot)):
+        print(f"fp8mla doctor: {why}", file=sys.stderr)
+        return 2
     try:
         report = diagnose(args.trace, pool_bytes=args.pool_bytes, steps=args.steps)
     except TraceError as e:
@@ -59,6 +76,9 @@ def main(args) -> int:
             plot_report(report, args.plot, top=args.top)
         except RuntimeError as e:
             print(f"fp8mla doctor: {e}", file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as e:  # a full disk, an extension matplotlib cannot write
+            print(f"fp8mla doctor: --plot: cannot write {args.plot} ({e})", file=sys.stderr)
             return 2
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 1 if report.findings else 0

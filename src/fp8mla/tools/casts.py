@@ -98,7 +98,7 @@ def _to_copy_target(op):
         return src, src  # .to(device) only: no dtype argument
     try:
         return src, SCALAR_TYPES.get(int(ci[1]))
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):  # not a ScalarType number (a foreign or damaged trace)
         return src, None
 
 

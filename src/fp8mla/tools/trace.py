@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 
 __all__ = ["TraceError", "Event", "Trace", "load_trace", "kernel_label", "dtype_name", "dtype_bytes",
@@ -51,7 +52,10 @@ SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "f
 
 
 def dtype_name(type_str: str) -> str | None:
-    """``"c10::BFloat16"`` -> ``"bfloat16"``; None for non-tensor entries (``"Scalar"``, ``""``)."""
+    """``"c10::BFloat16"`` -> ``"bfloat16"``; None for non-tensor entries (``"Scalar"``, ``""``) and for
+    anything that is not a string (a trace written by another tool, or damaged)."""
+    if not isinstance(type_str, str):
+        return None
     t = _TYPES.get(type_str.strip())
     return t[0] if t else None
 
@@ -125,12 +129,15 @@ def _read_json(path: str):
         raise TraceError(f"{path}: no such file")
     if os.path.isdir(path):
         raise TraceError(f"{path}: is a directory, expected a trace file (.json or .json.gz)")
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:  # permission denied, a device, a vanished file
+        raise TraceError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     if raw[:2] == b"\x1f\x8b":  # gzip magic: trust the bytes, not the file name
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:  # a bad header, a cut-off stream, corrupt deflate data
             raise TraceError(f"{path}: a damaged gzip file ({e})") from None
     try:
         text = raw.decode("utf-8")
@@ -141,6 +148,9 @@ def _read_json(path: str):
         raise TraceError(f"{path}: the file is empty")
     try:
         return json.loads(text)
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply to read; expected a Chrome trace (a flat list of "
+                         "events)") from None
     except json.JSONDecodeError as e:
         # The Chrome trace format allows an array with its closing bracket missing (a profile cut short).
         stripped = text.rstrip().rstrip(",")
@@ -151,6 +161,19 @@ def _read_json(path: str):
                 pass
         raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected a Chrome "
                          "trace from torch.profiler export_chrome_trace") from None
+    except ValueError as e:  # JSON that the decoder refuses past parsing: an integer of over 4300 digits
+        raise TraceError(f"{path}: not a readable JSON trace ({e})") from None
+
+
+def _key(v):
+    """A value usable as a dict key. pid, tid and External id are numbers or strings in every profiler's
+    traces; a damaged or foreign trace may hold lists or objects there, which would end the run in
+    ``unhashable type``. They become their JSON text, which still tells equal values from different ones."""
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return json.dumps(v, sort_keys=True, default=str)
 
 
 def _link(events: list) -> None:
@@ -196,8 +219,10 @@ def load_trace(path) -> Trace:
         except (TypeError, ValueError):
             continue
         args = r.get("args") if isinstance(r.get("args"), dict) else {}
-        events.append(Event(str(r.get("name", "")), str(r.get("cat", "")), ts, dur, r.get("pid"), r.get("tid"),
-                            args))
+        if "External id" in args:
+            args = {**args, "External id": _key(args["External id"])}
+        events.append(Event(str(r.get("name", "")), str(r.get("cat", "")), ts, dur, _key(r.get("pid")),
+                            _key(r.get("tid")), args))
     if not events:
         raise TraceError(f"{path}: no complete ('X') events: the trace is empty (was the profiler active while "
                          "the steps ran?)")
