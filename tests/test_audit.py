@@ -59,6 +59,9 @@ def test_pool_names_are_configurable():
     ("k, v = get_kv_buffer(1)\nk.float()\nv.to(q)\n", 2),
     ("kv_cache.to(q.device)\nkv_cache.view(torch.uint8)\n", 0),
     ("def f():\n    k = kv_cache\n    def g():\n        return k.half()\n", 1),  # a closure sees k
+    # a branch that returns keeps its binding; one that falls through may leave the pool in the name
+    ("def f(q, k):\n    if k is None:\n        k = kv_cache\n        return g(k)\n    return k.to(q.dtype)\n", 0),
+    ("def f(q, k):\n    if k is None:\n        k = kv_cache\n    return k.to(q.dtype)\n", 1),
 ])
 def test_taint_cases(src, n):
     assert len(audit_source(src)) == n, [str(f) for f in audit_source(src)]

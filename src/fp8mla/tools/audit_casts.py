@@ -172,8 +172,9 @@ class _PoolCasts:
                 self.run(st.orelse, env, func, guards)
             elif isinstance(st, (ast.If, ast.While)):
                 self.check(st.test, env, func, guards)
-                self.run(st.body, env, func, guards + (st.test,))
-                self.run(st.orelse, env, func, guards)
+                # a branch that always leaves (return/raise/...) keeps its bindings to itself
+                self.run(st.body, dict(env) if _leaves(st.body) else env, func, guards + (st.test,))
+                self.run(st.orelse, dict(env) if _leaves(st.orelse) else env, func, guards)
             elif isinstance(st, (ast.With, ast.AsyncWith)):
                 for item in st.items:
                     self.check(item.context_expr, env, func, guards)
@@ -190,6 +191,10 @@ class _PoolCasts:
                     self.run(case.body, env, func, guards)
             else:
                 self.check(st, env, func, guards)
+
+
+def _leaves(body) -> bool:
+    return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
 
 
 def check_casts(tree, get_index, pool_names, emit) -> None:

@@ -249,22 +249,23 @@ class ModuleIndex:
         last = parts[-1]
         if parts[0] == "torch" and len(parts) == 2:
             return KV if last.startswith("float8") else COMPUTE if last in _TORCH_COMPUTE else None
-        if KV_DTYPE_NAME.search(last):
-            return KV
-        if COMPUTE_DTYPE_NAME.search(last):
-            return COMPUTE
+        by_name = KV if KV_DTYPE_NAME.search(last) else COMPUTE if COMPUTE_DTYPE_NAME.search(last) else None
+        if by_name and not (isinstance(e, ast.Name) or (len(parts) == 2 and parts[0] == "self")):
+            return by_name  # another object's attribute (model_runner.kv_cache_dtype): its name is all we have
         if last == "dtype" and len(parts) >= 2:
             base = parts[-2]
             if _POOLISH.search(base):
                 return KV
             if _COMPUTEISH.search(base) and not (len(parts) == 2 and parts[0] == "self"):
                 return COMPUTE
+        # a local name or self.<attr>: where its value came from wins over what it is called (a `data_type`
+        # assigned the KV-cache dtype is the KV dtype; a `kv_dtype` assigned the model dtype is not)
         if isinstance(e, ast.Name):
-            return self._name_flow(e.id, func, depth)
+            return self._name_flow(e.id, func, depth) or by_name
         if parts[0] == "self" and len(parts) == 2 and func is not None and func.cls is not None:
             got = self._attr_flow(func.cls, last, depth)
-            if got:
-                return got
+            if got or by_name:
+                return got or by_name
         # another object's attribute: what this module assigns to `<anything>.<last>`
         return _combine([self.classify(v, f, depth + 1) for v, f in self.attr_assigns.get(last, [])][:8])
 

@@ -37,9 +37,13 @@ def _loose(name: str) -> str:
     return re.sub(r"^(kv_|qo_|q_|paged_kv_)", "", name)
 
 
-def _fits(sig, call) -> bool:
-    """``call`` could be a call of ``sig`` (count, keywords, required args, argument names)."""
+def _fits(sig, call, strict=True) -> bool:
+    """``call`` could be a call of ``sig`` (count, keywords, required args, argument names). Not ``strict``
+    (the receiver is known to be this wrapper): extra keywords are allowed -- engines replace ``plan`` with a
+    faster copy that takes a few more (SGLang's ``fast_decode_plan``)."""
     args, kws = call.args, {k.arg for k in call.keywords}
+    if not strict:
+        kws &= sig.names()
     if len(args) > len(sig.params) or not kws <= sig.names():
         return False
     given = set(sig.params[:len(args)]) | kws
@@ -87,7 +91,7 @@ def _candidates(index: ModuleIndex, call, func):
         fi = {index.flashinfer_class(t) for t in types}
         if None in fi:
             return None  # an engine's own class (or one we cannot see through): not FlashInfer's plan()
-        return [s for c in fi for s in signatures_for(c) if _fits(s, call)] or None
+        return [s for c in fi for s in signatures_for(c) if _fits(s, call, strict=False)] or None
     name = (dotted(recv) or text(recv)).split(".")[-1]
     if _NOT_A_WRAPPER.search(name):
         return None
