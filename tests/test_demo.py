@@ -160,3 +160,45 @@ def test_bench_step_refuses_non_positive_sizes(flag, tmp_path, capsys):
                "--reps", "1", "--out", str(tmp_path), flag, "0"])
     assert rc == 2
     assert flag in capsys.readouterr().err
+
+
+def test_each_row_says_its_backend_and_gather_cast_is_the_strategy(demo_output):
+    """gather_cast used to be the torch backend on every device, measured on a GPU at 0.4x of the legacy cast;
+    it is now the gather-then-cast strategy on the backend native gets (Triton on a GPU, torch here), and the
+    summary names each row's backend."""
+    from fp8mla.commands.demo import gather_cast_attention
+    _, out, _ = demo_output
+    rows = _summary_rows(out)
+    assert rows["gather_cast"].split()[1] == "gather_cast+torch", rows["gather_cast"]
+    assert rows["native"].split()[1].startswith("torch"), rows["native"]
+    assert rows["cast_pool"].split()[1].startswith("torch"), rows["cast_pool"]
+    assert "gather_cast+X = the batch's tokens gathered and cast to BF16" in out
+    scenario = out[out.index("== 2."):out.index("== Summary")]
+    assert "gather_cast  (gather_cast+torch) doctor:" in scenario, scenario
+    # On a GPU the same object plans Triton under the strategy: backend "auto", never "torch".
+    a = gather_cast_attention()
+    assert a._strategy == "gather_cast" and a._backend == "auto"
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("tpu9", "expected cpu, cuda or cuda:N, got 'tpu9'"),
+    ("meta", "the demo runs on CPUs and CUDA GPUs"),
+    ("cuda", "torch sees no CUDA device"),
+])
+def test_demo_refuses_a_device_it_cannot_use(device, msg, monkeypatch, capsys):
+    """``--device tpu9`` used to end in torch's RuntimeError traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "fp8mla demo: --device: " in err and msg in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_trace_dir_that_is_a_file(tmp_path, capsys):
+    """``--trace-dir <a file>`` used to run the whole scenario, then end in FileExistsError."""
+    f = tmp_path / "traces"
+    f.write_text("not a folder")
+    assert main(["demo", "--device", "cpu", "--trace-dir", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "fp8mla demo: --trace-dir: " in err and "is a file; expected a folder" in err and "Traceback" not in err
+    assert main(["demo", "--device", "cpu", "--trace-dir", str(f / "below")]) == 2
+    assert "cannot make the folder" in capsys.readouterr().err

@@ -5,7 +5,9 @@
    memory saved vs BF16, error vs the float64 reference and time per call.
 2. The 69%-cast scenario in small: the attention of one decode step over N layers on a paged FP8 pool, run as
    ``cast_pool`` (the legacy whole-pool ``.to(bfloat16)``, a baseline kept only to be measured),
-   ``gather_cast`` and ``native``; each profiled with torch.profiler and its trace read by the doctor.
+   ``gather_cast`` (the gather-then-cast strategy: the batch's tokens gathered and cast to BF16, then the
+   16-bit kernel: Triton on a GPU, torch on the CPU) and ``native``; each profiled with torch.profiler and its
+   trace read by the doctor. Every row says which backend it ran.
 
 CPU by default at a small size (well under a minute on two cores); on a GPU, ``--scale glm5|dsv3`` runs the
 deployments' sizes.
@@ -200,6 +202,14 @@ def diagnose(path: str, pool_bytes: int) -> dict:
                     g.per_step for g in r.findings), verdict=verdict, report=r)
 
 
+def gather_cast_attention() -> MLAPagedAttention:
+    """The ``gather_cast`` way: the gather-then-cast strategy on the backend ``native`` gets (Triton on a GPU,
+    torch on the CPU). StepScenario's own ``gather_cast`` is the torch backend everywhere, which on a GPU
+    measured 0.4x of the legacy cast: the opposite of what gathering first does in the deployments (13.5 vs
+    10.5 tok/s). No CUDA graph: its workspace follows each plan's token count."""
+    return MLAPagedAttention(backend="auto", strategy="gather_cast")
+
+
 def run_scenario(args, device: torch.device, progress) -> dict:
     scale = SCALES[args.scale]
     layers, heads = args.layers or scale.layers, args.heads or scale.heads
@@ -208,6 +218,7 @@ def run_scenario(args, device: torch.device, progress) -> dict:
     sc = StepScenario(layers=layers, heads=heads, pool_tokens=args.pool_tokens or scale.pool_tokens,
                       device=device, shared_pool=args.shared_pool, cast_pool_backend=args.cast_pool_backend,
                       use_cuda_graph=device.type == "cuda")
+    sc.ways["gather_cast"] = gather_cast_attention()  # before set_batch, which plans every way
     sc.set_batch(spread_context_lens(B, ctx))
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="fp8mla-demo-")
     os.makedirs(trace_dir, exist_ok=True)
@@ -260,7 +271,7 @@ def print_scenario(res: dict, device: torch.device) -> None:
           f"{sc.active_tokens:,} active tokens) on a {sc.pool_tokens:,}-token FP8 pool per layer ==")
     for way, r in ways.items():
         d = r["doctor"]
-        print(f"{way:12s} doctor: {d['verdict']}")
+        print(f"{way:12s} ({r['backend']}) doctor: {d['verdict']}")
 
 
 def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
@@ -269,27 +280,59 @@ def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
     pool_note = " (one layer allocated, shared by all)" if sc.shared_pool else ""
     print(f"\n== Summary: {res['scale']}, {res['layers']} layers x {res['heads']} heads, B={len(sc.context_lens)}, "
           f"FP8 e4m3 pool {_mb(sc.kv_pool_bytes)}{pool_note} (BF16: {_mb(2 * sc.kv_pool_bytes)}), {device} ==")
-    hdr = (f"{'way':12s} {'backend':8s} {'ms/step':>9s} {'tok/s':>8s} {'speedup':>8s} {'casts':>7s} "
+    hdr = (f"{'way':12s} {'backend':20s} {'ms/step':>9s} {'tok/s':>8s} {'speedup':>8s} {'casts':>7s} "
            f"{'pool casts':>10s} {'extra mem/step':>14s} {'rel L2 vs f64':>13s}")
     print(hdr)
     print("-" * len(hdr))
     for way, r in ways.items():
         be = r["backend"] + ("*" if device.type != "cuda" and way == "native" else "") + ("+g" if r["graph"] else "")
         B = len(sc.context_lens)
-        print(f"{way:12s} {be:8s} {r['ms']:9.2f} {B / (r['ms'] * 1e-3):8.1f} {base / r['ms']:7.1f}x "
+        print(f"{way:12s} {be:20s} {r['ms']:9.2f} {B / (r['ms'] * 1e-3):8.1f} {base / r['ms']:7.1f}x "
               f"{_share(r['doctor'], 'cast_share'):>7s} {_share(r['doctor'], 'pool_cast_share'):>10s} "
               f"{_mb(r['extra_mem']):>14s} {r['err']:13.1e}")
+    print("backend: what each way ran: triton = the fp8mla kernel reading FP8 in registers; gather_cast+X = the "
+          "batch's tokens gathered and cast to BF16, then backend X on that copy; torch = torch ops")
     print("speedup: vs cast_pool; casts / pool casts: share of the profiled step in dtype casts / in casts the size "
           "of the pool (doctor); +g: CUDA-graph replay")
     if device.type != "cuda":
-        print("* no CUDA device: 'native' (backend auto) is the torch backend on the CPU, the same code as "
-              "gather_cast (its casts are the gathered tokens' fp8 -> fp32, never the pool); the Triton kernel, "
-              "which casts nothing, runs on a GPU (fp8mla demo --device cuda).")
+        print("* no CUDA device: 'native' (backend auto) is the torch backend on the CPU (its casts are the "
+              "gathered tokens' fp8 -> fp32, never the pool); the Triton kernel, which casts nothing, and "
+              "gather_cast+triton run on a GPU (fp8mla demo --device cuda).")
     if fmt_rows:
         f = {r["format"]: r for r in fmt_rows}["fp8_e4m3"]
         print(f"KV storage: fp8_e4m3 {f['bytes_per_token']} B/token vs bf16 {BF16_BYTES}: {100 * f['saved']:.0f}% "
               f"less; decode error vs float64 {f['decode'].get('err', math.nan):.1e} on the dequantized KV, "
               f"{f['decode'].get('err_orig', math.nan):.1e} on the original values.")
+
+
+def _device(text: str):
+    """(torch.device, None) or (None, why it cannot run here)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return None, f"expected cpu, cuda or cuda:N, got {text!r}"
+    if device.type not in ("cpu", "cuda"):
+        return None, f"expected cpu, cuda or cuda:N, got {text!r} (the demo runs on CPUs and CUDA GPUs)"
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            return None, f"{text!r} asked for, but torch sees no CUDA device; run without --device for the CPU"
+        if device.index is not None and device.index >= n:
+            return None, f"expected cuda:0 .. cuda:{n - 1} ({n} CUDA device(s)), got {text!r}"
+    return device, None
+
+
+def _trace_dir_error(path: str):
+    """Why ``--trace-dir`` cannot hold the traces (it is made when missing), checked before anything runs."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file; expected a folder (made if missing)"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot make the folder {path} ({e.strerror or e})"
+    if not os.access(path, os.W_OK):
+        return f"the folder {path} is not writable"
+    return None
 
 
 def main(args) -> int:
@@ -298,10 +341,12 @@ def main(args) -> int:
         if v is not None and v < 1:  # 0 would silently fall back to the scale's default (`args.x or scale.x`)
             print(f"fp8mla demo: --{name.replace('_', '-')}: expected a positive int, got {v}", file=sys.stderr)
             return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("fp8mla demo: --device cuda but torch sees no CUDA device; run without --device for the CPU",
-              file=sys.stderr)
+    device, why = _device(args.device)
+    if why:
+        print(f"fp8mla demo: --device: {why}", file=sys.stderr)
+        return 2
+    if args.trace_dir is not None and (why := _trace_dir_error(args.trace_dir)):
+        print(f"fp8mla demo: --trace-dir: {why}", file=sys.stderr)
         return 2
     if args.scale is None:
         args.scale = "glm5" if device.type == "cuda" else "small"
