@@ -273,3 +273,9 @@ def test_tree_of_3000_files(tmp_path):
     print(f"\naudit of 3,000 files: {dt:.2f} s ({os.cpu_count()} CPUs, {len(findings)} findings)")
     assert n == 3000 and errors == []
     assert sorted({f.rule for f in findings}) == ["KV001", "KV002"] and len(findings) == 60
+
+
+def test_kv002_says_where_the_dtype_came_from():
+    f = audit_file(FIXTURES / "bad_model_dtype_positional.py")[0]
+    assert f.rule == "KV002" and "BatchMLAPagedAttentionWrapper" in f.message
+    assert "`self.data_type` (= `model_runner.dtype`, line 19)" in f.message

@@ -318,6 +318,19 @@ class ModuleIndex:
                 kinds.append(self.classify(call.args[i], f, depth + 1))
         return kinds
 
+    def origin(self, expr, func) -> str:
+        """" (= `model_runner.dtype`, line 19)" for a local name or ``self.<attr>`` assigned in this module."""
+        vals = []
+        if isinstance(expr, ast.Name) and func is not None:
+            vals = func.assigns.get(expr.id, [])
+        elif isinstance(expr, ast.Attribute) and dotted(expr) == f"self.{expr.attr}" and func is not None \
+                and func.cls is not None:
+            vals = [v for v, _ in func.cls.attrs.get(expr.attr, [])]
+        if not vals:
+            return ""
+        v = vals[0]
+        return f" (= `{text(v)}`, line {v.lineno})"
+
     def kv_attrs(self, cls) -> list:
         """``self.<attr>`` of ``cls`` whose value is a KV-cache dtype."""
         if cls is None:
