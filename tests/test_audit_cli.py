@@ -279,3 +279,13 @@ def test_kv002_says_where_the_dtype_came_from():
     f = audit_file(FIXTURES / "bad_model_dtype_positional.py")[0]
     assert f.rule == "KV002" and "BatchMLAPagedAttentionWrapper" in f.message
     assert "`self.data_type` (= `model_runner.dtype`, line 19)" in f.message
+
+
+def test_parallel_run_gives_the_serial_results(tmp_path):
+    for i in range(240):  # enough files for the worker pool
+        (tmp_path / f"m{i}.py").write_text(BUGGY if i % 40 == 3 else "kv_cache.to(device)\n")
+    (tmp_path / "broken.py").write_text("kv_cache.to(\n")
+    serial = audit_paths([tmp_path], jobs=1)
+    parallel = audit_paths([tmp_path], jobs=2)
+    key = lambda r: ([(f.path, f.line, f.rule) for f in r[0]], sorted(r[1]), r[2])  # noqa: E731
+    assert key(serial) == key(parallel) and len(serial[0]) == 6 and len(serial[1]) == 1 and serial[2] == 240

@@ -184,7 +184,7 @@ def audit_paths(paths, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None, 
             errors.append(f"{p}: no such file or directory")
             continue
         files += list(_python_files(p))
-    jobs = os.cpu_count() or 1 if jobs is None else max(1, int(jobs))
+    jobs = (os.cpu_count() or 1) if jobs is None else max(1, int(jobs))
     work = [(f, tuple(pool_names), select, ignore) for f in files]
     if jobs > 1 and len(work) >= 200:
         from concurrent.futures import ProcessPoolExecutor
