@@ -403,3 +403,14 @@ def test_engine_views_of_one_pool_page_size_1(backend):
     attn.plan(*plan_positional(b))
     out, lse = attn.run(q[:, :, :512], q[:, :, 512:], pool[:, :, :512], pool[:, :, 512:], return_lse=True)
     check(b, out, lse)
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3"])
+def test_flashinfer_backend_names_are_accepted(name):
+    """FlashInfer's tests and engines construct with backend="fa2"/"fa3" (vLLM's SM90 backend: "fa3"); a drop-in
+    takes them (as "auto") instead of failing at construction."""
+    b = fi_batch([30, 2], [2, 1], seed=15)
+    attn = fp8mla.MLAPagedAttention(workspace(), backend=name)
+    attn.plan(*plan_positional(b))
+    out, lse = attn.run(*caches(b), return_lse=True, **scale_kwargs(b))
+    check(b, out, lse)
