@@ -113,3 +113,17 @@ def test_plan_never_syncs_and_graph_replays_after_replan():
                                              a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"],
                                              sm_scale=a["sm_scale"], causal=True, ckv_scale=0.02, kpe_scale=0.03)
         assert_close(out, ref[0], 3e-3)
+
+
+def test_torch_backend_cost_follows_tokens():
+    """One long request among many short ones: the torch backend pads each length bucket to its own longest
+    request (<= 2x the tokens), not every request to the longest (B x 16,384 here)."""
+    lens = [16_384] + [16] * 31
+    pb = make_paged_batch(lens, [1] * 32, 16, 64, "fp8_e4m3", seed=1, spare_pages=0)
+    attn = fp8mla.MLAPagedAttention(backend="torch")
+    attn.plan(**pb.plan_args)
+    impl = attn._plan.impl
+    padded = sum(b.kv_valid.numel() for b in impl.buckets)
+    assert padded <= 2 * sum(lens), f"{padded} padded token slots for {sum(lens)} tokens"
+    out = attn.run(**pb.run_args)
+    assert_close(out, pb.reference()[0], 1e-2)
