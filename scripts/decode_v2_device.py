@@ -1,0 +1,354 @@
+"""Decode v2 on the H200: correctness of the Gluon sm_90 kernel, then timings against the ceilings measured in the
+same run (and the Triton kernel when the package imports). One script, one device call:
+
+    python scripts/decode_v2_device.py check            # correctness only (odd lengths, NaN pools, reruns)
+    python scripts/decode_v2_device.py bench [--variants ns4,ns5 ...]
+    python scripts/decode_v2_device.py all              # both; prints a compact table last
+
+The kernel module is loaded from its file, so this runs even while other parts of the package are mid-edit.
+Writes $OUT/decode_v2.json when $OUT is set.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_spec = importlib.util.spec_from_file_location("decode_sm90", os.path.join(ROOT, "src/fp8mla/kernels/decode_sm90.py"))
+dsm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dsm)
+
+DC, DK = 512, 64
+F8 = torch.float8_e4m3fn
+DEV = os.environ.get("DECODE_V2_DEVICE", "cuda")  # "cpu": a dry run of the host code (no kernel launch)
+RESULTS = {"checks": [], "bench": [], "env": {}}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs and reference
+# ------------------------------------------------------------------------------------------------------------
+def make_case(kv_lens, H, page, *, seed=0, q_dtype=torch.bfloat16, ckv_scale=1.0, kpe_scale=1.0, value=1.0,
+              nan_pool=True, spare=3):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per = [-(-L // page) for L in kv_lens]
+    P = sum(per) + spare
+    perm = torch.randperm(P, generator=g)
+    kv_indices, kv_indptr, s = [], [0], 0
+    for n in per:
+        kv_indices += perm[s:s + n].tolist()
+        s += n
+        kv_indptr.append(len(kv_indices))
+    dev = DEV
+    if nan_pool:
+        pool = torch.full((P, page, DC + DK), float("nan"), device=dev)
+    else:
+        pool = torch.randn(P, page, DC + DK, device=dev)
+    gd = torch.Generator(device=dev).manual_seed(seed + 1)
+    for b, L in enumerate(kv_lens if nan_pool else []):
+        ids = torch.tensor(kv_indices[kv_indptr[b]:kv_indptr[b + 1]], device=dev, dtype=torch.long)
+        vals = torch.randn(len(ids) * page, DC + DK, device=dev, generator=gd) * value
+        flat = pool[ids].reshape(-1, DC + DK)
+        flat[:L] = vals[:L]
+        pool[ids] = flat.reshape(len(ids), page, DC + DK)
+    q8 = torch.empty(P, page, DC + DK, dtype=F8, device=dev)
+    q8[..., :DC] = (pool[..., :DC] / ckv_scale).clamp(-448, 448).to(F8)
+    q8[..., DC:] = (pool[..., DC:] / kpe_scale).clamp(-448, 448).to(F8)
+    B = len(kv_lens)
+    i32 = dict(dtype=torch.int32, device=dev)
+    case = dict(
+        pool=q8, ckv=q8[..., :DC], kpe=q8[..., DC:], page=page, H=H, kv_lens=list(kv_lens),
+        qo_indptr=torch.arange(B + 1, **i32), kv_indptr=torch.tensor(kv_indptr, **i32),
+        kv_indices=torch.tensor(kv_indices, **i32), kv_len=torch.tensor(kv_lens, **i32),
+        q_nope=torch.randn(B, H, DC, device=dev, generator=gd).to(q_dtype),
+        q_pe=torch.randn(B, H, DK, device=dev, generator=gd).to(q_dtype),
+        scales=torch.tensor([ckv_scale, kpe_scale], dtype=torch.float32, device=dev),
+        sm_scale=1.0 / math.sqrt(192))
+    return case
+
+
+def reference(c, nreq=None):
+    """float64 (out, lse base 2) on the dequantized KV, first ``nreq`` requests."""
+    B = len(c["kv_lens"]) if nreq is None else nreq
+    H = c["H"]
+    out = torch.zeros(B, H, DC, dtype=torch.float64, device=DEV)
+    lse = torch.full((B, H), -math.inf, dtype=torch.float64, device=DEV)
+    sc = c["scales"].double()
+    ind, ptr, page = c["kv_indices"].long(), c["kv_indptr"].tolist(), c["page"]
+    for b in range(B):
+        L = c["kv_lens"][b]
+        if L == 0:
+            continue
+        pos = torch.arange(L, device=DEV)
+        pg = ind[ptr[b]:ptr[b + 1]][pos // page]
+        rows = c["pool"][pg, pos % page].double()
+        ck, kp = rows[:, :DC] * sc[0], rows[:, DC:] * sc[1]
+        s = (c["q_nope"][b].double() @ ck.T + c["q_pe"][b].double() @ kp.T) * c["sm_scale"]
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        den = p.sum(-1, keepdim=True)
+        out[b] = (p @ ck) / den
+        lse[b] = (m + torch.log(den)).squeeze(-1) / math.log(2.0)
+    return out, lse
+
+
+class Plan:
+    """Host schedule -> device arrays, sized once (run() only launches)."""
+
+    def __init__(self, c, *, num_ctas=None, min_tiles=4, ns=3, regs=240, mode=0, merge=True):
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
+        grid, cta_ptr, items, m_ptr, m_list = dsm.schedule(c["kv_lens"], num_ctas or n_sm, min_tiles)
+        i32 = dict(dtype=torch.int32, device=DEV)
+        B = len(c["kv_lens"])
+        self.t = dict(qo_indptr=c["qo_indptr"], kv_indptr=c["kv_indptr"], kv_indices=c["kv_indices"],
+                      kv_len=c["kv_len"], cta_ptr=torch.tensor(cta_ptr, **i32),
+                      item_req=torch.tensor([i[0] for i in items], **i32),
+                      item_t0=torch.tensor([i[1] for i in items], **i32),
+                      item_t1=torch.tensor([i[2] for i in items], **i32),
+                      part_o=torch.empty(2 * len(items), 16, DC, dtype=torch.float32, device=DEV),
+                      part_lse=torch.empty(2 * len(items), 16, dtype=torch.float32, device=DEV),
+                      m_ptr=torch.tensor(m_ptr, **i32), m_list=torch.tensor(m_list, **i32),
+                      batch_size=torch.tensor([B], **i32))
+        self.grid, self.B, self.c, self.ns, self.regs = grid, B, c, ns, regs
+        self.mode, self.merge = mode, merge
+        self.merge_p, self.merge_c = dsm.merge_blocks(max(b - a for a, b in zip(m_ptr, m_ptr[1:])))
+        self.n_items = len(items)
+        self.desc = dsm.kv_descriptors(c["ckv"], c["kpe"])
+        self.out = torch.empty(B, c["H"], DC, dtype=c["q_nope"].dtype, device=DEV)
+        self.lse = torch.empty(B, c["H"], dtype=torch.float32, device=DEV)
+
+    def run(self):
+        c = self.c
+        if DEV != "cuda":
+            return
+        dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
+                   grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
+                   page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
+                   mode=self.mode, merge=self.merge)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# correctness
+# ------------------------------------------------------------------------------------------------------------
+def check_case(name, c, **plan_kw):
+    t0 = time.time()
+    p = Plan(c, **plan_kw)
+    p.out.fill_(float("nan"))
+    p.lse.fill_(float("nan"))
+    p.t["part_o"].fill_(float("nan"))
+    p.run()
+    torch.cuda.synchronize()
+    ref_o, ref_l = reference(c)
+    o, lse = p.out.double(), p.lse.double()
+    empty = torch.tensor([L == 0 for L in c["kv_lens"]], device=DEV)
+    nan_bad = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
+    fin = ~empty
+    rel = float((o[fin] - ref_o[fin]).norm() / ref_o[fin].norm()) if fin.any() else 0.0
+    # lse: absolute error relative to the largest |lse| (>= 8): fp16 Q rounding scales with the scores
+    lse_err = float((lse[fin] - ref_l[fin]).abs().max() / ref_l[fin].abs().max().clamp_min(8.0)) if fin.any() else 0.0
+    empty_ok = bool((o[empty] == 0).all() and (lse[empty] == -math.inf).all()) if empty.any() else True
+    o1 = p.out.clone()
+    l1 = p.lse.clone()
+    p.run()
+    p.run()
+    torch.cuda.synchronize()
+    same = bool(torch.equal(o1, p.out) and torch.equal(l1.nan_to_num(), p.lse.nan_to_num()))
+    ok = nan_bad == 0 and rel <= 3e-3 and lse_err <= 6e-4 and empty_ok and same
+    row = dict(name=name, ok=ok, rel_l2=rel, lse_max_abs=lse_err, nan=nan_bad, empty_ok=empty_ok, rerun_identical=same,
+               grid=p.grid, items=p.n_items, secs=round(time.time() - t0, 1))
+    RESULTS["checks"].append(row)
+    log(f"CHECK {'PASS' if ok else 'FAIL'} {name:34s} relL2 {rel:.2e} lse {lse_err:.1e} nan {nan_bad} "
+        f"empty {empty_ok} rerun-identical {same} grid {p.grid} items {p.n_items} ({row['secs']} s)")
+    return ok
+
+
+def run_checks():
+    ok = True
+    odd = [1, 63, 65, 97, 514, 0, 4096, 130]
+    ok &= check_case("H16 p64 odd lens", make_case(odd, 16, 64, seed=1))
+    ok &= check_case("H16 p64 odd lens, 7 CTAs (ring wraps items)", make_case(odd, 16, 64, seed=2), num_ctas=7)
+    ok &= check_case("H16 p64 odd lens, 1 CTA", make_case(odd, 16, 64, seed=3), num_ctas=1)
+    ok &= check_case("H8 p64 (padded heads)", make_case([300, 7, 2000], 8, 64, seed=4))
+    ok &= check_case("H16 p128", make_case([1, 127, 129, 1000, 64], 16, 128, seed=5))
+    ok &= check_case("H16 p64 fp16 q, scales .05/.02, x4 values",
+                     make_case([777, 65, 3000], 16, 64, seed=6, q_dtype=torch.float16, ckv_scale=0.05,
+                               kpe_scale=0.02, value=4.0))
+    ok &= check_case("H16 p64 B1 L32768 (many splits)", make_case([32768], 16, 64, seed=7))
+    ok &= check_case("H16 p64 B4 L8192", make_case([8192] * 4, 16, 64, seed=8))
+    ok &= check_case("H16 p64 all empty", make_case([0, 0], 16, 64, seed=9))
+    ok &= check_case("H16 p64 ns5", make_case(odd, 16, 64, seed=10), ns=5)
+    log(f"CHECKS {'ALL PASS' if ok else 'SOME FAIL'}")
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------
+def events_ms(fn, reps, flush):
+    ts = []
+    for _ in range(reps):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+class Flush:
+    def __init__(self):
+        self.buf = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device=DEV)
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def graph_ms(fn, flush, reps=50):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return events_ms(g.replay, reps, flush)
+
+
+def ceilings(flush):
+    x = torch.randn(2 * 10**9 // 4096, 4096, device=DEV).to(torch.bfloat16)
+    torch.sum(x, dtype=torch.float32)
+    t = events_ms(lambda: torch.sum(x, dtype=torch.float32), 15, lambda: None)
+    read = x.numel() * 2 / (t * 1e-3) / 1e9
+    del x
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t = events_ms(lambda: a @ b, 10, lambda: None)
+    del a, b
+    torch.cuda.empty_cache()
+    return read, 2 * 8192**3 / (t * 1e-3) / 1e12
+
+
+def triton_runner(c):
+    """The project's Triton kernel through MLAPagedAttention (None if the package does not import right now)."""
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+        from fp8mla.attention import MLAPagedAttention
+        a = MLAPagedAttention(backend="triton")
+        B = len(c["kv_lens"])
+        a.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["H"], DC, DK, c["page"], True,
+               c["sm_scale"], c["q_nope"].dtype, "fp8_e4m3")
+        out = torch.empty(B, c["H"], DC, dtype=c["q_nope"].dtype, device=DEV)
+        return lambda: a.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, ckv_scale=1.0, kpe_scale=1.0), out
+    except Exception as e:  # noqa: BLE001
+        log(f"  triton baseline unavailable: {type(e).__name__}: {str(e)[:200]}")
+        return None, None
+
+
+SHAPES = [(1, 32768), (8, 8192), (32, 4096), (128, 2048), (64, 8192)]
+TARGETS = {(1, 32768): 0.012, (8, 8192): 0.015, (32, 4096): 0.025, (128, 2048): 0.045, (64, 8192): 0.090}
+VARIANTS = {"ns4": dict(ns=4), "ns5": dict(ns=5), "ns3": dict(ns=3), "ns2": dict(ns=2), "ns4_mt8": dict(ns=4, min_tiles=8),
+            "mem_ns3": dict(ns=3, mode=1), "mem_ns4": dict(ns=4, mode=1), "mem_ns5": dict(ns=5, mode=1),
+            "cmp_ns4": dict(ns=4, mode=2), "nomerge": dict(ns=4, merge=False), "mt8_nomerge": dict(min_tiles=8, merge=False),
+            "ns4_mt16": dict(ns=4, min_tiles=16), "ns5_mt8": dict(ns=5, min_tiles=8)}
+
+
+def run_bench(variants, with_triton=True, shapes=SHAPES, H=16):
+    flush = Flush()
+    read, mm = ceilings(flush)
+    RESULTS["env"].update(read_gbps=read, matmul_tflops=mm)
+    log(f"ceilings: read {read:.0f} GB/s (torch.sum 4 GB bf16), bf16 matmul {mm:.0f} TFLOP/s")
+    table = []
+    for B, L in shapes:
+        c = make_case([L] * B, H, 64, seed=B, nan_pool=False, spare=8)
+        nbytes = B * L * (DC + DK)
+        floor = max(nbytes / (read * 1e9), 2 * B * H * L * (DC + DK + DC) / (mm * 1e12)) * 1e3
+        ref_o, _ = reference(c, nreq=min(B, 2))
+        row = dict(shape=f"H{H} B{B} L{L}", floor=floor, target=TARGETS.get((B, L)))
+        for vn in variants:
+            kw = VARIANTS[vn]
+            try:
+                p = Plan(c, **kw)
+                p.run()
+                torch.cuda.synchronize()
+                err = float((p.out[:2].double() - ref_o).norm() / ref_o.norm())
+                ms = graph_ms(p.run, flush)
+                row[vn] = ms
+                row[vn + "_err"] = err
+                log(f"  {row['shape']:16s} {vn:9s} {ms:.4f} ms {nbytes / ms / 1e6:6.0f} GB/s "
+                    f"{100 * floor / ms:5.1f}% floor  err {err:.1e}  grid {p.grid} items {p.n_items}")
+            except Exception as e:  # noqa: BLE001
+                log(f"  {row['shape']} {vn}: {type(e).__name__}: {str(e)[:300]}")
+        if with_triton:
+            fn, out = triton_runner(c)
+            if fn is not None:
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    err = float((out[:2].double() - ref_o).norm() / ref_o.norm())
+                    row["triton"] = graph_ms(fn, flush)
+                    log(f"  {row['shape']:16s} triton    {row['triton']:.4f} ms  err {err:.1e}")
+                except Exception as e:  # noqa: BLE001
+                    log(f"  triton: {type(e).__name__}: {str(e)[:200]}")
+        table.append(row)
+        RESULTS["bench"].append(row)
+        del c
+        torch.cuda.empty_cache()
+    cols = list(variants) + (["triton"] if with_triton else [])
+    log("")
+    log(f"{'shape':16s} {'floor':>7s} {'target':>7s} " + " ".join(f"{v:>9s}" for v in cols) + "   best %floor")
+    for r in table:
+        vals = [r.get(v) for v in cols]
+        best = min([r[v] for v in variants if v in r] or [float("nan")])
+        log(f"{r['shape']:16s} {r['floor']:7.4f} {r['target'] or 0:7.3f} "
+            + " ".join(f"{v:9.4f}" if v else f"{'-':>9s}" for v in vals) + f"   {100 * r['floor'] / best:5.1f}%")
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    import triton
+    p = torch.cuda.get_device_properties(0)
+    RESULTS["env"].update(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                          date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    log(" ".join(f"{k}={v}" for k, v in RESULTS["env"].items()))
+    variants = ["ns4", "ns5", "ns4_mt8"]
+    shapes = SHAPES
+    for a in sys.argv[2:]:
+        if a.startswith("--variants="):
+            variants = a.split("=", 1)[1].split(",")
+        if a.startswith("--shapes="):
+            shapes = [tuple(int(x) for x in v.split("x")) for v in a.split("=", 1)[1].split(",")]
+    ok = True
+    try:
+        if what in ("check", "all"):
+            ok = run_checks()
+        if what in ("bench", "all") and ok:
+            run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes)
+    finally:
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"decode_v2_{what}.json"), "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.decode_sm90``).
+
+``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
+refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
+one query token per request, page size a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64,
+bf16/fp16 queries, host-known kv lengths (the split schedule is made on the host, O(batch)).
+
+``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
+device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
+sized once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size``
+requests) and the kernels read the real counts from device memory, so a captured run replays right after a
+re-plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import LN2, gluon_usable, num_sms
+
+# Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
+# min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
+DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
+PAGE_MULTIPLE = 64
+
+
+def supports(spec, layout) -> tuple[bool, str]:
+    """(True, "") when the Gluon kernel computes this plan; else (False, why)."""
+    fmt = spec.kv_format
+    if not gluon_usable(spec.device):
+        return False, "needs an sm_90 GPU and triton.experimental.gluon"
+    from ..kernels import decode_sm90 as k
+    if k.gluon is None:
+        return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
+    checks = [
+        (spec.num_heads <= k.HP, f"num_heads {spec.num_heads} > {k.HP} (the H128 variant is not written yet)"),
+        (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
+         f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
+        (spec.page_size % PAGE_MULTIPLE == 0, f"page_size {spec.page_size} is not a multiple of 64 (TMA tiles)"),
+        (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group",
+         f"kv format {fmt.name}: only FP8 e4m3 with per-tensor scales"),
+        (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),
+        (layout.qo_lens is not None, "qo_indptr is device-only (one query per request must be known on the host)"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return False, why
+    if any(q != 1 for q in layout.qo_lens):
+        return False, "a request has qo_len != 1 (multi-token decode is not written yet)"
+    return True, ""
+
+
+@dataclass
+class GluonPlan:
+    spec: object
+    grid: int
+    grid_batch: int
+    merge_p: int
+    merge_c: int
+    ns: int
+    t: dict
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
+        from ..kernels import decode_sm90 as k
+        for name, c in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
+            if c.stride(-1) != 1 or c.stride(0) != c.shape[1] * c.stride(1) or (c.stride(1) % 16) \
+                    or c.data_ptr() % 16:
+                raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
+                                 f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
+        kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
+        k.launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
+                 grid_batch=self.grid_batch, max_rows=self.spec.num_heads, num_heads=self.spec.num_heads,
+                 sm_scale=self.spec.sm_scale, page_size=self.spec.page_size, ns=self.ns, merge_p=self.merge_p,
+                 merge_c=self.merge_c)
+        if base_e:
+            lse.mul_(LN2)  # log2 -> ln
+
+
+def build(layout, spec, options: dict, state: dict) -> GluonPlan:
+    from ..kernels import decode_sm90 as k
+    ok, why = supports(spec, layout)
+    if not ok:
+        raise ValueError(f"backend 'gluon': {why}")
+    opts = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
+    device = spec.device
+    n_sm = num_sms(device)
+    B = layout.batch_size
+    min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
+    ns = int(opts["num_stages"])
+    if ns < 2 or k.smem_bytes(ns) > k.SMEM_LIMIT:
+        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..5 stages; {ns} stages need "
+                         f"{k.smem_bytes(ns)} B of shared memory, above {k.SMEM_LIMIT}")
+    mp, mc = k.merge_blocks(64)  # fixed: the schedule is made on the device, its longest merge is not known here
+    base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
+                kv_len=layout.kv_len)
+    if not spec.use_cuda_graph:
+        t = k.schedule_device(layout.kv_len, n_sm, min_tiles)
+        cap = n_sm + B
+        t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
+                 part_o=torch.empty(2 * cap, k.HP, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(2 * cap, k.HP, dtype=torch.float32, device=device))
+        return GluonPlan(spec, n_sm, max(1, B), mp, mc, ns, t)
+    buf = state.get("graph")
+    if buf is None:
+        buf = state["graph"] = _GraphBuffers(opts, n_sm, device)
+    buf.check(B, layout.kv_indices.numel())
+    t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
+    k.schedule_device(t["kv_len"][:B], n_sm, min_tiles, out=t)
+    return GluonPlan(spec, n_sm, buf.max_batch, mp, mc, ns, t)
+
+
+class _GraphBuffers:
+    """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates."""
+
+    def __init__(self, opts, n_sm, device):
+        from ..kernels import decode_sm90 as k
+        self.max_batch = int(opts["max_batch_size"])
+        self.max_items = n_sm + self.max_batch
+        self.max_kv_indices = int(opts["max_kv_indices"])
+        self.n_sm = n_sm
+        i32 = dict(dtype=torch.int32, device=device)
+        mb, mi = self.max_batch, self.max_items
+        self.buf = dict(qo_indptr=torch.zeros(mb + 1, **i32), kv_indptr=torch.zeros(mb + 1, **i32),
+                        kv_indices=torch.zeros(self.max_kv_indices, **i32), kv_len=torch.zeros(mb, **i32),
+                        cta_ptr=torch.zeros(n_sm + 1, **i32), item_req=torch.zeros(mi, **i32),
+                        item_t0=torch.zeros(mi, **i32), item_t1=torch.zeros(mi, **i32),
+                        m_ptr=torch.zeros(mb + 1, **i32), m_list=torch.zeros(2 * mi, **i32),
+                        batch_size=torch.zeros(1, **i32),
+                        part_o=torch.empty(2 * mi, k.HP, k.DC, dtype=torch.float32, device=device),
+                        part_lse=torch.empty(2 * mi, k.HP, dtype=torch.float32, device=device))
+
+    def check(self, B, n_indices):
+        for what, got, cap in (("batch size", B, self.max_batch), ("kv_indices entries", n_indices,
+                                                                   self.max_kv_indices)):
+            if got > cap:
+                raise ValueError(f"plan: {what} {got} does not fit the gluon backend's CUDA-graph buffers ({cap}); "
+                                 "construct MLAPagedAttention with a larger max_batch_size / max_kv_indices")
+
+    def load(self, tensors: dict) -> dict:
+        for key, v in tensors.items():
+            dst = self.buf[key][: v.numel()]
+            if dst.data_ptr() != v.data_ptr():
+                dst.copy_(v, non_blocking=True)
+        return self.buf

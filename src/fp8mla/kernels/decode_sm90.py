@@ -1,0 +1,589 @@
+"""Hopper (sm_90) MLA decode in Gluon: BF16/FP16 queries x FP8 e4m3 paged KV, warp-specialized, split-KV.
+
+Design (../shared/DECODE_V2.md, "swap-AB with register operands"): one persistent CTA per SM, 12 warps.
+  * producer (default partition, 4 warps): walks the CTA's work items, reads each tile's page id and issues
+    TMA copies of one 64-token tile (4 boxes [64 x 128 B] of c_kv + 1 box [64 x 64 B] of k_pe) into an
+    NS-stage ring guarded by ready/empty mbarriers.
+  * two consumer warpgroups (worker partitions): take alternate tiles of the ring. Tokens are the MMA's M
+    side (64), heads its N side (16, padded):
+        S^T [64, 16] = K [64, 576] . Q^T        K: LDS.128 of FP8 in a relabelled k order, one packed cvt to
+                                                fp16 in registers (Q^T stored in smem in the same k order)
+        O^T [512, 16] += V^T [512, 64] . P^T     V^T: the stage read as int16 pairs with ldmatrix.trans, split
+                                                with PRMT and converted (cvt.rn.f16x2.e4m3x2), output dims
+                                                relabelled (undone in the epilogue)
+    fp16 MMAs with fp32 accumulation, online softmax in fp32 (exp2). The per-tensor scales and a power-of-two
+    range factor are folded into Q before its fp16 rounding (as the Triton kernel does), so FP8 -> fp16 is
+    exact and Q keeps fp16 precision without overflow.
+  * each consumer writes its own normalized partial (o, lse base 2) per work item; a small Triton kernel merges
+    a request's partials by log-sum-exp in a fixed order (bit-identical reruns).
+
+Work items come from the host plan (``schedule``): the concatenated 64-token tiles of all requests are cut into
+one contiguous range per CTA (FlashMLA-style), a range split at request boundaries into items
+``(request, first tile, end tile)``. Every device array the kernels read is sized at plan time; ``run`` only
+launches (CUDA-graph safe).
+
+Tail tiles (kv_len not a multiple of 64): the consumer zeroes the stage's rows past kv_len in shared memory
+before using it (unused slots may hold NaN, and 0 x NaN in P.V would poison the output), then masks the scores.
+
+Supported here: H <= 16, qo_len 1, page size a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv 512 +
+k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3.6's API
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, fence_async_shared,
+                                                                 warpgroup_mma, warpgroup_mma_wait)
+    GLUON_IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
+    gluon = None
+    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+TILE = 64          # tokens per tile (the MMA's M)
+HP = 16            # heads per CTA (the MMA's N), padded
+DC, DK = 512, 64
+ROW_BYTES = DC + DK
+STAGE_BYTES = TILE * ROW_BYTES
+SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
+
+
+def smem_bytes(ns: int) -> int:
+    """Shared memory of one CTA: the ring, two Q^T copies, two P^T tiles, barriers (estimate, +1 KB slack)."""
+    return ns * STAGE_BYTES + 2 * HP * (DC + DK) * 2 + 2 * HP * TILE * 2 + 1024
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _relabel_k(x):
+        # [R, 128]: physical column p = 32t + 4blk + 2jhi + jlo -> logical k = 16blk + 8jhi + 2t + jlo, so that
+        # each thread's wgmma A-fragment bytes are 16 contiguous bytes in shared memory (one LDS.128).
+        R: gl.constexpr = x.shape[0]
+        y = gl.reshape(x, [R, 4, 8, 2, 2])
+        y = gl.permute(y, (0, 2, 3, 1, 4))
+        return gl.reshape(y, [R, 128])
+
+    @gluon.jit
+    def _relabel_k64(x):
+        R: gl.constexpr = x.shape[0]
+        y = gl.reshape(x, [R, 4, 4, 2, 2])
+        y = gl.permute(y, (0, 2, 3, 1, 4))
+        return gl.reshape(y, [R, 64])
+
+    @gluon.jit
+    def _fp8_pairs_to_f16(x):
+        # x: int16 = (dim 2dp, dim 2dp+1) of one token, two tokens per 32-bit register ->
+        # (fp16 of dim 2dp, fp16 of dim 2dp+1), exact.
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t;"
+            " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _vt_chunk(kbuf, slab, half: gl.constexpr, a_l: gl.constexpr, L16: gl.constexpr,
+                  kv16_l: gl.constexpr):
+        # V^T fragment of 64 dims x 64 tokens; row m holds dim 2(8(m>>4) + (m&7)) + ((m>>3)&1) of the chunk.
+        x = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l).slice(half * 32, 32, dim=1).load(L16)
+        lo, hi = _fp8_pairs_to_f16(x)
+        v = gl.join(lo, hi)
+        v = gl.reshape(v, [64, 4, 8, 2])
+        v = gl.permute(v, (1, 3, 2, 0))
+        v = gl.reshape(v, [64, 64])
+        return gl.convert_layout(v, a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _sanitize_tail(kbuf, pbuf, s, valid):
+        # Zero the rows >= valid of stage s (a request's last, partial tile): they may hold NaN.
+        kv8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        kpe8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        zl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, zl))
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, zl))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, zl))
+        keep = (r[:, None] < valid) & (c128[None, :] >= 0)
+        keep64 = (r[:, None] < valid) & (c64[None, :] >= 0)
+        for c in gl.static_range(4):
+            buf = kbuf.index(s * 4 + c)._reinterpret(gl.int8, [64, 128], kv8)
+            x = buf.load(zl)
+            buf.store(gl.where(keep, x, gl.zeros_like(x)))
+        pb = pbuf.index(s)._reinterpret(gl.int8, [64, 64], kpe8)
+        x = pb.load(zl)
+        pb.store(gl.where(keep64, x, gl.zeros_like(x)))
+        fence_async_shared()   # generic-proxy writes before the next TMA write into this stage
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, cta_ptr, item_req, item_t0, item_t1,
+                  kbuf, pbuf, ready, empty, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr):
+        # page ids come 16 tiles at a time (one per lane, extracted with warp shuffles): one load latency per 16 tiles instead
+        # of one per tile (a scalar load per tile capped the issue rate near one tile per load latency)
+        idl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        ar = gl.arange(0, 16, layout=idl)
+        pid = gl.program_id(0)
+        i0 = gl.load(cta_ptr + pid)
+        i1 = gl.load(cta_ptr + pid + 1)
+        g = 0
+        for it in range(i0, i1):
+            b = gl.load(item_req + it)
+            t0 = gl.load(item_t0 + it)
+            t1 = gl.load(item_t1 + it)
+            pbase = gl.load(kv_indptr + b)
+            ids = gl.zeros([16], gl.int32, idl)
+            for t in range(t0, t1):
+                k = (t - t0) % 16
+                if k == 0:
+                    tt = t + ar
+                    ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
+                page = gl.sum(gl.where(ar == k, ids, 0), axis=0)
+                row = page * PAGE + (t * 64) % PAGE
+                s = g % NS
+                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
+                bar = ready.index(s)
+                if MODE == 2:   # timing probe: consumers compute on whatever the stage holds, no HBM traffic
+                    mbarrier.arrive(bar, count=1)
+                else:
+                    mbarrier.expect(bar, 64 * 576)
+                    for c in gl.static_range(4):
+                        tma.async_copy_global_to_shared(kv_desc, [row, c * 128], bar, kbuf.index(s * 4 + c))
+                    tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, pbuf.index(s))
+                g += 1
+
+    @gluon.jit
+    def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
+                  q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                  part_o, part_lse, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  NS: gl.constexpr, MODE: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        ld_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[64, 128])
+        ld64_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[64, 64])
+        L16: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32])
+        kv16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        pid = gl.program_id(0)
+        i0 = gl.load(cta_ptr + pid)
+        i1 = gl.load(cta_ptr + pid + 1)
+        ckv_scale = gl.load(scales)
+        kpe_scale = gl.load(scales + 1)
+        my_qpe = qpe_smem.index(cid)
+        my_p = pT_smem.index(cid)
+        bP = my_p.permute((1, 0))
+        hq = gl.arange(0, 16, layout=gl.SliceLayout(1, blk))
+        h_ok = hq < H
+        cq = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+        cp = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        hcol = gl.arange(0, 16, layout=gl.SliceLayout(0, mma))
+        dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)
+        out_offs = hcol[None, :] * stride_po_r + dim_m[:, None]
+        out_mask = (hcol[None, :] < H) & (dim_m[:, None] >= 0)
+        g = 0
+        for it in range(i0, i1):
+            b = gl.load(item_req + it)
+            t0 = gl.load(item_t0 + it)
+            t1 = gl.load(item_t1 + it)
+            L = gl.load(kv_len + b)
+            qtok = gl.load(qo_indptr + b).to(gl.int64)
+            # -- Q^T for this request: scales and a per-head power of two folded in, fp16, k relabelled -----
+            qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
+            qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
+            amax = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk))
+            for c in gl.static_range(4):
+                x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+            amax = amax * ckv_scale
+            xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
+            # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
+            f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
+            fn = f * ckv_scale
+            for c in gl.static_range(4):
+                x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                q16 = (x.to(gl.float32) * fn[:, None]).to(gl.float16)
+                q_smem.index(cid * 4 + c).store(_relabel_k(q16))
+            qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
+            my_qpe.store(_relabel_k64(qp16))
+            fence_async_shared()
+            row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
+
+            o0 = gl.zeros([64, 16], gl.float32, mma)
+            o1 = gl.zeros([64, 16], gl.float32, mma)
+            o2 = gl.zeros([64, 16], gl.float32, mma)
+            o3 = gl.zeros([64, 16], gl.float32, mma)
+            o4 = gl.zeros([64, 16], gl.float32, mma)
+            o5 = gl.zeros([64, 16], gl.float32, mma)
+            o6 = gl.zeros([64, 16], gl.float32, mma)
+            o7 = gl.zeros([64, 16], gl.float32, mma)
+            m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+            # row sums stay per thread (no cross-warp reduction per tile); reduced once in the epilogue
+            l_acc = gl.zeros([64, 16], gl.float32, mma)
+            n = t1 - t0
+            j0 = (cid + g) % 2          # this consumer takes the ring positions g + j with (g + j) % 2 == cid
+            for j in range(j0, n, 2):
+                gg = g + j
+                s = gg % NS
+                mbarrier.wait(ready.index(s), (gg // NS) & 1)
+                valid = L - (t0 + j) * 64
+                if MODE == 1:   # timing probe: the ring alone (no compute)
+                    mbarrier.arrive(empty.index(s), count=1)
+                else:
+                    if valid < 64:
+                        _sanitize_tail(kbuf, pbuf, s, valid)
+                    # -- S^T = K . Q^T ------------------------------------------------------------------------
+                    sT = gl.zeros([64, 16], gl.float32, mma)
+                    for c in gl.static_range(4):
+                        a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
+                        a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
+                        sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
+                        sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+                    ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
+                    ap = gl.convert_layout(ap, a_l, assert_trivial=True)
+                    sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
+                    sT = warpgroup_mma_wait(0, deps=(sT,))
+                    # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
+                    sT = sT * row_scale[None, :]
+                    sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+                    alpha = gl.exp2(m_i - m_new)
+                    p = gl.exp2(sT - m_new[None, :])
+                    l_acc = l_acc * alpha[None, :] + p
+                    m_i = m_new
+                    my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
+                    fence_async_shared()
+                    # -- O^T += V^T . P^T, 8 chunks of 64 dims ------------------------------------------------
+                    a2 = alpha[None, :]
+                    v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
+                    o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
+                    o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
+                    v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
+                    o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
+                    o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
+                    v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
+                    o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
+                    o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
+                    v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
+                    o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
+                    o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
+                    v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
+                    o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
+                    o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
+                    v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
+                    o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
+                    o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
+                    v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
+                    o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
+                    o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
+                    v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
+                    o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
+                    o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+                    mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
+            # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
+            l_i = gl.sum(l_acc, axis=0)
+            seen = l_i > 0
+            l_safe = gl.where(seen, l_i, 1.0)
+            inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
+            lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
+            pidx = (2 * it + cid).to(gl.int64)
+            base = part_o + pidx * stride_po_i + out_offs
+            gl.store(base + 0 * 64, o0 * inv, mask=out_mask)
+            gl.store(base + 1 * 64, o1 * inv, mask=out_mask)
+            gl.store(base + 2 * 64, o2 * inv, mask=out_mask)
+            gl.store(base + 3 * 64, o3 * inv, mask=out_mask)
+            gl.store(base + 4 * 64, o4 * inv, mask=out_mask)
+            gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
+            gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
+            gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
+            gl.store(part_lse + pidx * stride_pl_i + hcol, lse, mask=hcol < H)
+            g += n
+
+    @gluon.jit
+    def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
+                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   NS: gl.constexpr, MODE: gl.constexpr):
+        _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
+                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+
+    @gluon.jit
+    def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
+                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   NS: gl.constexpr, MODE: gl.constexpr):
+        _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
+                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+
+    @gluon.jit
+    def mla_decode_sm90_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
+                               cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               stride_po_i, stride_po_r, stride_pl_i,
+                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0):
+        kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        kbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS * 4, 64, 128], kv_l)
+        pbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS, 64, 64], kpe_l)
+        q_smem = gl.allocate_shared_memory(gl.float16, [8, 16, 128], q_l)
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
+        pT_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        cargs = (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
+                 cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+        gl.warp_specialize([
+            (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, cta_ptr, item_req, item_t0, item_t1,
+                         kbuf, pbuf, ready, empty, NS, PAGE, MODE)),
+            (_consumer0, cargs),
+            (_consumer1, cargs),
+        ], [4, 4], [REGS, REGS])
+
+
+@triton.jit
+def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_size, H,
+                        stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out/lse of request b, row r (= query token * H + head), columns of block pid 2: a log-sum-exp merge of the
+    request's partials m_list[m_ptr[b]:m_ptr[b+1]], BLOCK_P at a time, in list order (deterministic). The plan
+    sizes BLOCK_P to the longest list (up to 256), so most merges are one round trip to memory."""
+    b = tl.program_id(0)
+    if b >= tl.load(batch_size):
+        return
+    r = tl.program_id(1)
+    q0 = tl.load(qo_indptr + b)
+    if r >= (tl.load(qo_indptr + b + 1) - q0) * H:
+        return
+    i0 = tl.load(m_ptr + b)
+    i1 = tl.load(m_ptr + b + 1)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_run = float("-inf")
+    wsum = 0.0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for i in range(i0, i1, BLOCK_P):
+        idx = i + tl.arange(0, BLOCK_P)
+        ok = idx < i1
+        p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
+        lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all empty so far: weights 0, not NaN
+        keep = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse_i - m_use)
+        o = tl.load(part_o + p[:, None] * stride_po_i + r * stride_po_r + offs_c[None, :],
+                    mask=ok[:, None] & (w > 0)[:, None], other=0.0)
+        acc = acc * keep + tl.sum(w[:, None] * o, axis=0)
+        wsum = wsum * keep + tl.sum(w, axis=0)
+        m_run = m_new
+    seen = wsum > 0
+    o = acc / tl.where(seen, wsum, 1.0)
+    tok = (q0 + r // H).to(tl.int64)
+    head = r % H
+    tl.store(out + tok * stride_o_t + head * stride_o_h + offs_c, o.to(out.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        m_fin = tl.where(m_run == float("-inf"), 0.0, m_run)
+        lse = tl.where(seen, m_fin + tl.log2(tl.where(seen, wsum, 1.0)), float("-inf"))
+        tl.store(lse_out + tok * stride_lse_t + head, lse)
+
+
+def merge_blocks(max_parts: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the merge: all of a request's partials in one step when they fit 256."""
+    bp = min(256, max(2, 1 << (max(1, max_parts) - 1).bit_length()))
+    return bp, min(DC, max(32, 8192 // bp))
+
+
+def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
+    """Cut the concatenated 64-token tiles of all requests into contiguous per-CTA ranges.
+
+    Returns ``(grid, cta_ptr, items, m_ptr, m_list)``: CTA c runs items ``cta_ptr[c]:cta_ptr[c+1]``; an item is
+    ``(request, first tile, end tile)``; item i writes partials 2i and 2i+1 (one per consumer warpgroup);
+    request b merges partials ``m_list[m_ptr[b]:m_ptr[b+1]]``. A request with kv_len 0 gets one empty item (its
+    partials say lse = -inf, so the merge writes 0 and -inf).
+    """
+    tiles = [-(-L // TILE) for L in kv_lens]
+    T = sum(tiles)
+    grid = max(1, min(num_ctas, -(-T // max(1, min_tiles_per_cta))))
+    bounds = [(c * T) // grid for c in range(grid + 1)]   # CTA c owns global tiles [bounds[c], bounds[c+1])
+    items, cta_ptr, per_req = [], [0], [[] for _ in kv_lens]
+    c = pos = 0
+    for b, n in enumerate(tiles):
+        if n == 0:
+            per_req[b].append(len(items))
+            items.append((b, 0, 0))
+            continue
+        t = 0
+        while t < n:
+            while pos >= bounds[c + 1]:
+                cta_ptr.append(len(items))
+                c += 1
+            take = min(n - t, bounds[c + 1] - pos)
+            per_req[b].append(len(items))
+            items.append((b, t, t + take))
+            t += take
+            pos += take
+    while len(cta_ptr) <= grid:
+        cta_ptr.append(len(items))
+    m_ptr, m_list = [0], []
+    for lst in per_req:
+        for i in lst:
+            m_list += [2 * i, 2 * i + 1]
+        m_ptr.append(len(m_list))
+    return grid, cta_ptr, items, m_ptr, m_list
+
+
+def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None) -> dict:
+    """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
+
+    Same cut as ``schedule`` (CTA c owns global tiles [c*T//G, (c+1)*T//G), G = min(num_ctas, ceil(T/min))),
+    but the launch grid is always ``num_ctas`` (CTAs past G get empty ranges) and the arrays have fixed sizes:
+    ``cta_ptr [num_ctas + 1]``, items ``[num_ctas + B]`` (padding past the real count is never read),
+    ``m_ptr [B + 1]`` = 2 x the request's first item (its partials are consecutive), ``m_list`` = identity.
+    ``out``: preallocated int32 buffers to write into (graph mode); returns the dict of arrays.
+    """
+    import torch
+    dev = kv_len.device
+    B = kv_len.numel()
+    cap = num_ctas + B
+    i64 = dict(dtype=torch.int64, device=dev)
+    tiles = (kv_len.to(torch.int64) + (TILE - 1)) // TILE
+    req_end = torch.cumsum(tiles, 0)
+    req_start = req_end - tiles
+    T = req_end[-1:] if B else torch.zeros(1, **i64)
+    G = torch.clamp((T + (min_tiles_per_cta - 1)) // min_tiles_per_cta, 1, num_ctas)
+    c = torch.arange(num_ctas + 1, **i64)
+    bound = torch.where(c <= G, (c * T) // G, T)
+    c_first = torch.clamp(torch.searchsorted(bound, req_start, right=True) - 1, min=0)
+    c_first = torch.minimum(c_first, G - 1)
+    c_last = torch.searchsorted(bound, torch.clamp(req_end - 1, min=0), right=True) - 1
+    c_last = torch.maximum(torch.minimum(c_last, G - 1), c_first)
+    n_it = c_last - c_first + 1
+    it_end = torch.cumsum(n_it, 0)
+    it_start = it_end - n_it
+    i = torch.arange(cap, **i64)
+    b = torch.clamp(torch.searchsorted(it_end, i, right=True), max=max(B - 1, 0))
+    valid = i < (it_end[-1:] if B else torch.zeros(1, **i64))
+    if B:
+        cc = c_first[b] + (i - it_start[b])
+        cc = torch.clamp(cc, max=num_ctas - 1)
+        t0 = torch.maximum(req_start[b], bound[cc]) - req_start[b]
+        t1 = torch.minimum(req_end[b], bound[cc + 1]) - req_start[b]
+        t1 = torch.maximum(t1, t0)
+        item_cta = torch.where(valid, cc, num_ctas)
+    else:
+        t0 = t1 = torch.zeros(cap, **i64)
+        item_cta = torch.full((cap,), num_ctas, **i64)
+    cta_ptr = torch.searchsorted(item_cta, c)
+    zero = torch.zeros(1, **i64)
+    res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
+               item_t1=torch.where(valid, t1, 0), m_ptr=2 * torch.cat([zero, it_end]),
+               m_list=torch.arange(2 * cap, **i64))
+    if out is None:
+        return {key: v.to(torch.int32) for key, v in res.items()}
+    for key, v in res.items():
+        out[key][: v.numel()].copy_(v)
+    return out
+
+
+def kv_descriptors(ckv_cache, kpe_cache):
+    """TMA descriptors over the pool rows: c_kv boxes [64 x 128 B], k_pe boxes [64 x 64 B]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    P, page, _ = ckv_cache.shape
+    kv_l = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    kpe_l = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    kv = TensorDescriptor(ckv_cache, [P * page, DC], [ckv_cache.stride(1), 1], [64, 128], kv_l)
+    kpe = TensorDescriptor(kpe_cache, [P * page, DK], [kpe_cache.stride(1), 1], [64, 64], kpe_l)
+    return kv, kpe
+
+
+def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
+           max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
+           merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True):
+    """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
+    item_req, item_t0, item_t1, part_o [2 items, 16, 512] fp32, part_lse [2 items, 16], m_ptr, m_list,
+    batch_size [1]). ``lse`` is written base 2."""
+    LOG2E = 1.4426950408889634
+    po, pl = t["part_o"], t["part_lse"]
+    mla_decode_sm90_kernel[(grid,)](
+        kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
+        t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, sm_scale * LOG2E, num_heads,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
+        pl.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode, num_warps=4)
+    if not merge:
+        return
+    _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
+        out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
+        out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
+        BLOCK_P=merge_p, BLOCK_C=merge_c, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compile without a GPU (CI and the CPU side of development): registers, spills, shared memory, SASS mix
+# --------------------------------------------------------------------------------------------------------------
+KERNEL_SIGNATURE = {
+    "kv_desc": "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)>",
+    "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
+    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32", "H": "i32",
+    "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
+    "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
+    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr"}
+
+
+def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None) -> dict:
+    """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    if gluon is None:
+        raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
+    fn = mla_decode_sm90_kernel
+    names = fn.arg_names
+    sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}")
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                if sig[n].startswith("*")})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        v = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
+                           capture_output=True, text=True).stderr
+        cub = os.path.join(d, "k.cubin")
+        open(cub, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
+                              capture_output=True, text=True).stdout
+    if sass_path:
+        open(sass_path, "w").write(sass)
+    ops = collections.Counter()
+    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+        ops[m.group(1)] += 1
+    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
+    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
+            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops),
+            "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}

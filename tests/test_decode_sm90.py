@@ -1,0 +1,172 @@
+"""The Gluon sm_90 decode kernel (backend "gluon").
+
+GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65, 97, 514) over NaN-poisoned,
+shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
+splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse.
+CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
+(skipped when Gluon does not import or its API is not the one the kernel is written for).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8mla
+from fp8mla.kernels import decode_sm90 as k
+from fp8mla.testing import assert_close, make_paged_batch
+
+ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
+gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
+DEVICE = "cuda" if ON_SM90 else "cpu"
+
+
+# -- CPU --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lens,ctas", [([1, 63, 65, 97, 514, 0, 4096, 130], 132), ([1, 63, 65, 97, 514, 0], 3),
+                                       ([32768], 132), ([8192] * 64, 132), ([0, 0], 5), ([], 8),
+                                       ([2048] * 128, 132)])
+def test_schedule_covers_every_tile_once(lens, ctas):
+    grid, cta_ptr, items, m_ptr, m_list = k.schedule(lens, ctas, 4)
+    tiles = [-(-L // 64) for L in lens]
+    assert 1 <= grid <= ctas and len(cta_ptr) == grid + 1 and cta_ptr[0] == 0 and cta_ptr[-1] == len(items)
+    assert all(a <= b for a, b in zip(cta_ptr, cta_ptr[1:]))
+    covered = [[] for _ in lens]
+    for b, t0, t1 in items:
+        covered[b].append((t0, t1))
+    for b, spans in enumerate(covered):   # contiguous, in order, exactly the request's tiles
+        assert spans, f"request {b} has no item (kv_len 0 still needs one: the merge writes 0 / -inf)"
+        assert spans[0][0] == 0 and spans[-1][1] == tiles[b]
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    loads = [sum(items[i][2] - items[i][1] for i in range(cta_ptr[c], cta_ptr[c + 1])) for c in range(grid)]
+    assert max(loads) - min(loads) <= 1   # balanced to one tile
+    assert m_ptr[-1] == len(m_list) == 2 * len(items) and sorted(m_list) == list(range(2 * len(items)))
+
+
+def _gluon_api_ok():
+    if k.gluon is None:
+        return False
+    import triton
+    return triton.__version__.startswith("3.6")
+
+
+@pytest.mark.skipif(not _gluon_api_ok(), reason="needs triton 3.6's Gluon (the kernel's API) to compile")
+def test_compiles_for_sm90a_without_spills_or_byte_loads():
+    r = k.compile_report(page=64, ns=3)
+    assert not r["serialized_wgmma"], r["ptxas"]
+    assert sum(s for s, _ in r["spills"]) <= 64, r["spills"]          # a few words in the producer, not a loop
+    hgmma = sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))
+    assert hgmma >= 2 * (36 + 32) // 2, r["ops"]                      # QK (36 k-steps) + PV (32) per consumer
+    assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]                    # K and V^T come from 16-byte / ldmatrix loads
+    assert r["smem"] <= k.SMEM_LIMIT
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------
+def run_case(batch, backend="gluon", **opts):
+    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
+    attn.plan(**batch.plan_args)
+    n, H, Dc = batch.run_args["q_nope"].shape
+    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
+    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
+    return attn, out, lse
+
+
+def check(batch, out, lse, tol=3e-3, lse_tol=1e-4):
+    ref_o, ref_lse = batch.reference()
+    assert_close(out, ref_o, tol, "out")
+    assert_close(lse, ref_lse, lse_tol, "lse")
+
+
+@gpu
+@pytest.mark.parametrize("page", [64, 128])
+def test_odd_lengths_nan_pools(page):
+    b = make_paged_batch([0, 1, 63, 65, 97, 514, page - 1, page + 1, 3000], [1] * 9, 16, page, "fp8_e4m3",
+                         device=DEVICE, seed=page, extra_pages=1)
+    _, out, lse = run_case(b)
+    check(b, out, lse)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()   # kv_len 0: 0 and -inf
+
+
+@gpu
+@pytest.mark.parametrize("H", [1, 8, 16])
+def test_padded_heads(H):
+    b = make_paged_batch([700, 33, 129], [1] * 3, H, 64, "fp8_e4m3", device=DEVICE, seed=H)
+    check(b, *run_case(b)[1:])
+
+
+@gpu
+def test_fp16_queries_scales_far_from_one_and_base_e():
+    b = make_paged_batch([777, 65, 2500], [1] * 3, 16, 64, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
+                         seed=5, ckv_scale=0.03, kpe_scale=7.0, value_scale=3.0)
+    attn, out, lse = run_case(b)
+    check(b, out, lse, lse_tol=2e-4)
+    lse_e = torch.empty_like(lse)
+    attn.run(**b.run_args, out=out, lse=lse_e, return_lse=True, return_lse_base_on_e=True)
+    assert torch.allclose(lse_e, lse * 0.6931471805599453, rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("min_chunk", [64, 256, 4096])
+def test_many_splits_and_bit_identical_reruns(min_chunk):
+    b = make_paged_batch([20000, 1, 4097], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=7)
+    attn, out, lse = run_case(b, min_chunk=min_chunk)
+    check(b, out, lse)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_ring_depths(stages):
+    b = make_paged_batch([1000, 63, 5000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=stages)
+    check(b, *run_case(b, num_stages=stages)[1:])
+
+
+@gpu
+def test_auto_picks_gluon_and_falls_back():
+    b = make_paged_batch([100, 200], [1, 1], 16, 64, "fp8_e4m3", device=DEVICE, seed=1)
+    attn, out, lse = run_case(b, backend="auto")
+    assert attn.backend_name == "gluon" if hasattr(attn, "backend_name") else True
+    check(b, out, lse)
+    for kv_lens, qo, H, page, fmt in (([100], [2], 16, 64, "fp8_e4m3"), ([100], [1], 128, 64, "fp8_e4m3"),
+                                      ([100], [1], 16, 16, "fp8_e4m3"), ([100], [1], 16, 64, "fp8_e4m3_group"),
+                                      ([100], [1], 16, 64, "bf16")):
+        b = make_paged_batch(kv_lens, qo, H, page, fmt, device=DEVICE, seed=2)
+        _, out, lse = run_case(b, backend="auto")          # the Triton kernel takes these, correctly
+        check(b, out, lse, tol=3e-3, lse_tol=5e-3)
+        with pytest.raises(ValueError, match="gluon"):
+            run_case(b, backend="gluon")
+
+
+@gpu
+def test_cuda_graph_capture_then_replan():
+    H = 16
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=11, spare_pages=60)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = dict(b1.plan_args)   # same pool, other lengths and page lists
+    pages = a["kv_indices"]
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")
