@@ -17,6 +17,7 @@ import torch
 from ..attention import MLAPagedAttention
 from ..formats import get_format
 from ..reference import mla_reference
+from ..runtime import available_backends as fp8mla_backends
 from ..testing import compare
 from .common import start_run, time_ms
 
@@ -116,9 +117,17 @@ def main(args) -> int:
                     runners = {}
                     for vname, opts in variants.items():
                         name = "fp8mla" if vname == "default" else f"fp8mla[{vname}]"
-                        attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)
+                        attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)  # the portable kernel
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse))
+                    if "gluon" in fp8mla_backends(device):  # the Hopper kernel, where its supports() takes the plan
+                        try:
+                            attn = MLAPagedAttention(backend="gluon")
+                            attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                            runners["fp8mla gluon"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
+                                                                             lse=lse))
+                        except ValueError as e:
+                            print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
@@ -149,7 +158,7 @@ def main(args) -> int:
                                   f"{str(e)[:200]}")
                             continue
                         from ..kernels import decode as _dec
-                        ck = _dec.LAST_COMPILED if name.startswith("fp8mla") else None
+                        ck = _dec.LAST_COMPILED if name.startswith("fp8mla") and "gluon" not in name else None
                         res = (f"regs {ck.n_regs} spills {ck.n_spills} smem {ck.metadata.shared // 1024}KB"
                                if ck is not None and hasattr(ck, "n_regs") else "")
                         row = dict(kernel=name, kv=fmt_name, H=H, B=B, L=L, page=page, ms=ms,
