@@ -61,6 +61,13 @@ def leaf(node) -> str | None:
     return None
 
 
+def cls_vals(func, expr) -> list:
+    """The values assigned to ``self.<attr>`` inside the class (not by its constructor's callers)."""
+    if func is None or func.cls is None or not isinstance(expr, ast.Attribute):
+        return []
+    return [v for v, _ in func.cls.attrs.get(expr.attr, [])]
+
+
 def _combine(kinds) -> str | None:
     known = {k for k in kinds if k}
     if not known:
@@ -108,6 +115,8 @@ class ModuleIndex:
         self.ctor_calls = {}     # class name -> [(call, _Func|None)]
         self.plan_calls = []     # (call, _Func|None)
         self.aliases = {}        # import alias -> imported name
+        self.returns = {}        # function name -> [(_Func, returned expr or annotation)] (getters of wrappers)
+        self.properties = set()  # names of @property / @cached_property methods
         self._memo = {}
         self._visit_body(tree.body, None, None)
 
@@ -122,6 +131,13 @@ class ModuleIndex:
             self.funcs[id(node)] = f
             if cls is not None and node.name == "__init__" and func is None:
                 cls.init = f
+            if node.returns is not None:
+                self.returns.setdefault(node.name, []).append((f, node.returns))
+            for n in ast.walk(node):
+                if isinstance(n, ast.Return) and n.value is not None:
+                    self.returns.setdefault(node.name, []).append((f, n.value))
+            if any(leaf(d) in ("property", "cached_property") for d in node.decorator_list):
+                self.properties.add(node.name)
             for d in node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d]:
                 self._exprs(d, cls, func)
             self._visit_body(node.body, cls if func is None else None, f)
@@ -320,16 +336,22 @@ class ModuleIndex:
 
     def origin(self, expr, func) -> str:
         """" (= `model_runner.dtype`, line 19)" for a local name or ``self.<attr>`` assigned in this module."""
-        vals = []
+        vals, where = [], ""
         if isinstance(expr, ast.Name) and func is not None:
             vals = func.assigns.get(expr.id, [])
         elif isinstance(expr, ast.Attribute) and dotted(expr) == f"self.{expr.attr}" and func is not None \
                 and func.cls is not None:
-            vals = [v for v, _ in func.cls.attrs.get(expr.attr, [])]
+            cls = func.cls
+            vals = [v for v, _ in cls.attrs.get(expr.attr, [])]
+            if cls.init is None and expr.attr in cls.fields:  # a dataclass field: the constructor's keyword
+                vals += [k.value for c, _ in self.ctor_calls.get(cls.name, []) for k in c.keywords
+                         if k.arg == expr.attr]
+                where = " at the constructor call"
+        vals = [v for v in vals if not (isinstance(v, ast.Constant) and v.value is None)]
         if not vals:
             return ""
         v = vals[0]
-        return f" (= `{text(v)}`, line {v.lineno})"
+        return f" (= `{text(v)}`{where if v not in cls_vals(func, expr) else ''}, line {v.lineno})"
 
     def kv_attrs(self, cls) -> list:
         """``self.<attr>`` of ``cls`` whose value is a KV-cache dtype."""
@@ -348,7 +370,7 @@ class ModuleIndex:
             name = self.aliases.get(name, name)
             if name in WRAPPER_CLASSES or name in self.classes:
                 return {name}
-            return set()
+            return self._returned(name, depth)  # `self._get_decode_wrapper()`
         if isinstance(expr, ast.Subscript):
             return self.wrapper_types(expr.value, func, depth + 1)
         if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
@@ -378,8 +400,16 @@ class ModuleIndex:
                     out |= self.wrapper_types(v, None, depth + 1)
             return out or self._leaf_types(expr.id, depth)
         if isinstance(expr, ast.Attribute):
-            return self._leaf_types(expr.attr, depth)
+            out = self._leaf_types(expr.attr, depth)
+            return out or (self._returned(expr.attr, depth) if expr.attr in self.properties else set())
         return set()
+
+    def _returned(self, name, depth) -> set:
+        """Wrapper classes a module function/method ``name`` returns (its annotation or return values)."""
+        out = set()
+        for f, r in self.returns.get(name, [])[:8]:
+            out |= self._ann_types(r) if r is f.node.returns else self.wrapper_types(r, f, depth + 1)
+        return out
 
     def _leaf_types(self, name, depth):
         out = set()

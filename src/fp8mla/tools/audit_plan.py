@@ -89,9 +89,11 @@ def _candidates(index: ModuleIndex, call, func):
     types = index.wrapper_types(recv, func)
     if types:
         fi = {index.flashinfer_class(t) for t in types}
-        if None in fi:
-            return None  # an engine's own class (or one we cannot see through): not FlashInfer's plan()
-        return [s for c in fi for s in signatures_for(c) if _fits(s, call, strict=False)] or None
+        if None not in fi:
+            return [s for c in fi for s in signatures_for(c) if _fits(s, call, strict=False)] or None
+        # FlashInfer's wrapper or an engine's own class (vLLM's DCP prefill wrapper with its own plan()): judged
+        # only as a FlashInfer call the arguments fit exactly
+        return [s for c in fi - {None} for s in signatures_for(c) if _fits(s, call)] or None
     name = (dotted(recv) or text(recv)).split(".")[-1]
     if _NOT_A_WRAPPER.search(name):
         return None
