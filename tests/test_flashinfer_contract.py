@@ -339,6 +339,14 @@ def test_fp8_run_without_a_ckv_scale_raises_naming_both():
     assert "ckv_scale" in str(e.value), str(e.value)
 
 
+def test_fp8_run_without_kpe_scale_raises_naming_it():
+    """FlashInfer 0.6.18 requires kpe_scale for an FP8 pool ("kpe_scale is required when kv_data_type is FP8."),
+    rope-free plans included; a missing scale must not silently become 1.0."""
+    b, attn = _fp8_plan()
+    with pytest.raises(ValueError, match="kpe_scale"):
+        attn.run(*caches(b), ckv_scale=b.run_args["ckv_scale"])
+
+
 def test_fp8_run_with_both_ckv_scales_raises():
     b, attn = _fp8_plan()
     arr = torch.ones(*b.run_args["ckv_cache"].shape[:2], 4, dtype=torch.float32, device=DEVICE)
