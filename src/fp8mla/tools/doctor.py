@@ -95,7 +95,10 @@ def parse_bytes(text) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"pool bytes: expected a size like 285000000, 285MB, 272MiB or 1.5GB, got {text!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if x != x or x == float("inf"):  # "1e999": int() of it would raise OverflowError
+        raise ValueError(f"pool bytes: expected a finite size, got {text!r}")
+    n = int(x)
     if n <= 0:
         raise ValueError(f"pool bytes: expected a positive size, got {text!r}")
     return n
