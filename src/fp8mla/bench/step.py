@@ -209,6 +209,20 @@ def _ints(s: str) -> list[int]:
     return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",") if x]
 
 
+def _points(s: str) -> list[tuple[int, int]]:
+    """``"1x4096,64x8k"`` -> [(1, 4096), (64, 8192)]."""
+    out = []
+    for item in s.split(","):
+        if not item:
+            continue
+        b, sep, c = item.lower().partition("x")
+        try:
+            out.append((_ints(b)[0], _ints(c)[0]))
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"expected BxCONTEXT pairs such as 1x4096,64x8k, got {item!r}") from None
+    return out
+
+
 def add_arguments(p):
     p.add_argument("--scale", choices=["glm5", "dsv3"], default="glm5", help="deployment to reproduce")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes, comma separated")
@@ -232,6 +246,9 @@ def add_arguments(p):
                    help="time the DeepSeek MLA layer stack's decode step (eager and CUDA-graph runner, begin_step, "
                         "kernels' device time, roofline floor) instead of the attention-only scenario; implied by "
                         "--tp N > 1 (see fp8mla.bench.step_tp)")
+    p.add_argument("--points", type=_points, default=None,
+                   help="with --model/--tp: (batch, context) pairs instead of --batches x --contexts, e.g. "
+                        "1x4096,64x8k")
     p.add_argument("--page-size", type=int, default=64, help="with --model/--tp: cache page size (default 64)")
     p.add_argument("--config", default="dsv3", help="with --model/--tp: model config (dsv3, dsv2-lite, kimi-k2, "
                    "tiny)")
@@ -252,6 +269,9 @@ def main(args) -> int:
         if v is not None and v < 1:
             print(f"fp8mla bench step: --{name.replace('_', '-')}: expected a positive int, got {v}", file=sys.stderr)
             return 2
+    if args.points is not None and any(b < 1 or c < 1 for b, c in args.points):
+        print(f"fp8mla bench step: --points: expected positive sizes, got {args.points}", file=sys.stderr)
+        return 2
     for name in ("batches", "contexts"):
         if any(v < 1 for v in getattr(args, name)):
             print(f"fp8mla bench step: --{name}: expected positive ints, got {getattr(args, name)}", file=sys.stderr)

@@ -117,7 +117,8 @@ def run_tp(args) -> int:
     layers = args.layers or cfg.num_layers
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     page = args.page_size
-    pool_tokens = args.pool_tokens or max(b * (c + 2 * page) for b in args.batches for c in args.contexts)
+    points = args.points or [(b, c) for b in args.batches for c in args.contexts]
+    pool_tokens = args.pool_tokens or max(b * (c + 2 * page) for b, c in points)
     ceil = measure_ceilings(dev) if dev.type == "cuda" and args.ceilings else None
     graphs = args.cuda_graph and dev.type == "cuda"
 
@@ -136,21 +137,20 @@ def run_tp(args) -> int:
         "graph/kernels and graph/floor are per-layer ratios")
     say(" ".join(f"{c:>14}" for c in cols) + f" {'graph/kern':>10} {'graph/floor':>11} {'tok/s':>9}")
     rows = []
-    for B in args.batches:
-        for ctx in args.contexts:
-            if B * (ctx + 2 * page) > cache.num_pages * page:
-                say(f"{B:>14} {ctx:>14}  skipped: {B} x {ctx} tokens exceed the pool")
-                continue
-            r = measure(model, cache, B, ctx, args.reps, dev, graphs=graphs)
-            nbytes, flops = _layer_bytes_flops(model, B, ctx, cache)
-            r["floor_ms"] = layers * ceil.floor_ms(nbytes, flops) if ceil else float("nan")
-            r.setdefault("kernels_ms", float("nan"))
-            r["tp"], r["layers"], r["page"] = args.tp, layers, page
-            rows.append(r)
-            say(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols)
-                + f" {r['graph_ms'] / r['kernels_ms']:>10.2f} {r['graph_ms'] / r['floor_ms']:>11.2f}"
-                + f" {B / r['graph_ms'] * 1e3:>9.0f}  graph vs eager rel_l2 {r['rel_l2']:.1e}"
-                + ("" if r["graph"] or not graphs else "  (no graph)"))
+    for B, ctx in points:
+        if B * (ctx + 2 * page) > cache.num_pages * page:
+            say(f"{B:>14} {ctx:>14}  skipped: {B} x {ctx} tokens exceed the pool")
+            continue
+        r = measure(model, cache, B, ctx, args.reps, dev, graphs=graphs)
+        nbytes, flops = _layer_bytes_flops(model, B, ctx, cache)
+        r["floor_ms"] = layers * ceil.floor_ms(nbytes, flops) if ceil else float("nan")
+        r.setdefault("kernels_ms", float("nan"))
+        r["tp"], r["layers"], r["page"] = args.tp, layers, page
+        rows.append(r)
+        say(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols)
+            + f" {r['graph_ms'] / r['kernels_ms']:>10.2f} {r['graph_ms'] / r['floor_ms']:>11.2f}"
+            + f" {B / r['graph_ms'] * 1e3:>9.0f}  graph vs eager rel_l2 {r['rel_l2']:.1e}"
+            + ("" if r["graph"] or not graphs else "  (no graph)"), flush=True)
     if group is not None:
         # The same config and shape on one GPU (rank 0, all heads) while the other ranks wait: the speed-up.
         dist.barrier(group)

@@ -287,7 +287,8 @@ class DecodeRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+        # thread_local: the NCCL watchdog thread's event queries (tensor parallel) must not void the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
             g["out"] = self._run_bucket(g)
         g["graph"] = graph
         self.stats["captures"] += 1
