@@ -289,3 +289,12 @@ def test_parallel_run_gives_the_serial_results(tmp_path):
     parallel = audit_paths([tmp_path], jobs=2)
     key = lambda r: ([(f.path, f.line, f.rule) for f in r[0]], sorted(r[1]), r[2])  # noqa: E731
     assert key(serial) == key(parallel) and len(serial[0]) == 6 and len(serial[1]) == 1 and serial[2] == 240
+
+
+def test_a_file_nested_too_deeply_is_an_error_not_a_crash(tmp_path, capsys):
+    (tmp_path / "deep.py").write_text("x = kv_cache.to(q.dtype)" + " + 1" * 20000 + "\n")
+    (tmp_path / "a.py").write_text(BUGGY)
+    findings, errors, n = audit_paths([tmp_path])
+    assert n == 1 and len(findings) == 1 and errors == [f"{tmp_path / 'deep.py'}: nests too deeply to analyse "
+                                                        "(RecursionError)"]
+    assert cli(["audit", str(tmp_path / "deep.py")]) == 2

@@ -151,7 +151,11 @@ def _read(path: str) -> str:
 
 def audit_file(path, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None) -> list:
     path = os.fspath(path)
-    return audit_source(_read(path), path, pool_names, select, ignore)
+    source = _read(path)
+    try:
+        return audit_source(source, path, pool_names, select, ignore)
+    except (RecursionError, MemoryError) as e:  # machine-generated code nested beyond what ast can hold
+        raise AuditError(f"{path}: nests too deeply to analyse ({type(e).__name__})") from None
 
 
 def _python_files(path: str):
