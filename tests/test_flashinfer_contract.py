@@ -422,3 +422,25 @@ def test_flashinfer_backend_names_are_accepted(name):
     attn.plan(*plan_positional(b))
     out, lse = attn.run(*caches(b), return_lse=True, **scale_kwargs(b))
     check(b, out, lse)
+
+
+@pytest.mark.parametrize("backend", TORCH_TRITON)
+def test_graph_mode_all_empty_requests_over_an_empty_pool(backend):
+    """FlashInfer's paged test with kv_len 0: a pool of 0 pages, an empty kv_indices, multi-token queries, in a
+    graph-mode wrapper; out 0 and lse -inf, also into given buffers with return_lse False."""
+    B, qo, H = 3, 7, 16
+    bufs = graph_buffers(B)
+    attn = fp8mla.MLAPagedAttention(workspace(), backend=backend, use_cuda_graph=True, **bufs)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    attn.plan(torch.arange(B + 1, **i32) * qo, torch.zeros(B + 1, **i32), torch.zeros(0, **i32),
+              torch.zeros(B, **i32), H, 512, 64, 16, False, 0.07, torch.float16, torch.float16)
+    q_nope = torch.randn(B * qo, H, 512, dtype=torch.float16, device=DEVICE)
+    q_pe = torch.randn(B * qo, H, 64, dtype=torch.float16, device=DEVICE)
+    ckv = torch.empty(0, 16, 512, dtype=torch.float16, device=DEVICE)
+    kpe = torch.empty(0, 16, 64, dtype=torch.float16, device=DEVICE)
+    out, lse = attn.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+    out2 = torch.full_like(out, math.nan)
+    lse2 = torch.full_like(lse, math.nan)
+    attn.run(q_nope, q_pe, ckv, kpe, out=out2, lse=lse2)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
