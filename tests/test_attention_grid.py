@@ -1,4 +1,5 @@
-"""MLAPagedAttention against the float64 reference over the grid of issue 2.
+"""MLAPagedAttention against the float64 reference over a grid of batches, page sizes, KV formats, heads,
+query lengths and odd kv lengths (0, 1, page +- 1, several pages), causal and not, in both LSE bases.
 
 Every case builds its batch with ``make_paged_batch`` (NaN in every unused page and slot, shuffled page ids,
 fresh values from a per-case seed), runs into NaN-poisoned ``out``/``lse`` buffers and compares with the

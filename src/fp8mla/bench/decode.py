@@ -28,7 +28,7 @@ DC, DK = 512, 64
 def add_arguments(p):
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--shapes", nargs="+", default=[f"{b}x{L}" for b, L in SHAPES],
-                   help="BxL pairs (default: the issue's grid)")
+                   help="BxL pairs (default: the grid of docs/benchmarks.md)")
     p.add_argument("--pages", type=int, nargs="+", default=[64, 1])
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")

@@ -2,7 +2,7 @@
 ceiling measured in the same run.
 
 - extend: H=128, qo_len 1024 new tokens at the end of kv_len 8192 (causal), page 64, FP8 e4m3 and BF16 pools;
-  FLOPs = 2 H (576 + 512) x (tokens each query sees). Target (issue 4): >= 50% of the bf16 matmul peak.
+  FLOPs = 2 H (576 + 512) x (tokens each query sees). Target: >= 50% of the bf16 matmul peak.
 - ragged: H=128, one 4096-token causal prefill, head_dim_qk 192 / vo 128, bf16;
   FLOPs = 2 H (192 + 128) x (keys each query sees). Target: >= 45% of the bf16 matmul peak.
 Each point: median of CUDA-graph replays with the L2 flushed, ms, TFLOP/s, % of the matmul ceiling, % of the

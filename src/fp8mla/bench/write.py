@@ -2,7 +2,7 @@
 same run.
 
 - quant_append: 64K new tokens (bf16 c_kv/k_pe) into shuffled slots of an FP8 / FP8-group / BF16 pool.
-  Bytes = tokens x (input bytes + stored bytes + scales + slot id). Target (issue 4): >= 80% of read+write BW.
+  Bytes = tokens x (input bytes + stored bytes + scales + slot id). Target: >= 80% of read+write BW.
 - gather_dequant: B requests x L tokens from shuffled pages of an FP8 pool into a bf16 workspace.
   Bytes = tokens x (stored bytes + scales + 1152 written). Target: >= 80% of read+write BW.
 The read+write ceiling is a ``copy_`` of 2 GB (bytes read + written); the read ceiling is ``torch.sum``. The
