@@ -81,6 +81,7 @@ def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, see
             r["eager_ms"] = step_time_ms(lambda: model(x, st), reps, dev)
             if dev.type == "cuda":
                 r["kernels_ms"], r["kernels"] = kernel_time_ms(lambda: model(x, st))
+        r["backend"] = st.paged.backend
         cache.unreserve(ids)
         runner = DecodeRunner(model, cache, max_batch=B, max_context=ctx + cache.page_size,
                               use_cuda_graph=graphs and dev.type == "cuda")
@@ -90,6 +91,7 @@ def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, see
             out = runner.forward(x, st)
             r["graph_ms"] = step_time_ms(lambda: runner.forward(x, st), reps, dev)
             r["graph"] = runner.stats["captures"] > 0
+            r["graph_backend"] = st.paged.backend
             r["rel_l2"] = float((out.float() - y_eager.float()).norm() / y_eager.float().norm().clamp_min(1e-30))
             cache.unreserve(ids)
         finally:
@@ -149,7 +151,8 @@ def run_tp(args) -> int:
         rows.append(r)
         say(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols)
             + f" {r['graph_ms'] / r['kernels_ms']:>10.2f} {r['graph_ms'] / r['floor_ms']:>11.2f}"
-            + f" {B / r['graph_ms'] * 1e3:>9.0f}  graph vs eager rel_l2 {r['rel_l2']:.1e}"
+            + f" {B / r['graph_ms'] * 1e3:>9.0f}  graph vs eager rel_l2 {r['rel_l2']:.1e}  attention "
+            f"{r['backend']}/{r['graph_backend']}"
             + ("" if r["graph"] or not graphs else "  (no graph)"), flush=True)
     if group is not None:
         # The same config and shape on one GPU (rank 0, all heads) while the other ranks wait: the speed-up.
