@@ -298,3 +298,17 @@ def test_a_file_nested_too_deeply_is_an_error_not_a_crash(tmp_path, capsys):
     assert n == 1 and len(findings) == 1 and errors == [f"{tmp_path / 'deep.py'}: nests too deeply to analyse "
                                                         "(RecursionError)"]
     assert cli(["audit", str(tmp_path / "deep.py")]) == 2
+
+
+@pytest.mark.parametrize("extra, n", [
+    ("kv_cache_dtype = cfg.kv_cache_dtype\n", 1),   # an FP8-capable cache in the module: the missing KV dtype is it
+    ("", 0),                                        # a BF16-only module: planning the KV as the query dtype is right
+])
+def test_decode_plan_with_only_a_query_dtype(extra, n):
+    src = ("from flashinfer import BatchDecodeWithPagedKVCacheWrapper\n" + extra +
+           "def plan(w: BatchDecodeWithPagedKVCacheWrapper, kv_indptr, kv_indices, last, model_config):\n"
+           "    w.plan(kv_indptr, kv_indices, last, 32, 8, 128, 16, q_data_type=model_config.dtype)\n")
+    got = audit_source(src)
+    assert [(f.line, f.rule) for f in got] == [(4, "KV002")] * n
+    if n:
+        assert "passes only a query dtype" in got[0].message

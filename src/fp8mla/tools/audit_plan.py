@@ -129,8 +129,9 @@ def check_plans(index: ModuleIndex, source: str, emit) -> None:
                 qs = f" (the query's is `{text(q)}`)" if q is not None else ""
                 emit(call, "KV002",
                      f"`{method}()` of {wrapper} plans the KV data type as `{text(kv)}`"
-                     f"{index.origin(kv, func)}, a compute dtype{qs}, while an FP8-capable KV pool is visible in this module: the kernel then expects a "
-                     "compute-dtype pool, so the FP8 pool gets converted before every call",
+                     f"{index.origin(kv, func)}, a compute dtype{qs}, while an FP8-capable KV pool is visible in "
+                     "this module: the kernel then expects a compute-dtype pool, so the FP8 pool gets converted "
+                     "before every call",
                      f"plan the KV as the pool's dtype ({where}) and pass the pool unconverted")
             continue
         if not sigs[0].kv_default_q:
