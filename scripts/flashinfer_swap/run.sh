@@ -19,7 +19,9 @@ t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # One device command has 5 minutes here: each phase gets at most what is left of FI_BUDGET (s). A test run cut
 # short is interrupted (SIGINT), so pytest still writes its junit report for what ran.
-left() { local l=$(( ${FI_BUDGET:-285} - ($(date +%s) - t0) - $1 )); [ "$l" -gt "$2" ] && l=$2; [ "$l" -lt 5 ] && l=5; echo "$l"; }
+left() {  # left RESERVE CAP: seconds for the next phase
+  local l=$(( ${FI_BUDGET:-285} - ($(date +%s) - t0) - $1 ))
+  [ "$l" -gt "$2" ] && l=$2; [ "$l" -lt 5 ] && l=5; echo "$l"; }
 
 (cd .fi_tests && sha256sum -c --quiet "$here/fi_tests.sha256") || {
   echo "run.sh: .fi_tests/ is missing or differs from the fetched FlashInfer test files (README.md)"; exit 2; }
@@ -36,8 +38,8 @@ EOF
 step "installed"
 
 if [ "${FI_CONTRACT:-1}" = 1 ]; then  # fp8mla's own copy-free contract tests, on the GPU (fast)
-  PYTHONPATH=$root/src timeout -s INT -k 10 "$(left 200 45)" python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer_contract.py \
-    > "$out/contract.txt" 2>&1; echo "exit $? (contract)" >> "$out/contract.txt"; tail -n 3 "$out/contract.txt"
+  PYTHONPATH=$root/src timeout -s INT -k 10 "$(left 200 45)" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_flashinfer_contract.py > "$out/contract.txt" 2>&1; echo "exit $? (contract)" >> "$out/contract.txt"; tail -n 3 "$out/contract.txt"
   step "contract tests done"
 fi
 
