@@ -39,7 +39,8 @@ step "installed"
 
 if [ "${FI_CONTRACT:-1}" = 1 ]; then  # fp8mla's own copy-free contract tests, on the GPU (fast)
   PYTHONPATH=$root/src timeout -s INT -k 10 "$(left 200 45)" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_flashinfer_contract.py > "$out/contract.txt" 2>&1; echo "exit $? (contract)" >> "$out/contract.txt"; tail -n 3 "$out/contract.txt"
+    tests/test_flashinfer_contract.py > "$out/contract.txt" 2>&1
+  echo "exit $? (contract)" >> "$out/contract.txt"; tail -n 3 "$out/contract.txt"
   step "contract tests done"
 fi
 
