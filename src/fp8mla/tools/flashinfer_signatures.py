@@ -8,10 +8,12 @@ cascade) or fresh K/V tensors (ragged prefill: its ``kv_data_type`` is not the p
 
 Written from FlashInfer's public sources and API docs (``flashinfer/mla.py``, ``decode.py``, ``prefill.py``,
 ``cascade.py``), read version by version. Where a version inserted a parameter in the middle (``head_dim_vo`` in
-paged prefill around 0.2.1, ``o_data_type`` after ``kv_data_type`` in decode in later releases) each layout is a
-separate row: a positional argument whose meaning differs between rows is not judged.
+paged prefill early in 0.2.x, ``o_data_type`` after ``kv_data_type`` in decode in 0.6.0) each layout is a
+separate row: a positional argument whose meaning differs between rows is not judged. (vLLM PR #32182 dates
+the decode ``o_data_type`` to FlashInfer 0.6.0.) Not in the table: wrappers with other plan() shapes such as
+0.6.13's ``BatchDecodeCuteDSLWrapper`` -- a call on one of those is simply not judged.
 
-``begin_forward`` is the older name of ``plan`` (kept as an alias through 0.2.x) with the same parameters.
+``begin_forward`` is the older name of ``plan``, still an alias of it, with the same parameters.
 FlashInfer 0.1.x (``begin_forward`` with ``data_type`` -- the KV dtype -- before ``q_data_type``) is not in
 this table: its positional dtype order is the reverse of 0.2's, and engines moved off it by 2025.
 """
@@ -61,17 +63,17 @@ SIGNATURES = (
                    "sm_scale", "window_left", "logits_soft_cap", "data_type", "q_data_type", "rope_scale",
                    "rope_theta"), 7, ("q_data_type", "data_type"), ("data_type",), False, True),
     # decode paged: data_type sets both dtypes when q_data_type/kv_data_type are not passed
-    PlanSignature("BatchDecodeWithPagedKVCacheWrapper", "0.2.0-0.3.x", _DECODE_HEAD + _DECODE_TAIL, 7,
+    PlanSignature("BatchDecodeWithPagedKVCacheWrapper", "0.2.0-0.5.x", _DECODE_HEAD + _DECODE_TAIL, 7,
                   ("q_data_type", "data_type"), ("kv_data_type", "data_type"), True, True),
-    PlanSignature("BatchDecodeWithPagedKVCacheWrapper", "0.4.x-0.7.x",
+    PlanSignature("BatchDecodeWithPagedKVCacheWrapper", "0.6.0-0.7.x",
                   _DECODE_HEAD + ("o_data_type",) + _DECODE_TAIL, 7,
                   ("q_data_type", "data_type"), ("kv_data_type", "data_type"), True, True),
-    # prefill / append over the paged pool; head_dim_vo was inserted after page_size in 0.2.1
-    PlanSignature("BatchPrefillWithPagedKVCacheWrapper", "0.2.0",
+    # prefill / append over the paged pool; head_dim_vo was inserted after page_size early in 0.2.x
+    PlanSignature("BatchPrefillWithPagedKVCacheWrapper", "0.2.0 (before head_dim_vo)",
                   ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
                    "num_kv_heads", "head_dim", "page_size") + _PREFILL_MID + ("non_blocking",), 8,
                   ("q_data_type",), ("kv_data_type",), True, True),
-    PlanSignature("BatchPrefillWithPagedKVCacheWrapper", "0.2.1-0.7.x",
+    PlanSignature("BatchPrefillWithPagedKVCacheWrapper", "0.2.x-0.7.x",
                   ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
                    "num_kv_heads", "head_dim_qk", "page_size", "head_dim_vo") + _PREFILL_MID + _PREFILL_TAIL, 8,
                   ("q_data_type",), ("kv_data_type",), True, True),
