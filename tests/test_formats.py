@@ -203,3 +203,10 @@ def test_bad_scales_are_refused(name, scale):
 def test_scale_of_another_type_is_refused(scale):
     with pytest.raises(TypeError, match=r"^scale: expected a positive finite float"):
         FORMATS["fp8_e4m3"].quantize(torch.ones(2), scale)
+
+
+def test_empty_tensor_scale_for_empty_values():
+    """Group scales of zero tokens are an empty tensor: nothing to check, nothing to store."""
+    fmt = FORMATS["fp8_e4m3_group"]
+    out = fmt.quantize_groups(torch.empty(0, 512), torch.empty(0, 4))
+    assert out.shape == (0, 512) and out.dtype == fmt.storage_dtype

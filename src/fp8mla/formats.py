@@ -115,8 +115,8 @@ class KVFormat:
 def _check_scale(scale) -> None:
     """A scale must be positive and finite: real = stored x scale has no meaning for 0, < 0, NaN or inf."""
     if isinstance(scale, torch.Tensor):
-        if not (scale.is_floating_point() and scale.numel() and bool(torch.isfinite(scale).all())
-                and bool((scale > 0).all())):
+        if not (scale.is_floating_point() and (scale.numel() == 0 or (bool(torch.isfinite(scale).all())
+                and bool((scale > 0).all())))):
             bad = scale if scale.numel() <= 1 else f"a {scale.dtype} tensor of shape {list(scale.shape)} " \
                                                    "with zero, negative or non-finite values"
             raise ValueError(f"scale: expected positive finite values, got {bad}")

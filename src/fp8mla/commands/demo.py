@@ -121,7 +121,7 @@ def run_formats(device: torch.device, heads: int, reps: int, progress) -> list[d
         ids = [cache.add_sequence() for _ in FORMAT_SEQ_LENS]
 
         def append(counts):
-            slots = cache.extend(ids, counts)
+            slots = cache.reserve(ids, counts)
             x = torch.randn(len(slots), DC + DK, generator=g).to(cache.device)
             cache.append(0, ids, x[:, :DC], x[:, DC:])
             orig[slots] = x
