@@ -38,7 +38,7 @@ def test_schedule_covers_every_tile_once(lens, ctas):
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
     loads = [sum(items[i][2] - items[i][1] for i in range(cta_ptr[c], cta_ptr[c + 1])) for c in range(grid)]
     assert max(loads) - min(loads) <= 1   # balanced to one tile
-    assert m_ptr[-1] == len(m_list) == 2 * len(items) and sorted(m_list) == list(range(2 * len(items)))
+    assert m_ptr[-1] == len(m_list) == len(items) and sorted(m_list) == list(range(len(items)))
 
 
 def _gluon_api_ok():
@@ -116,7 +116,7 @@ def test_many_splits_and_bit_identical_reruns(min_chunk):
 
 
 @gpu
-@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_ring_depths(stages):
     b = make_paged_batch([1000, 63, 5000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=stages)
     check(b, *run_case(b, num_stages=stages)[1:])

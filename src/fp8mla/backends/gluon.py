@@ -89,7 +89,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
     ns = int(opts["num_stages"])
     if ns < 2 or k.smem_bytes(ns) > k.SMEM_LIMIT:
-        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..5 stages; {ns} stages need "
+        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..4 stages; {ns} stages need "
                          f"{k.smem_bytes(ns)} B of shared memory, above {k.SMEM_LIMIT}")
     mp, mc = k.merge_blocks(64)  # fixed: the schedule is made on the device, its longest merge is not known here
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
@@ -98,8 +98,8 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         t = k.schedule_device(layout.kv_len, n_sm, min_tiles)
         cap = n_sm + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-                 part_o=torch.empty(2 * cap, k.HP, k.DC, dtype=torch.float32, device=device),
-                 part_lse=torch.empty(2 * cap, k.HP, dtype=torch.float32, device=device))
+                 part_o=torch.empty(cap, k.HP, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(cap, k.HP, dtype=torch.float32, device=device))
         return GluonPlan(spec, n_sm, max(1, B), mp, mc, ns, t)
     buf = state.get("graph")
     if buf is None:
@@ -125,10 +125,10 @@ class _GraphBuffers:
                         kv_indices=torch.zeros(self.max_kv_indices, **i32), kv_len=torch.zeros(mb, **i32),
                         cta_ptr=torch.zeros(n_sm + 1, **i32), item_req=torch.zeros(mi, **i32),
                         item_t0=torch.zeros(mi, **i32), item_t1=torch.zeros(mi, **i32),
-                        m_ptr=torch.zeros(mb + 1, **i32), m_list=torch.zeros(2 * mi, **i32),
+                        m_ptr=torch.zeros(mb + 1, **i32), m_list=torch.zeros(mi, **i32),
                         batch_size=torch.zeros(1, **i32),
-                        part_o=torch.empty(2 * mi, k.HP, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(2 * mi, k.HP, dtype=torch.float32, device=device))
+                        part_o=torch.empty(mi, k.HP, k.DC, dtype=torch.float32, device=device),
+                        part_lse=torch.empty(mi, k.HP, dtype=torch.float32, device=device))
 
     def check(self, B, n_indices):
         for what, got, cap in (("batch size", B, self.max_batch), ("kv_indices entries", n_indices,

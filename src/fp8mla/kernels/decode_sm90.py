@@ -52,8 +52,9 @@ SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
 
 
 def smem_bytes(ns: int) -> int:
-    """Shared memory of one CTA: the ring, two Q^T copies, two P^T tiles, barriers (estimate, +1 KB slack)."""
-    return ns * STAGE_BYTES + 2 * HP * (DC + DK) * 2 + 2 * HP * TILE * 2 + 1024
+    """Shared memory of one CTA: the ring, two Q^T copies, two P^T tiles, the consumers' exchange buffer (o, m,
+    l in fp32), barriers (estimate, +1 KB slack)."""
+    return ns * STAGE_BYTES + 2 * HP * (DC + DK) * 2 + 2 * HP * TILE * 2 + DC * HP * 4 + 2 * HP * 4 + 1024
 
 
 if gluon is not None:
@@ -155,8 +156,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  part_o, part_lse, sm_scale_log2, H,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                   NS: gl.constexpr, MODE: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -294,46 +295,97 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
             # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
             l_i = gl.sum(l_acc, axis=0)
-            seen = l_i > 0
-            l_safe = gl.where(seen, l_i, 1.0)
-            inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
-            lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
-            pidx = (2 * it + cid).to(gl.int64)
-            base = part_o + pidx * stride_po_i + out_offs
-            gl.store(base + 0 * 64, o0 * inv, mask=out_mask)
-            gl.store(base + 1 * 64, o1 * inv, mask=out_mask)
-            gl.store(base + 2 * 64, o2 * inv, mask=out_mask)
-            gl.store(base + 3 * 64, o3 * inv, mask=out_mask)
-            gl.store(base + 4 * 64, o4 * inv, mask=out_mask)
-            gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
-            gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
-            gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
-            gl.store(part_lse + pidx * stride_pl_i + hcol, lse, mask=hcol < H)
+            if cid == 1:
+                # hand the raw state to consumer 0 (which merges it and writes the item's result)
+                mbarrier.wait(xbar.index(1), ((it - i0) & 1) ^ 1, pred=it > i0)
+                xo.slice(0 * 64, 64).store(o0)
+                xo.slice(1 * 64, 64).store(o1)
+                xo.slice(2 * 64, 64).store(o2)
+                xo.slice(3 * 64, 64).store(o3)
+                xo.slice(4 * 64, 64).store(o4)
+                xo.slice(5 * 64, 64).store(o5)
+                xo.slice(6 * 64, 64).store(o6)
+                xo.slice(7 * 64, 64).store(o7)
+                xml.slice(0, 16).store(m_i)
+                xml.slice(16, 16).store(l_i)
+                gl.thread_barrier()
+                mbarrier.arrive(xbar.index(0), count=1)
+            else:
+                mbarrier.wait(xbar.index(0), (it - i0) & 1)
+                m1 = xml.slice(0, 16).load(gl.SliceLayout(0, mma))
+                l1 = xml.slice(16, 16).load(gl.SliceLayout(0, mma))
+                m_new = gl.maximum(m_i, m1)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                a0 = gl.exp2(m_i - m_use)[None, :]
+                a1 = gl.exp2(m1 - m_use)[None, :]
+                o0 = o0 * a0 + xo.slice(0 * 64, 64).load(mma) * a1
+                o1 = o1 * a0 + xo.slice(1 * 64, 64).load(mma) * a1
+                o2 = o2 * a0 + xo.slice(2 * 64, 64).load(mma) * a1
+                o3 = o3 * a0 + xo.slice(3 * 64, 64).load(mma) * a1
+                o4 = o4 * a0 + xo.slice(4 * 64, 64).load(mma) * a1
+                o5 = o5 * a0 + xo.slice(5 * 64, 64).load(mma) * a1
+                o6 = o6 * a0 + xo.slice(6 * 64, 64).load(mma) * a1
+                o7 = o7 * a0 + xo.slice(7 * 64, 64).load(mma) * a1
+                l_i = l_i * gl.exp2(m_i - m_use) + l1 * gl.exp2(m1 - m_use)
+                m_i = m_new
+                gl.thread_barrier()
+                mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
+                seen = l_i > 0
+                l_safe = gl.where(seen, l_i, 1.0)
+                inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
+                lse = gl.where(seen, m_use + gl.log2(l_safe), float("-inf"))
+                if (t0 == 0) & (t1 == (L + 63) // 64):
+                    # the item is the whole request: final output, no merge
+                    ty = out.dtype.element_ty
+                    ob = out + qtok * stride_o_t + hcol[None, :] * stride_o_h + dim_m[:, None]
+                    gl.store(ob + 0 * 64, (o0 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 1 * 64, (o1 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 2 * 64, (o2 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 3 * 64, (o3 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 4 * 64, (o4 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 5 * 64, (o5 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 6 * 64, (o6 * inv).to(ty), mask=out_mask)
+                    gl.store(ob + 7 * 64, (o7 * inv).to(ty), mask=out_mask)
+                    gl.store(lse_out + qtok * stride_lse_t + hcol, lse, mask=hcol < H)
+                else:
+                    pidx = it.to(gl.int64)
+                    base = part_o + pidx * stride_po_i + out_offs
+                    gl.store(base + 0 * 64, o0 * inv, mask=out_mask)
+                    gl.store(base + 1 * 64, o1 * inv, mask=out_mask)
+                    gl.store(base + 2 * 64, o2 * inv, mask=out_mask)
+                    gl.store(base + 3 * 64, o3 * inv, mask=out_mask)
+                    gl.store(base + 4 * 64, o4 * inv, mask=out_mask)
+                    gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
+                    gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
+                    gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
+                    gl.store(part_lse + pidx * stride_pl_i + hcol, lse, mask=hcol < H)
             g += n
 
     @gluon.jit
     def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                    NS: gl.constexpr, MODE: gl.constexpr):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                    NS: gl.constexpr, MODE: gl.constexpr):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
-                               cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
+                               cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
                                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                               stride_po_i, stride_po_r, stride_pl_i,
+                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0):
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -345,13 +397,23 @@ if gluon is not None:
         pT_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers)
+        x_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        xo = gl.allocate_shared_memory(gl.float32, [8 * 64, 16], x_l)
+        xml = gl.allocate_shared_memory(gl.float32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(xbar.index(0), count=1)
+        mbarrier.init(xbar.index(1), count=1)
         fence_async_shared()
+        out = OUT
+        lse_out = LSE_OUT
         cargs = (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                 cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, sm_scale_log2, H,
-                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, NS, MODE)
+                 cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
         gl.warp_specialize([
             (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, cta_ptr, item_req, item_t0, item_t1,
                          kbuf, pbuf, ready, empty, NS, PAGE, MODE)),
@@ -376,6 +438,8 @@ def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list
         return
     i0 = tl.load(m_ptr + b)
     i1 = tl.load(m_ptr + b + 1)
+    if i1 - i0 < 2:   # a request done by one work item was written by the decode kernel itself
+        return
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_run = float("-inf")
     wsum = 0.0
@@ -415,9 +479,10 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
     """Cut the concatenated 64-token tiles of all requests into contiguous per-CTA ranges.
 
     Returns ``(grid, cta_ptr, items, m_ptr, m_list)``: CTA c runs items ``cta_ptr[c]:cta_ptr[c+1]``; an item is
-    ``(request, first tile, end tile)``; item i writes partials 2i and 2i+1 (one per consumer warpgroup);
-    request b merges partials ``m_list[m_ptr[b]:m_ptr[b+1]]``. A request with kv_len 0 gets one empty item (its
-    partials say lse = -inf, so the merge writes 0 and -inf).
+    ``(request, first tile, end tile)``; item i writes partial i (both consumers' states merged in shared
+    memory), or the final out/lse when it is the whole request;
+    request b merges partials ``m_list[m_ptr[b]:m_ptr[b+1]]`` (when it has two or more). A request with kv_len 0
+    gets one empty item, which writes 0 and lse = -inf.
     """
     tiles = [-(-L // TILE) for L in kv_lens]
     T = sum(tiles)
@@ -444,8 +509,7 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
         cta_ptr.append(len(items))
     m_ptr, m_list = [0], []
     for lst in per_req:
-        for i in lst:
-            m_list += [2 * i, 2 * i + 1]
+        m_list += lst
         m_ptr.append(len(m_list))
     return grid, cta_ptr, items, m_ptr, m_list
 
@@ -494,8 +558,7 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     cta_ptr = torch.searchsorted(item_cta, c)
     zero = torch.zeros(1, **i64)
     res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
-               item_t1=torch.where(valid, t1, 0), m_ptr=2 * torch.cat([zero, it_end]),
-               m_list=torch.arange(2 * cap, **i64))
+               item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, it_end]), m_list=torch.arange(cap, **i64))
     if out is None:
         return {key: v.to(torch.int32) for key, v in res.items()}
     for key, v in res.items():
@@ -518,15 +581,15 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
-    item_req, item_t0, item_t1, part_o [2 items, 16, 512] fp32, part_lse [2 items, 16], m_ptr, m_list,
+    item_req, item_t0, item_t1, part_o [items, 16, 512] fp32, part_lse [items, 16], m_ptr, m_list,
     batch_size [1]). ``lse`` is written base 2."""
     LOG2E = 1.4426950408889634
     po, pl = t["part_o"], t["part_lse"]
     mla_decode_sm90_kernel[(grid,)](
         kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
-        t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, sm_scale * LOG2E, num_heads,
+        t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
-        pl.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode, num_warps=4)
+        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode, num_warps=4)
     if not merge:
         return
     _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
@@ -543,7 +606,8 @@ KERNEL_SIGNATURE = {
     "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
     "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
     "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
-    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32", "H": "i32",
+    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
     "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr"}
@@ -562,7 +626,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
     fn = mla_decode_sm90_kernel
     names = fn.arg_names
-    sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}")
+    sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
