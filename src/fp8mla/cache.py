@@ -213,16 +213,19 @@ class PagedMLACache:
 
     @staticmethod
     def _id_list(seq_ids) -> list:
-        """One id or a list / tuple / range of ids, as a list. Sets are refused: their order is arbitrary, and the
-        rows of c_kv, the slots returned and the plan follow the order of ``seq_ids``."""
+        """One id (an int, a str, ...) or an ordered collection of ids (list, tuple, range, 1-D tensor, any other
+        iterable), as a list. Sets and dicts are refused: their order is not the caller's, and the rows of c_kv,
+        the slots returned and the plan follow the order of ``seq_ids``."""
         if isinstance(seq_ids, (list, tuple, range)):
             return list(seq_ids)
-        if isinstance(seq_ids, (set, frozenset, dict)) or (isinstance(seq_ids, torch.Tensor) and seq_ids.dim()):
+        if isinstance(seq_ids, (set, frozenset, dict)):
             raise TypeError(f"seq_ids: expected one id or a list or tuple of ids (in the order of the rows), got "
                             f"a {type(seq_ids).__name__}")
-        if isinstance(seq_ids, torch.Tensor):
-            return [int(seq_ids)]
-        return [seq_ids]
+        if isinstance(seq_ids, torch.Tensor):  # a tensor hashes by identity: never use one as an id itself
+            return seq_ids.tolist() if seq_ids.dim() else [seq_ids.item()]
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            return [seq_ids]
+        return list(seq_ids)
 
     def _seq(self, seq_id) -> _Sequence:
         if _hashable(seq_id) not in self._seqs:
