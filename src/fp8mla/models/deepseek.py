@@ -443,6 +443,9 @@ class DeepseekMLABlock(nn.Module):
         self.self_attn = DeepseekMLA(cfg, layer_idx, **kw)
 
     def forward(self, x: torch.Tensor, step: MLAStep) -> torch.Tensor:
+        if step.fused:  # one kernel instead of seven (same rounding)
+            from .fused import rms_norm
+            return x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps), step)
         return x + self.self_attn(self.input_layernorm(x), step)
 
 

@@ -279,6 +279,9 @@ class DecodeRunner:
         return y
 
     def _capture(self, g: dict) -> None:
+        """Capture the bucket's step. If capture fails, the bucket runs its padded step eagerly from then on and
+        ``stats["capture_error"]`` says why (a warning too): slower, never wrong."""
+        import warnings
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s), torch.no_grad():
@@ -287,9 +290,17 @@ class DecodeRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the NCCL watchdog thread's event queries (tensor parallel) must not void the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
-            g["out"] = self._run_bucket(g)
+        try:
+            # thread_local: the NCCL watchdog thread's event queries (tensor parallel) must not void the capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
+                g["out"] = self._run_bucket(g)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run this bucket eagerly, say why
+            torch.cuda.synchronize(self.device)
+            g["graph"], g["out"] = False, None
+            self.stats["capture_error"] = f"bucket {g['bucket']}: {type(e).__name__}: {e}"
+            warnings.warn(f"DecodeRunner: CUDA-graph capture failed, running eagerly: {self.stats['capture_error']}",
+                          RuntimeWarning, stacklevel=3)
+            return
         g["graph"] = graph
         self.stats["captures"] += 1
 
@@ -303,7 +314,7 @@ class DecodeRunner:
         self.x[:B].copy_(x)
         self.x[B:Bb].zero_()
         with torch.no_grad():
-            if g["graph"] is not None:
+            if g["graph"]:
                 g["graph"].replay()
                 out = g["out"]
                 self.stats["graph_steps"] += 1
