@@ -312,3 +312,24 @@ def test_decode_plan_with_only_a_query_dtype(extra, n):
     assert [(f.line, f.rule) for f in got] == [(4, "KV002")] * n
     if n:
         assert "passes only a query dtype" in got[0].message
+
+
+@pytest.mark.parametrize("kv, n", [("self.kv_cache_dtype", 0), ("self.model_config.dtype", 1)])
+def test_kv_dtype_forwarded_through_a_helper_function(kv, n):
+    """vLLM's `fast_plan_decode(wrapper, ..., kv_data_type=...)` shape: the helper forwards its parameter to
+    FlashInfer's plan(); the call site is what is judged."""
+    src = ("from flashinfer import BatchDecodeWithPagedKVCacheWrapper\n"
+           "def fast_plan(self, indptr, indices, last, heads, kv_heads, dim, page, q_data_type, kv_data_type):\n"
+           "    self.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=q_data_type,\n"
+           "              kv_data_type=kv_data_type)\n"
+           "class Builder:\n"
+           "    def __init__(self, model_config, kv_cache_dtype, ws):\n"
+           "        self.model_config, self.kv_cache_dtype = model_config, kv_cache_dtype\n"
+           "        self.w = BatchDecodeWithPagedKVCacheWrapper(ws)\n"
+           "    def build(self, indptr, indices, last):\n"
+           "        fast_plan(self.w, indptr, indices, last, 8, 8, 128, 16, q_data_type=self.model_config.dtype,\n"
+           f"                  kv_data_type={kv})\n")
+    got = audit_source(src)
+    assert [(f.line, f.rule) for f in got] == [(10, "KV002")] * n
+    if n:
+        assert "which `fast_plan()` forwards as the KV data type" in got[0].message

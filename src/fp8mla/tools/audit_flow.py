@@ -113,6 +113,7 @@ class ModuleIndex:
         self.attr_fields = {}    # attr leaf -> [annotation] from class bodies (dataclass fields)
         self.appends = {}        # receiver leaf -> [value] for `<x>.append(value)`
         self.ctor_calls = {}     # class name -> [(call, _Func|None)]
+        self.calls = {}          # other callee leaf name -> [(call, _Func|None)] (for forwarded dtypes)
         self.plan_calls = []     # (call, _Func|None)
         self.aliases = {}        # import alias -> imported name
         self.returns = {}        # function name -> [(_Func, returned expr or annotation)] (getters of wrappers)
@@ -229,6 +230,8 @@ class ModuleIndex:
                     self.appends.setdefault(r, []).append(n.args[0])
             if name and name[:1].isupper():
                 self.ctor_calls.setdefault(name, []).append((n, func))
+            elif name:
+                self.calls.setdefault(name, []).append((n, func))
 
     # -- dtype classification -----------------------------------------------------------------------------
     def classify(self, expr, func, depth=0) -> str | None:
@@ -266,6 +269,9 @@ class ModuleIndex:
         if parts[0] == "torch" and len(parts) == 2:
             return KV if last.startswith("float8") else COMPUTE if last in _TORCH_COMPUTE else None
         by_name = KV if KV_DTYPE_NAME.search(last) else COMPUTE if COMPUTE_DTYPE_NAME.search(last) else None
+        if len(parts) >= 2 and parts[0] != "self" and re.search(r"dtype|data_type", last) and _POOLISH.search(
+                parts[-2]):
+            return KV  # a dtype of the cache's own object: cache_config.torch_dtype, k_cache.dtype
         if by_name and not (isinstance(e, ast.Name) or (len(parts) == 2 and parts[0] == "self")):
             return by_name  # another object's attribute (model_runner.kv_cache_dtype): its name is all we have
         if last == "dtype" and len(parts) >= 2:

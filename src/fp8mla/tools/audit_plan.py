@@ -23,8 +23,9 @@ from .flashinfer_signatures import SIGNATURES, signatures_for
 __all__ = ["check_plans"]
 
 # an FP8 pool (or its dtype) is visible somewhere in the module: only then is a compute-dtype KV a finding
-KV_EVIDENCE = re.compile(r"kv_cache_dtype|cache_dtype|kv_dtype|kv_data_type|store_dtype|token_to_kv_pool|float8|"
-                         r"fp8|get_key_buffer|kv_cache|kv_pool|kv_buffer", re.I)
+# (the names of plan()'s own parameters, kv_data_type / kv_dtype, are not evidence of a pool)
+KV_EVIDENCE = re.compile(r"kv_cache_dtype|cache_dtype|store_dtype|token_to_kv_pool|float8|fp8|get_key_buffer|"
+                         r"kv_cache|kv_pool|kv_buffer", re.I)
 _NOT_A_WRAPPER = re.compile(r"module|^_?ops?$|_op$|^lib|kernel|^torch$", re.I)
 _SUFFIX = re.compile(r"(_cpu|_host|_gpu|_device|_buf|_buffer|_tensor|_list)+$")
 
@@ -103,8 +104,55 @@ def _candidates(index: ModuleIndex, call, func):
     return sigs or None
 
 
+def _call_sites(index: ModuleIndex, func):
+    """Calls of ``func`` (a module function, or a method of a class of this module) with the arguments bound to
+    its parameter names: [(call, caller _Func, {param: expr})]."""
+    node = func.node
+    params = [a.arg for a in node.args.posonlyargs + node.args.args]
+    out = []
+    for call, caller in index.calls.get(node.name, []) + (
+            index.plan_calls if node.name in ("plan", "begin_forward") else []):
+        f = call.func
+        if func.cls is None:
+            if not isinstance(f, ast.Name):
+                continue  # `x.fast_plan(...)` is some other object's method
+            names = params
+        else:
+            if not isinstance(f, ast.Attribute):
+                continue
+            recv = f.value
+            own = isinstance(recv, ast.Name) and recv.id == "self" and caller is not None and caller.cls is func.cls
+            if not own and func.cls.name not in index.wrapper_types(recv, caller):
+                continue
+            names = params[1:]  # bound method: `self` is the receiver
+        if any(isinstance(a, ast.Starred) for a in call.args):
+            continue
+        bound = dict(zip(names, call.args))
+        bound.update({k.arg: k.value for k in call.keywords if k.arg})
+        out.append((call, caller, bound))
+    return out
+
+
+def _check_forwarded(index, forwarders, evidence, emit):
+    """A FlashInfer plan() whose KV dtype is a parameter of the enclosing function: judge what the module's own
+    callers pass for it (one level: ``fast_plan_decode(wrapper, ..., kv_data_type=X)``, an engine's wrapper class
+    whose ``plan(..., kv_cache_dtype)`` forwards to FlashInfer)."""
+    for func, param, call, wrapper in forwarders:
+        for site, caller, bound in _call_sites(index, func):
+            arg = bound.get(param)
+            if arg is None or index.classify(arg, caller) != COMPUTE or not evidence:
+                continue
+            emit(site, "KV002",
+                 f"`{text(site.func)}()` passes `{text(arg)}`{index.origin(arg, caller)}, a compute dtype, as "
+                 f"`{param}`, which `{func.node.name}()` forwards as the KV data type of {wrapper}.{call.func.attr}()"
+                 f" (line {call.lineno}), while an FP8-capable KV pool is visible in this module: the FP8 pool "
+                 "then gets converted before every call",
+                 f"pass the pool's dtype as `{param}` and the pool unconverted")
+
+
 def check_plans(index: ModuleIndex, source: str, emit) -> None:
-    evidence = None
+    evidence = bool(KV_EVIDENCE.search(source))
+    forwarders = []
     for call, func in index.plan_calls:
         if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
             continue  # **kwargs / *args: the dtypes cannot be seen
@@ -117,11 +165,11 @@ def check_plans(index: ModuleIndex, source: str, emit) -> None:
         q, kv = _bind(sigs[0], call)
         cls = func.cls if func is not None else None
         kv_attrs = index.kv_attrs(cls)
-        if evidence is None:
-            evidence = bool(KV_EVIDENCE.search(source))
         method = call.func.attr
         wrapper = sigs[0].cls
         if kv is not None:
+            if isinstance(kv, ast.Name) and func is not None and kv.id in func.params and kv.id not in func.assigns:
+                forwarders.append((func, kv.id, call, wrapper))
             kind = index.classify(kv, func)
             if kind == COMPUTE and evidence:
                 where = f"kv_data_type={kv_attrs[0]}" if kv_attrs else \
@@ -148,4 +196,5 @@ def check_plans(index: ModuleIndex, source: str, emit) -> None:
                  f"`{method}()` of {wrapper} passes only a query dtype (`{text(q)}`, a compute dtype): FlashInfer "
                  "then plans the KV as that dtype, while this module has an FP8-capable KV cache",
                  "pass kv_data_type=<the pool's dtype> as well, and the pool unconverted")
+    _check_forwarded(index, forwarders, evidence, emit)
 
