@@ -82,6 +82,17 @@ def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, see
             if dev.type == "cuda":
                 try:
                     r["kernels_ms"], r["kernels"] = kernel_time_ms(lambda: model(x, st))
+                    if model.fused:  # before/after the fused kernels: the same step in torch ops
+                        cache.unreserve(ids)
+                        model.fused = False
+                        try:
+                            st2 = model.begin_step(cache, ids, [1] * B)
+                            r["unfused_ms"] = step_time_ms(lambda: model(x, st2), reps, dev)
+                            r["unfused_kernels_ms"], r["unfused_kernels"] = kernel_time_ms(lambda: model(x, st2))
+                        finally:
+                            model.fused = True
+                        cache.unreserve(ids)
+                        st = model.begin_step(cache, ids, [1] * B)
                 except Exception as e:  # noqa: BLE001 - the profiler is a measurement aid; say why it is missing
                     print(f"kernel time not measured: {type(e).__name__}: {e}", file=sys.stderr)
         r["backend"] = st.paged.backend
@@ -158,6 +169,10 @@ def run_tp(args) -> int:
             + f" {B / r['graph_ms'] * 1e3:>9.0f}  graph vs eager rel_l2 {r['rel_l2']:.1e}  attention "
             f"{r['backend']}/{r['graph_backend']}"
             + ("" if r["graph"] or not graphs else f"  (no graph: {r.get('capture_error')})"), flush=True)
+        if "kernels" in r:
+            say(f"{'':>14} kernels per step: {r['kernels']} fused"
+                + (f", {r['unfused_kernels']} in torch ops (eager {r['unfused_ms']:.3f} ms, kernels "
+                   f"{r['unfused_kernels_ms']:.3f} ms)" if "unfused_kernels" in r else ""))
     if group is not None:
         # The same config and shape on one GPU (rank 0, all heads) while the other ranks wait: the speed-up.
         dist.barrier(group)
