@@ -180,6 +180,8 @@ def run_checks():
     ok &= check_case("H16 p64 odd lens, 1 CTA", make_case(odd, 16, 64, seed=3), num_ctas=1)
     ok &= check_case("H8 p64 (padded heads)", make_case([300, 7, 2000], 8, 64, seed=4))
     ok &= check_case("H16 p128", make_case([1, 127, 129, 1000, 64], 16, 128, seed=5))
+    ok &= check_case("H16 p16", make_case([1, 15, 17, 63, 65, 1000, 0], 16, 16, seed=13))
+    ok &= check_case("H16 p32", make_case([1, 31, 33, 97, 2000], 16, 32, seed=14), num_ctas=5)
     ok &= check_case("H16 p64 fp16 q, scales .05/.02, x4 values",
                      make_case([777, 65, 3000], 16, 64, seed=6, q_dtype=torch.float16, ckv_scale=0.05,
                                kpe_scale=0.02, value=4.0))
@@ -317,18 +319,18 @@ VARIANTS = {"ns4": dict(ns=4), "ns3": dict(ns=3), "ns2": dict(ns=2), "ns4_mt8": 
             "ns4_mt16": dict(ns=4, min_tiles=16), "ns3_mt8": dict(ns=3, min_tiles=8)}
 
 
-def run_bench(variants, with_triton=True, shapes=SHAPES, H=16):
+def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64):
     flush = Flush()
     read, mm = ceilings(flush)
     RESULTS["env"].update(read_gbps=read, matmul_tflops=mm)
     log(f"ceilings: read {read:.0f} GB/s (torch.sum 4 GB bf16), bf16 matmul {mm:.0f} TFLOP/s")
     table = []
     for B, L in shapes:
-        c = make_case([L] * B, H, 64, seed=B, nan_pool=False, spare=8)
+        c = make_case([L] * B, H, page, seed=B, nan_pool=False, spare=8)
         nbytes = B * L * (DC + DK)
         floor = max(nbytes / (read * 1e9), 2 * B * H * L * (DC + DK + DC) / (mm * 1e12)) * 1e3
         ref_o, _ = reference(c, nreq=min(B, 2))
-        row = dict(shape=f"H{H} B{B} L{L}", floor=floor, target=TARGETS.get((B, L)))
+        row = dict(shape=f"H{H} B{B} L{L} p{page}", floor=floor, target=TARGETS.get((B, L)))
         for vn in variants:
             kw = VARIANTS[vn]
             try:
@@ -376,10 +378,12 @@ def main():
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     log(" ".join(f"{k}={v}" for k, v in RESULTS["env"].items()))
     variants = ["ns4", "ns5", "ns4_mt8"]
-    shapes = SHAPES
+    shapes, page = SHAPES, 64
     for a in sys.argv[2:]:
         if a.startswith("--variants="):
             variants = a.split("=", 1)[1].split(",")
+        if a.startswith("--page="):
+            page = int(a.split("=", 1)[1])
         if a.startswith("--shapes="):
             shapes = [tuple(int(x) for x in v.split("x")) for v in a.split("=", 1)[1].split(",")]
     ok = True
@@ -389,7 +393,7 @@ def main():
         if what == "probe":
             hgmma_probe()
         if what in ("bench", "all") and ok:
-            run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes)
+            run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes, page=page)
     finally:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"decode_v2_{what}.json"), "w") as f:

@@ -2,7 +2,7 @@
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
-one query token per request, page size a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64,
+one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64,
 bf16/fp16 queries, host-known kv lengths (the split schedule is made on the host, O(batch)).
 
 ``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
@@ -37,7 +37,8 @@ def supports(spec, layout) -> tuple[bool, str]:
         (spec.num_heads <= k.HP, f"num_heads {spec.num_heads} > {k.HP} (the H128 variant is not written yet)"),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
          f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
-        (spec.page_size % PAGE_MULTIPLE == 0, f"page_size {spec.page_size} is not a multiple of 64 (TMA tiles)"),
+        (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
+         f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64 (page 1 needs cp.async, not written)"),
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group",
          f"kv format {fmt.name}: only FP8 e4m3 with per-tensor scales"),
         (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),

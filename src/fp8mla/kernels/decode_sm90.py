@@ -118,10 +118,14 @@ if gluon is not None:
         gl.thread_barrier()
 
     @gluon.jit
-    def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, cta_ptr, item_req, item_t0, item_t1,
+    def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                   kbuf, pbuf, ready, empty, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr):
-        # page ids come 16 tiles at a time (one per lane, extracted with warp shuffles): one load latency per 16 tiles instead
-        # of one per tile (a scalar load per tile capped the issue rate near one tile per load latency)
+        # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
+        # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
+        # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
+        EPT: gl.constexpr = 64 // PAGE if PAGE < 64 else 1      # table entries per 64-token tile
+        TPC: gl.constexpr = 16 // EPT                            # tiles per chunk of 16 entries
+        ROWS: gl.constexpr = PAGE if PAGE < 64 else 64
         idl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         ar = gl.arange(0, 16, layout=idl)
         pid = gl.program_id(0)
@@ -133,14 +137,17 @@ if gluon is not None:
             t0 = gl.load(item_t0 + it)
             t1 = gl.load(item_t1 + it)
             pbase = gl.load(kv_indptr + b)
+            n_pages = (gl.load(kv_len + b) + PAGE - 1) // PAGE
             ids = gl.zeros([16], gl.int32, idl)
             for t in range(t0, t1):
-                k = (t - t0) % 16
+                k = (t - t0) % TPC
                 if k == 0:
-                    tt = t + ar
-                    ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
-                page = gl.sum(gl.where(ar == k, ids, 0), axis=0)
-                row = page * PAGE + (t * 64) % PAGE
+                    if PAGE < 64:
+                        ee = t * EPT + ar
+                        ids = gl.load(kv_indices + pbase + ee, mask=ee < n_pages, other=0)
+                    else:
+                        tt = t + ar
+                        ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
                 bar = ready.index(s)
@@ -148,9 +155,17 @@ if gluon is not None:
                     mbarrier.arrive(bar, count=1)
                 else:
                     mbarrier.expect(bar, 64 * 576)
-                    for c in gl.static_range(4):
-                        tma.async_copy_global_to_shared(kv_desc, [row, c * 128], bar, kbuf.index(s * 4 + c))
-                    tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, pbuf.index(s))
+                    for r in gl.static_range(EPT):
+                        page = gl.sum(gl.where(ar == k * EPT + r, ids, 0), axis=0)
+                        if PAGE < 64:
+                            row = page * PAGE
+                        else:
+                            row = page * PAGE + (t * 64) % PAGE
+                        for c in gl.static_range(4):
+                            tma.async_copy_global_to_shared(kv_desc, [row, c * 128], bar,
+                                                            kbuf.index(s * 4 + c).slice(r * ROWS, ROWS, dim=0))
+                        tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar,
+                                                        pbuf.index(s).slice(r * ROWS, ROWS, dim=0))
                 g += 1
 
     @gluon.jit
@@ -415,7 +430,7 @@ if gluon is not None:
                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
         gl.warp_specialize([
-            (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, cta_ptr, item_req, item_t0, item_t1,
+            (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                          kbuf, pbuf, ready, empty, NS, PAGE, MODE)),
             (_consumer0, cargs),
             (_consumer1, cargs),
@@ -572,8 +587,9 @@ def kv_descriptors(ckv_cache, kpe_cache):
     P, page, _ = ckv_cache.shape
     kv_l = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     kpe_l = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-    kv = TensorDescriptor(ckv_cache, [P * page, DC], [ckv_cache.stride(1), 1], [64, 128], kv_l)
-    kpe = TensorDescriptor(kpe_cache, [P * page, DK], [kpe_cache.stride(1), 1], [64, 64], kpe_l)
+    rows = min(64, page)   # pages of 16/32 tokens: one box per page
+    kv = TensorDescriptor(ckv_cache, [P * page, DC], [ckv_cache.stride(1), 1], [rows, 128], kv_l)
+    kpe = TensorDescriptor(kpe_cache, [P * page, DK], [kpe_cache.stride(1), 1], [rows, 64], kpe_l)
     return kv, kpe
 
 
@@ -627,6 +643,9 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     fn = mla_decode_sm90_kernel
     names = fn.arg_names
     sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
+    rows = min(64, page)
+    sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
+    sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
