@@ -63,7 +63,12 @@ def _fits(sig, call, strict=True) -> bool:
         ln = _loose(n)
         if loose.count(ln) == 1 and loose.index(ln) != i and n != norm[i]:
             return False  # `kv_indptr` in the `indices` slot of the decode signature
+        if strict and n in _ALL_NAMES and n not in norm and ln not in loose:
+            return False  # `indices` / `last_page_len` passed to what would be a ragged prefill: another wrapper
     return True
+
+
+_ALL_NAMES = {_norm(p) for sig in SIGNATURES for p in sig.params}
 
 
 def _looks_like_plan(sig, call) -> bool:
