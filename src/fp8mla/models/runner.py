@@ -212,22 +212,23 @@ class DecodeRunner:
         cache, dev, ps = self.cache, self.device, self.cache.page_size
         rows = [self._row(s, p) for s, p in zip(ids, prefix)]
         rows += [self.pad_row] * (Bb - B)
-        host = torch.tensor(rows + prefix, dtype=torch.int64)
+        pad = [0] * (Bb - B)
+        # One host->device copy: block-table rows, positions (padding: 0), and each new token's page column.
+        host = torch.tensor(rows + prefix + pad + [p // ps for p in prefix], dtype=torch.int64)
         if dev.type == "cuda":
             host = host.pin_memory()
         d = host.to(dev, non_blocking=True)
-        rows_d, pos_d = d[:Bb], d[Bb:]
-        self.pos[:B].copy_(pos_d)
-        self.pos[B:Bb].zero_()
+        rows_d, cols_d = d[:Bb], d[2 * Bb:]
+        self.pos[:Bb].copy_(d[Bb: 2 * Bb])
         self.slots[:B].copy_(slots)
         self.slots[B:Bb].fill_(self.pad_slot)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared).
-        self.table[rows_d[:B], torch.div(pos_d, ps, rounding_mode="floor")] = (slots // ps).to(torch.int32)
+        self.table[rows_d[:B], cols_d] = (slots // ps).to(torch.int32)
         for sid, p in zip(ids, prefix):
             row, rec, _ = self._rows[sid]
             self._rows[sid] = (row, rec, p + 1)
-        kv_len = torch.tensor([p + 1 for p in prefix] + [0] * (Bb - B), dtype=torch.int32)
+        kv_len = torch.tensor([p + 1 for p in prefix] + pad, dtype=torch.int32)
         g = self._bucket(Bb)
         attn, st = g["attn"], g["step"]
         block_table = torch.index_select(self.table, 0, rows_d, out=g["block_table"])
