@@ -206,14 +206,11 @@ def launch(b, splits=1, out=None, lse=None, scale_arr=None, kv_indices=None, **k
     """Runs mla_decode on ``b`` with a hand-made schedule: each request cut into ``splits`` work items
     (block_n-aligned), merged by the merge kernel when > 1. Returns (out, lse base 2)."""
     from fp8mla.kernels.decode import KV_BF16, KV_FP8_FP16_MATH, KV_GROUP, mla_decode
-    from fp8mla.formats import get_format
     a, r = b.plan_args, b.run_args
     qn, qp = r["q_nope"], r["q_pe"]
     n, H, Dc = qn.shape
-    fmt = get_format(a["kv_data_type"]) if isinstance(a["kv_data_type"], str) else None
     kv_mode = (KV_GROUP if r["ckv_scale_arr"] is not None else
                KV_BF16 if r["ckv_cache"].dtype == torch.bfloat16 else KV_FP8_FP16_MATH)
-    del fmt
     block_n = kw.pop("block_n", 16)
     qo = a["qo_indptr"].tolist()
     lens = a["kv_len_arr"].tolist()

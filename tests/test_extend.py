@@ -1,6 +1,6 @@
 """The paged extend (prefill) kernel against the float64 reference on NaN-poisoned pools with shuffled pages:
 every format, page sizes 1..128, causal and not, more queries than tokens, fp16 queries, strided queries,
-H=128, the full DeepSeek widths. CPU: TRITON_INTERPRET=1 at small sizes; GPU: the same plus a large case."""
+H=128, the full DeepSeek widths; NaN in gives NaN out, page ids outside the pool, a transposed lse, named errors. CPU: TRITON_INTERPRET=1 at small sizes; GPU: the same plus a large case."""
 from __future__ import annotations
 
 import math
@@ -31,7 +31,7 @@ def run_extend(b, poison=True, **tiles):
     out = torch.full((n, H, Dc), float("nan") if poison else 0.0, dtype=a["q_data_type"], device=DEVICE)
     lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
     qo = a["qo_indptr"].tolist()
-    scales = torch.tensor([float(r["ckv_scale"]), float(r["kpe_scale"])], dtype=torch.float32, device=DEVICE)
+    scales = torch.tensor([float(r["ckv_scale"] or 1.0), float(r["kpe_scale"])], dtype=torch.float32, device=DEVICE)
     mla_extend(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                a["kv_indices"], a["kv_len_arr"], out, lse, sm_scale=a["sm_scale"], causal=a["causal"],
                scales=scales, ckv_scale_arr=r["ckv_scale_arr"],
@@ -114,3 +114,81 @@ def test_empty_rows_are_zero_and_minus_inf(case_seed):
 def test_large_gpu(fmt, case_seed):
     b = make_paged_batch([2000, 300, 1025], [1000, 300, 17], 128, 64, fmt, device=DEVICE, seed=case_seed)
     check(b, *run_extend(b), TOL.get(fmt, DEFAULT_TOL), LSE_TOL.get(fmt, 1e-4))
+
+
+# -- bad input: NaN in gives NaN out, page ids outside the pool, strides, named errors --------------------------
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "bf16"])
+def test_nan_in_gives_nan_out(fmt, case_seed):
+    """NaN in one query row, or in one channel of one used token, gives NaN rows (out and lse), never out 0 with
+    lse -inf; other requests are untouched; rows without keys still answer 0 / -inf."""
+    def batch():
+        return small([40, 30, 0], [12, 9, 3], 4, 16, fmt, seed=case_seed)
+
+    clean_o, clean_l = (t.float().cpu() for t in run_extend(batch()))
+    b = batch()
+    b.run_args["q_nope"][2, 1, 5] = math.nan          # request 0, query 2, head 1
+    out, lse = (t.float().cpu() for t in run_extend(b))
+    assert torch.isnan(lse[2, 1]) and torch.isnan(out[2, 1]).all()
+    assert torch.equal(lse[12:], clean_l[12:]) and torch.equal(out[12:], clean_o[12:])
+    b = batch()
+    pages, ind = b.plan_args["kv_indices"].tolist(), b.plan_args["kv_indptr"].tolist()
+    b.pool[pages[ind[1]], 3, 77] = math.nan             # request 1, token 3: seen by all its 9 queries (causal)
+    out, lse = (t.float().cpu() for t in run_extend(b))
+    assert torch.isnan(lse[12:21]).all() and torch.isnan(out[12:21]).any(dim=-1).all()
+    assert torch.equal(lse[:12], clean_l[:12]) and torch.equal(out[:12], clean_o[:12])
+    assert (out[21:] == 0).all() and (lse[21:] == -math.inf).all()  # kv_len 0
+
+
+@pytest.mark.parametrize("page_size", [4, 16])   # per-token page ids (4 < BLOCK_N) and one id per block (16)
+def test_page_ids_outside_the_pool(page_size, case_seed):
+    """A page id < 0 or >= P (a device-only page table the plan could not check) is never read: that request's
+    rows come out NaN, the others are right."""
+    b = small([40, 30, 9], [12, 9, 9], 4, page_size, seed=case_seed)
+    P = b.pool.shape[0]
+    ind = b.plan_args["kv_indptr"].tolist()
+    ref_o, ref_l = b.reference()
+    good = b.plan_args["kv_indices"].clone()
+    for bad in (P, -1):
+        b.plan_args["kv_indices"] = good.clone()
+        b.plan_args["kv_indices"][ind[1] + 1] = bad      # request 1's second page
+        out, lse = run_extend(b, block_n=16)
+        assert torch.isnan(out[12:21]).all() and torch.isnan(lse[12:21]).all()
+        for rows in (slice(0, 12), slice(21, 30)):
+            assert_close(out[rows], ref_o[rows], DEFAULT_TOL, "out")
+            assert_close(lse[rows], ref_l[rows], 1e-4, "lse")
+
+
+def test_transposed_lse_and_strided_scale_arr(case_seed):
+    b = small([40, 17], [12, 9], 4, 16, "fp8_e4m3_group", seed=case_seed)
+    want_o, want_l = run_extend(b)
+    from fp8mla.kernels.extend import mla_extend
+    a, r = b.plan_args, b.run_args
+    n, H, Dc = r["q_nope"].shape
+    out = torch.full((n, H, Dc), math.nan, dtype=a["q_data_type"], device=DEVICE)
+    lse = torch.full((H, n), math.nan, device=DEVICE).t()
+    sa = r["ckv_scale_arr"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    scales = torch.tensor([1.0, float(r["kpe_scale"])], dtype=torch.float32, device=DEVICE)
+    mla_extend(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+               a["kv_indices"], a["kv_len_arr"], out, lse, sm_scale=a["sm_scale"], causal=a["causal"],
+               scales=scales, ckv_scale_arr=sa, max_qo_len=12, fp32_dot=FP32_DOT)
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(block_n=48), "block_n"), (dict(block_h=3), "block_h"),
+                                       (dict(block_n=8), "block_n"), (dict(block_h=2, block_q=2), "block_h"),
+                                       (dict(strided_out=True), "out")])
+def test_bad_arguments_are_named_errors(bad, match, case_seed):
+    b = small([20], [10], 4, 16, seed=case_seed)
+    if bad.pop("strided_out", False):
+        from fp8mla.kernels.extend import mla_extend
+        a, r = b.plan_args, b.run_args
+        out = torch.empty(128, 4, 10, dtype=torch.bfloat16, device=DEVICE).permute(2, 1, 0)
+        lse = torch.empty(10, 4, device=DEVICE)
+        scales = torch.ones(2, device=DEVICE)
+        with pytest.raises(ValueError, match=match):
+            mla_extend(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                       a["kv_indices"], a["kv_len_arr"], out, lse, sm_scale=1.0, causal=True, scales=scales,
+                       ckv_scale_arr=None, max_qo_len=10, fp32_dot=FP32_DOT)
+        return
+    with pytest.raises(ValueError, match=match):
+        run_extend(b, **bad)

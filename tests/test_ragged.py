@@ -187,3 +187,84 @@ def test_merge_validation():
         merge_state(v, s, v, s[:1])
     with pytest.raises(TypeError, match="v_b: expected dtype"):
         merge_state(v, s, v.half(), s)
+
+
+# -- bad input: NaN in gives NaN out, strides, named errors ------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_gives_nan_out(backend):
+    """NaN in a query row, or in one channel of one used key / value, gives NaN rows (out and lse), never out 0
+    with lse -inf; other requests are untouched; a request without keys still answers 0 / -inf."""
+    qo_lens, kv_lens = [5, 4, 2], [9, 6, 0]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(11, 2, 24, generator=g).to(DEVICE, torch.bfloat16)
+    k = torch.randn(15, 2, 24, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(15, 2, 16, generator=g).to(DEVICE, torch.bfloat16)
+    w = MLARaggedPrefill(backend=backend)
+    w.plan(indptr(qo_lens), indptr(kv_lens), 2, 2, 24, 16, causal=True, sm_scale=0.2)
+
+    def run_(q, k, v):
+        out, lse = w.run(q, k, v, return_lse=True)
+        return out.float().cpu(), lse.cpu()
+
+    clean_o, clean_l = run_(q, k, v)
+    q2 = q.clone()
+    q2[1, 0, 3] = math.nan
+    out, lse = run_(q2, k, v)
+    assert torch.isnan(lse[1, 0]) and torch.isnan(out[1, 0]).all()
+    assert torch.equal(out[5:], clean_o[5:]) and torch.equal(lse[1, 1], clean_l[1, 1])
+    for which in ("k", "v"):
+        kk, vv = k.clone(), v.clone()
+        (kk if which == "k" else vv)[9, 1, 2] = math.nan   # request 1's first key: all its queries see it
+        out, lse = run_(q, kk, vv)
+        assert torch.isnan(out[5:9, 1]).any(dim=-1).all(), which
+        if which == "k":
+            assert torch.isnan(lse[5:9, 1]).all()
+        assert torch.equal(out[:5], clean_o[:5]) and torch.equal(out[9:], clean_o[9:])
+        assert (out[9:] == 0).all() and (lse[9:] == -math.inf).all()
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="triton cannot run")
+def test_triton_launcher_strides_and_named_errors():
+    """lse may have any strides (a transposed lse used to be silently wrong); a strided out, a non-power-of-two
+    block_n or a small block_m are ValueErrors naming the argument."""
+    from fp8mla.kernels.ragged import ragged_prefill
+    qo, kv = indptr([7, 3]), indptr([9, 3])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(10, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    k = torch.randn(12, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(12, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    fp32 = DEVICE == "cpu"
+    kw = dict(sm_scale=0.2, causal=True, max_qo_len=7, fp32_dot=fp32)
+    out = torch.empty(10, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(10, 2, device=DEVICE)
+    ragged_prefill(q, k, v, qo, kv, out, lse, **kw)
+    lse_t = torch.full((2, 10), math.nan, device=DEVICE).t()
+    out2 = torch.empty_like(out)
+    ragged_prefill(q, k, v, qo, kv, out2, lse_t, **kw)
+    assert torch.equal(lse_t, lse) and torch.equal(out2, out)
+    bad_out = torch.empty(32, 2, 10, dtype=torch.bfloat16, device=DEVICE).permute(2, 1, 0)
+    with pytest.raises(ValueError, match="out"):
+        ragged_prefill(q, k, v, qo, kv, bad_out, lse, **kw)
+    for bad, name in ((dict(block_n=48), "block_n"), (dict(block_m=8), "block_m")):
+        with pytest.raises(ValueError, match=name):
+            ragged_prefill(q, k, v, qo, kv, out, lse, **kw, **bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_propagates_nan(backend):
+    """merge_state(v_a, s_a=NaN, v_b, s_b=2) is NaN (it used to return state b alone); a NaN in an empty state's
+    v (s = -inf) is still ignored."""
+    v_a = torch.randn(3, 2, 8, device=DEVICE)
+    v_b = torch.randn(3, 2, 8, device=DEVICE)
+    s_a = torch.tensor([[math.nan, 1.0], [0.5, -math.inf], [1.0, 1.0]], device=DEVICE)
+    s_b = torch.tensor([[2.0, math.nan], [-math.inf, -math.inf], [2.0, 3.0]], device=DEVICE)
+    v_a[1, 1] = math.nan   # empty state: ignored
+    v_b[1, 0] = math.nan   # empty state: ignored
+    v_a[2, 0, 3] = math.nan  # a NaN value in a non-empty state: its row is NaN there
+    v, s = merge_state(v_a, s_a, v_b, s_b, backend=backend)
+    v, s = v.cpu(), s.cpu()
+    assert torch.isnan(s[0]).all() and torch.isnan(v[0]).all()
+    assert s[1, 0] == 0.5 and torch.equal(v[1, 0], v_a[1, 0].cpu())
+    assert s[1, 1] == -math.inf and (v[1, 1] == 0).all()
+    assert torch.isnan(v[2, 0, 3]) and torch.isfinite(v[2, 1]).all()
+    assert s[2, 1].item() == pytest.approx(math.log2(2.0 + 8.0), abs=1e-5)

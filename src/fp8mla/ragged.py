@@ -241,16 +241,17 @@ def _check_state(v_a, s_a, v_b, s_b, names=("v_a", "s_a", "v_b", "s_b")):
 
 def _merge_torch(v_a, s_a, v_b, s_b, v_out, s_out) -> None:
     # An empty state (s = -inf) has weight 0; when both are empty the max is -inf, so shift by 0 instead.
-    m = torch.maximum(s_a, s_b)
-    m = torch.where(torch.isfinite(m), m, 0.0)
+    # A NaN s is not empty: its NaN weight makes the merged row NaN (fmax skips it, the weights carry it).
+    m = torch.fmax(s_a, s_b)
+    m = torch.where(m == -math.inf, 0.0, m)
     w_a, w_b = torch.exp2(s_a - m), torch.exp2(s_b - m)
     tot = w_a + w_b
-    seen = tot > 0
-    inv = torch.where(seen, 1.0 / torch.where(seen, tot, 1.0), 0.0)
+    empty = tot == 0
+    inv = 1.0 / torch.where(empty, 1.0, tot)
     # 0-weight x NaN/inf in an empty state's v must not leak: an empty state's v is ignored entirely.
-    v = torch.where((w_a > 0)[..., None], v_a.float() * (w_a * inv)[..., None], 0.0) \
-        + torch.where((w_b > 0)[..., None], v_b.float() * (w_b * inv)[..., None], 0.0)
-    s = torch.where(seen, m + torch.log2(torch.where(seen, tot, 1.0)), -math.inf)
+    v = torch.where((s_a == -math.inf)[..., None], 0.0, v_a.float() * (w_a * inv)[..., None]) \
+        + torch.where((s_b == -math.inf)[..., None], 0.0, v_b.float() * (w_b * inv)[..., None])
+    s = torch.where(empty, -math.inf, m + torch.log2(torch.where(empty, 1.0, tot)))
     v_out.copy_(v)
     s_out.copy_(s)
 
@@ -272,7 +273,8 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     Args:
         v_a, v_b: ``[n, H, D]`` (bf16/fp16/fp32, same dtype) attention outputs over each key set.
         s_a, s_b: ``[n, H]`` fp32 log-sum-exp, base 2. ``-inf`` marks an empty state (no keys); merging with an
-            empty state returns the other one, two empty states give ``v = 0, s = -inf``.
+            empty state returns the other one, two empty states give ``v = 0, s = -inf``. A NaN in either state
+            gives a NaN row (never the other state alone).
     Returns:
         ``(v [n, H, D] in v_a's dtype, s [n, H] fp32 base 2)``:
         ``s = log2(2^s_a + 2^s_b)``, ``v = (2^s_a v_a + 2^s_b v_b) / 2^s``.

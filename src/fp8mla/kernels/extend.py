@@ -11,7 +11,10 @@ k_pe row once, converts it to the query dtype in registers and uses the c_kv til
 Per-tensor scales are folded into those two multipliers and the output (never per element); group scales
 (one per 128 channels per token) multiply the c_kv tile in fp32 before the conversion. Online softmax in fp32
 with exp2; P is rounded to the query dtype for the P.V product (never FP8). Causal masks align the queries to
-the end of the request's tokens; blocks every row fully sees run without masks.
+the end of the request's tokens; blocks every row fully sees run without masks. The online softmax and its
+NaN / "no keys" rules are ``kernels/softmax.py``'s, shared with the ragged kernel: NaN in a query or a used
+token gives NaN rows, never out 0 / lse -inf; a page id outside ``[0, num_pages)`` is never read, its tokens
+score NaN.
 
 Numerics under ``fp32_dot`` (required under TRITON_INTERPRET=1, where tl.dot on bf16 is wrong): the same
 16-bit operands, multiplied in fp32.
@@ -24,22 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode import _k16
+from .softmax import attend_block, causal_bounds, dot, finish, mask_scores
+
 LOG2E = 1.0 / math.log(2.0)
 GROUP = 128  # c_kv channels per group scale (fp8mla.formats.GROUP_SIZE)
 
 
 @triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    # Under TRITON_INTERPRET=1, tl.dot on bf16/fp16 gives wrong results without error: do it in fp32 there.
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start, kv_len, n0, qi, q_len,
-              s_c, s_k, stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s,
+def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start, num_pages, kv_len, n0,
+              qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s, stride_gs_p,
+              stride_gs_s, stride_gs_g,
               PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, BLOCK_DC: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -55,50 +53,49 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
         page = tl.load(kv_indices + page_start + pos // PAGE, mask=nmask, other=0).to(tl.int64)
     else:
         page = tl.load(kv_indices + page_start + pos // PAGE).to(tl.int64)
+    # A page id outside the pool is never read; its tokens score NaN (the request's rows become NaN).
+    page_v = page + tl.zeros([BLOCK_N], tl.int64)  # [BLOCK_N] also when page is one scalar id
+    page_ok = (page_v >= 0) & (page_v < num_pages)
     slot = (pos % PAGE).to(tl.int64)
     dc = tl.arange(0, BLOCK_DC)
     dk = tl.arange(0, BLOCK_DK)
-    cmask = dc[None, :] < DC
-    kmask = dk[None, :] < DK
     if MASKED:  # rows past kv_len may hold anything (NaN in the tests): never load them
-        cmask = cmask & nmask[:, None]
-        kmask = kmask & nmask[:, None]
+        rmask = nmask & page_ok
+    else:
+        rmask = page_ok
+    cmask = (dc[None, :] < DC) & rmask[:, None]
+    kmask = (dk[None, :] < DK) & rmask[:, None]
     c = tl.load(ckv_ptr + (page * stride_ckv_p + slot * stride_ckv_s)[:, None] + dc[None, :], mask=cmask,
                 other=0.0)
     k = tl.load(kpe_ptr + (page * stride_kpe_p + slot * stride_kpe_s)[:, None] + dk[None, :], mask=kmask,
                 other=0.0)
+    if FP32_DOT and c.dtype == tl.float8e4nv:  # the interpreter turns e4m3 NaN into 480: bit path there
+        c = _k16(c, 0, True)
+        k = _k16(k, 0, True)
     if HAS_GROUP:
-        g = tl.load(gs_ptr + (page * stride_gs_p + slot * stride_gs_s)[:, None] + (dc // GROUP_SIZE)[None, :],
-                    mask=cmask, other=1.0)
+        g = tl.load(gs_ptr + (page * stride_gs_p + slot * stride_gs_s)[:, None]
+                    + (dc // GROUP_SIZE)[None, :] * stride_gs_g, mask=cmask, other=1.0)
         c = (c.to(tl.float32) * g).to(dt)
     else:
         c = c.to(dt)
     k = k.to(dt)
     # -- scores in log2 units; the c_kv tile serves as K here and as V below --
-    s = _dot(qn, tl.trans(c), FP32_DOT) * s_c + _dot(qp, tl.trans(k), FP32_DOT) * s_k
+    zero = tl.zeros([qn.shape[0], BLOCK_N], tl.float32)
+    s = dot(qn, tl.trans(c), zero, FP32_DOT) * s_c + dot(qp, tl.trans(k), zero, FP32_DOT) * s_k
     if MASKED:
-        valid = nmask[None, :]
-        if CAUSAL:
-            valid = valid & (pos[None, :] <= (kv_len - q_len + qi)[:, None])
-        s = tl.where(valid, s, float("-inf"))
-    # -- online softmax; a row that has seen no token keeps m = -inf, so shift by 0 to avoid -inf - -inf --
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(dt), c, FP32_DOT)
-    return acc, l_i, m_new
+        s = mask_scores(s, pos, kv_len, qi, q_len, CAUSAL)
+    s = s + tl.where(rmask | (pos >= kv_len), 0.0, float("nan"))[None, :]
+    return attend_block(acc, m_i, l_i, s, c, FP32_DOT)
 
 
 @triton.jit
 def _extend_kernel(
     qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, gs_ptr, scales_ptr,
     qo_indptr, kv_indptr, kv_indices, kv_len_ptr, o_ptr, lse_ptr,
-    sm_scale, H,
+    sm_scale, H, num_pages,
     stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h,
-    stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s,
-    stride_o_n, stride_o_h, stride_lse_n,
+    stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s, stride_gs_g,
+    stride_o_n, stride_o_h, stride_lse_n, stride_lse_h,
     PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -137,38 +134,28 @@ def _extend_kernel(
     s_c = sm_scale * ckv_scale * 1.4426950408889634   # 1/ln 2: exp2 instead of exp
     s_k = sm_scale * kpe_scale * 1.4426950408889634
 
-    if CAUSAL:
-        # Query i sees tokens <= kv_len - q_len + i; the block's first query bounds the unmasked blocks.
-        hi = tl.minimum(kv_len, kv_len - q_len + (qblk + 1) * BLOCK_Q)
-        full = tl.minimum(hi, kv_len - q_len + qblk * BLOCK_Q + 1)
-    else:
-        hi = kv_len
-        full = kv_len
-    hi = tl.maximum(hi, 0)
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+    # Query i sees tokens <= kv_len - q_len + i; the block's first query bounds the unmasked blocks.
+    full, hi = causal_bounds(kv_len, q_len, qblk * BLOCK_Q, BLOCK_Q, BLOCK_N, CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
     for n0 in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start, kv_len,
-                                  n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s,
-                                  stride_gs_p, stride_gs_s, PAGE, DC, DK, BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP,
-                                  GROUP_SIZE, False, CAUSAL, FP32_DOT)
+        acc, m_i, l_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start,
+                                  num_pages, kv_len, n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s,
+                                  stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s, stride_gs_g, PAGE, DC, DK,
+                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, False, CAUSAL, FP32_DOT)
     for n0 in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start, kv_len,
-                                  n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s,
-                                  stride_gs_p, stride_gs_s, PAGE, DC, DK, BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP,
-                                  GROUP_SIZE, True, CAUSAL, FP32_DOT)
+        acc, m_i, l_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start,
+                                  num_pages, kv_len, n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s,
+                                  stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s, stride_gs_g, PAGE, DC, DK,
+                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, True, CAUSAL, FP32_DOT)
 
-    # -- epilogue: the ckv scale folded into the output; rows that saw nothing get 0 and lse -inf --
-    seen = l_i > 0
-    inv = tl.where(seen, ckv_scale / tl.where(seen, l_i, 1.0), 0.0)
-    out = acc * inv[:, None]
+    # -- epilogue: the ckv scale folded into the output; rows that saw nothing get 0 and lse -inf, NaN stays --
+    out, lse = finish(acc, m_i, l_i, ckv_scale)
     tl.store(o_ptr + qrow[:, None] * stride_o_n + h64[:, None] * stride_o_h + dc[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & (dc[None, :] < DC))
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(lse_ptr + qrow * stride_lse_n + h64, lse, mask=rmask)
+    tl.store(lse_ptr + qrow * stride_lse_n + h64 * stride_lse_h, lse, mask=rmask)
 
 
 def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False) -> dict:
@@ -196,45 +183,66 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         ckv_cache: ``[P, page, Dc]``, kpe_cache: ``[P, page, Dk]`` fp8 e4m3/e5m2, bf16 or fp16 (strided views of
             one ``[P, page, Dc + Dk]`` pool are fine; last dim contiguous).
         qo_indptr, kv_indptr: ``[B + 1]`` int32; kv_indices: int32 page ids; kv_len: ``[B]`` int32.
-        out: ``[n, H, Dc]`` query dtype; lse: ``[n, H]`` fp32 (base 2).
+        out: ``[n, H, Dc]`` query dtype (last dim contiguous); lse: ``[n, H]`` fp32 (base 2, any strides).
         sm_scale: softmax scale; causal: queries aligned to the end of their request's tokens.
         scales: fp32 ``[2]`` on the device: (ckv_scale, kpe_scale); ckv_scale is ignored with group scales.
-        ckv_scale_arr: ``[P, page, Dc // 128]`` fp32 group scales, or None.
+        ckv_scale_arr: ``[P, page, Dc // 128]`` fp32 group scales (any strides), or None.
         max_qo_len: the largest query count of a request (sizes the grid; no host sync here).
         fp32_dot: do the dots in fp32 (required under TRITON_INTERPRET=1).
-        block_h, block_q, block_n, num_warps, num_stages: tile overrides (see :func:`default_tiles`).
+        block_h, block_q, block_n, num_warps, num_stages: tile overrides (see :func:`default_tiles`); powers of
+            two, block_n >= 16, block_h x block_q >= 16.
+    Bad arguments raise ValueError / TypeError naming them. Page ids outside ``[0, P)`` are never read: the
+    request's rows come out NaN. NaN in a query or a used token gives NaN rows (never out 0 / lse -inf).
     """
     n, H, Dc = q_nope.shape
     Dk = q_pe.shape[2]
     P, page = ckv_cache.shape[:2]
     B = qo_indptr.numel() - 1
-    for t in (q_nope, q_pe, ckv_cache, kpe_cache, out):
-        assert t.stride(-1) == 1, "last dimension must be contiguous"
-    assert q_nope.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_nope.dtype == out.dtype
-    assert kpe_cache.shape[:2] == (P, page) and kpe_cache.dtype == ckv_cache.dtype
-    assert scales.dtype == torch.float32 and scales.numel() >= 2 and scales.device == q_nope.device
-    for t in (qo_indptr, kv_indptr, kv_indices, kv_len):
-        assert t.dtype == torch.int32
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache),
+                    ("out", out)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides {tuple(t.stride())}")
+    if q_nope.dtype not in (torch.bfloat16, torch.float16) or q_pe.dtype != q_nope.dtype or out.dtype != q_nope.dtype:
+        raise TypeError(f"q_nope/q_pe/out: expected one dtype, bf16 or fp16, got {q_nope.dtype}/{q_pe.dtype}/"
+                        f"{out.dtype}")
+    if tuple(kpe_cache.shape[:2]) != (P, page) or kpe_cache.dtype != ckv_cache.dtype:
+        raise ValueError(f"kpe_cache: expected [{P}, {page}, Dk] of {ckv_cache.dtype} like ckv_cache, got "
+                         f"{list(kpe_cache.shape)} of {kpe_cache.dtype}")
+    if scales.dtype != torch.float32 or scales.numel() < 2 or scales.device != q_nope.device:
+        raise ValueError(f"scales: expected fp32 [2] on {q_nope.device}, got {scales.dtype} {list(scales.shape)} "
+                         f"on {scales.device}")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("kv_len", kv_len)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected int32, got {t.dtype}")
+    if tuple(lse.shape) != (n, H) or lse.dtype != torch.float32:
+        raise ValueError(f"lse: expected fp32 [{n}, {H}], got {lse.dtype} {list(lse.shape)}")
     has_group = ckv_scale_arr is not None
     if has_group:
-        assert Dc % GROUP == 0 and ckv_scale_arr.shape == (P, page, Dc // GROUP)
-        assert ckv_scale_arr.dtype == torch.float32 and ckv_scale_arr.stride(-1) == 1
-    if n == 0 or B == 0 or max_qo_len == 0:
-        return
+        if Dc % GROUP or tuple(ckv_scale_arr.shape) != (P, page, Dc // GROUP) or \
+                ckv_scale_arr.dtype != torch.float32:
+            raise ValueError(f"ckv_scale_arr: expected fp32 [{P}, {page}, {Dc // GROUP}] (head_dim_ckv a multiple "
+                             f"of {GROUP}), got {ckv_scale_arr.dtype} {list(ckv_scale_arr.shape)}")
     t = default_tiles(H, fp32_dot, has_group)
     bh, bq, bn = block_h or t["block_h"], block_q or t["block_q"], block_n or t["block_n"]
-    assert bh * bq >= 16, "tl.dot needs at least 16 rows"
+    for name, v, lo in (("block_h", bh, 1), ("block_q", bq, 1), ("block_n", bn, 16)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two >= {lo}, got {v!r}")
+    if bh * bq < 16:
+        raise ValueError(f"block_h x block_q: tl.dot needs at least 16 rows, got {bh} x {bq}")
+    if n == 0 or B == 0 or max_qo_len == 0:
+        return
     num_hb = triton.cdiv(H, bh)
     gs = ckv_scale_arr if has_group else scales  # unused pointer without group scales
     grid = (num_hb * triton.cdiv(max_qo_len, bq), B)
     _extend_kernel[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, gs, scales,
         qo_indptr, kv_indptr, kv_indices, kv_len, out, lse,
-        float(sm_scale), H,
+        float(sm_scale), H, P,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-        gs.stride(0) if has_group else 0, gs.stride(1) if has_group else 0,
-        out.stride(0), out.stride(1), lse.stride(0),
+        *(gs.stride() if has_group else (0, 0, 0)),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         PAGE=page, DC=Dc, DK=Dk, BLOCK_DC=max(16, triton.next_power_of_2(Dc)),
         BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_Q=bq, BLOCK_H=bh, BLOCK_N=bn, NUM_HB=num_hb,
         CAUSAL=bool(causal), HAS_GROUP=has_group, GROUP_SIZE=GROUP, FP32_DOT=bool(fp32_dot),

@@ -6,7 +6,8 @@ rounded to the query dtype for the P.V product (never FP8).
 
 Head dims up to 256 that are not powers of two are split into a power-of-two part and a padded tail, so
 DeepSeek's 192 = 128 + 64 costs exactly 192 columns of MMA (padding to 256 would cost a third more).
-Blocks that are fully visible run without masks; only the diagonal / ragged-end blocks pay for them.
+Blocks that are fully visible run without masks; only the diagonal / ragged-end blocks pay for them. The online
+softmax (and its NaN / "no keys" rules) is ``kernels/softmax.py``'s, shared with the paged extend kernel.
 """
 from __future__ import annotations
 
@@ -16,16 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .softmax import attend_block, causal_bounds, dot, finish, mask_scores
+
 LOG2E = 1.0 / math.log(2.0)
-
-
-@triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    # Under TRITON_INTERPRET=1, tl.dot on bf16/fp16 gives wrong results without error: do it in fp32 there.
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -44,41 +38,32 @@ def _block(acc, l_i, m_i, qa, qb, k_ptr, v_ptr, kv_start, kv_len, n0, offs_m, q_
         ka = tl.load(k_row + da[None, :], mask=nmask[:, None] & (da[None, :] < DQK), other=0.0)
     else:
         ka = tl.load(k_row + da[None, :], mask=da[None, :] < DQK, other=0.0)
-    s = _dot(qa, tl.trans(ka.to(dt)), FP32_DOT)
+    zero = tl.zeros([qa.shape[0], BLOCK_N], tl.float32)
+    s = dot(qa, tl.trans(ka.to(dt)), zero, FP32_DOT)
     if DB > 0:
         db = DA + tl.arange(0, DB)
         if MASKED:
             kb = tl.load(k_row + db[None, :], mask=nmask[:, None] & (db[None, :] < DQK), other=0.0)
         else:
             kb = tl.load(k_row + db[None, :], mask=db[None, :] < DQK, other=0.0)
-        s += _dot(qb, tl.trans(kb.to(dt)), FP32_DOT)
+        s = dot(qb, tl.trans(kb.to(dt)), s, FP32_DOT)
     s = s * qk_scale
     if MASKED:
-        valid = nmask[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= (kv_len - q_len + offs_m)[:, None])
-        s = tl.where(valid, s, float("-inf"))
-    # -- online softmax; a row that has seen no key keeps m = -inf, so shift by 0 to avoid -inf - -inf --
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+        s = mask_scores(s, offs_n, kv_len, offs_m, q_len, CAUSAL)
     dv = tl.arange(0, BLOCK_DV)
     v_row = v_ptr + rows[:, None] * stride_vn + hk * stride_vh + dv[None, :]
     if MASKED:
         v = tl.load(v_row, mask=nmask[:, None] & (dv[None, :] < DV), other=0.0)
     else:
         v = tl.load(v_row, mask=dv[None, :] < DV, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(dt), v.to(dt), FP32_DOT)
-    return acc, l_i, m_new
+    return attend_block(acc, m_i, l_i, s, v.to(dt), FP32_DOT)
 
 
 @triton.jit
 def _ragged_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_indptr, kv_indptr,
     qk_scale,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln, stride_lh,
     GQA: tl.constexpr, DQK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -106,38 +91,28 @@ def _ragged_fwd_kernel(
     else:
         qb = qa
 
-    if CAUSAL:
-        # Row i sees keys <= kv_len - q_len + i; the tile's first row bounds the unmasked blocks.
-        hi = tl.minimum(kv_len, kv_len - q_len + (qblk + 1) * BLOCK_M)
-        full = tl.minimum(hi, kv_len - q_len + qblk * BLOCK_M + 1)
-    else:
-        hi = kv_len
-        full = kv_len
-    hi = tl.maximum(hi, 0)
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+    # Row i sees keys <= kv_len - q_len + i; the tile's first row bounds the unmasked blocks.
+    full, hi = causal_bounds(kv_len, q_len, qblk * BLOCK_M, BLOCK_M, BLOCK_N, CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for n0 in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _block(acc, l_i, m_i, qa, qb, k_ptr, v_ptr, kv_start, kv_len, n0, offs_m, q_len, hk,
+        acc, m_i, l_i = _block(acc, l_i, m_i, qa, qb, k_ptr, v_ptr, kv_start, kv_len, n0, offs_m, q_len, hk,
                                stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
                                DQK, DA, DB, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, FP32_DOT)
     for n0 in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _block(acc, l_i, m_i, qa, qb, k_ptr, v_ptr, kv_start, kv_len, n0, offs_m, q_len, hk,
+        acc, m_i, l_i = _block(acc, l_i, m_i, qa, qb, k_ptr, v_ptr, kv_start, kv_len, n0, offs_m, q_len, hk,
                                stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
                                DQK, DA, DB, DV, BLOCK_DV, BLOCK_N, True, CAUSAL, FP32_DOT)
 
-    # -- epilogue: rows that saw no key get 0 and lse -inf --
-    seen = l_i > 0
-    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
-    out = acc * inv[:, None]
+    # -- epilogue: rows that saw no key get 0 and lse -inf; NaN rows stay NaN --
+    out, lse = finish(acc, m_i, l_i, 1.0)
     dv = tl.arange(0, BLOCK_DV)
     rows = (q_start + offs_m).to(tl.int64)
     tl.store(o_ptr + rows[:, None] * stride_on + h * stride_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mmask[:, None] & (dv[None, :] < DV))
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(lse_ptr + rows * stride_ln + h, lse, mask=mmask)
+    tl.store(lse_ptr + rows * stride_ln + h * stride_lh, lse, mask=mmask)
 
 
 def split_head_dim(d: int) -> tuple[int, int]:
@@ -160,19 +135,28 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         q: ``[n, Hq, Dqk]``; k: ``[nk, Hk, Dqk]``; v: ``[nk, Hk, Dvo]`` (bf16/fp16, last dim contiguous; k/v are
             converted to q's dtype in registers). Hq must be a multiple of Hk.
         qo_indptr, kv_indptr: ``[B + 1]`` int32 on the device.
-        out: ``[n, Hq, Dvo]`` (q dtype); lse: ``[n, Hq]`` fp32, written in base 2.
+        out: ``[n, Hq, Dvo]`` (q dtype, last dim contiguous); lse: ``[n, Hq]`` fp32 (any strides), written in
+            base 2. A row without keys gets 0 / -inf; NaN in a query or a used key / value gives a NaN row.
         max_qo_len: the largest ``qo_indptr[b+1] - qo_indptr[b]`` (sizes the grid; no host sync here).
         fp32_dot: do the dots in fp32 (required under TRITON_INTERPRET=1).
+        block_m, block_n: tile overrides, powers of two >= 16.
+    Bad arguments raise ValueError / TypeError naming them.
     """
     n, Hq, Dqk = q.shape
     Hk, Dv = k.shape[1], v.shape[2]
     B = qo_indptr.numel() - 1
-    assert Hq % Hk == 0 and max(Dqk, Dv) <= 256
-    for t in (q, k, v, out, lse):
-        assert t.stride(-1) == 1
-    assert qo_indptr.dtype == torch.int32 and kv_indptr.dtype == torch.int32
-    if n == 0 or B == 0 or max_qo_len == 0:
-        return
+    if Hq % Hk:
+        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {Hk}")
+    if max(Dqk, Dv) > 256:
+        raise ValueError(f"q/v: head dims up to 256, got {Dqk}/{Dv}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides {tuple(t.stride())}")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected int32, got {t.dtype}")
+    if tuple(lse.shape) != (n, Hq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse: expected fp32 [{n}, {Hq}], got {lse.dtype} {list(lse.shape)}")
     DA, DB = split_head_dim(Dqk)
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
     if fp32_dot:  # the interpreter: fewer, larger numpy ops are faster
@@ -182,11 +166,16 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
     else:  # a 128 x 256 fp32 accumulator would spill: halve the query block
         bm, bn, nw, ns = 64, 64, 4, 2
     block_m, block_n = block_m or bm, block_n or bn
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 16 or val & (val - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {val!r}")
+    if n == 0 or B == 0 or max_qo_len == 0:
+        return
     grid = (triton.cdiv(max_qo_len, block_m), B, Hq)
     _ragged_fwd_kernel[grid](
         q, k, v, out, lse, qo_indptr, kv_indptr, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), lse.stride(0),
+        out.stride(1), lse.stride(0), lse.stride(1),
         GQA=Hq // Hk, DQK=Dqk, DA=DA, DB=DB, DV=Dv, BLOCK_DV=BLOCK_DV, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), FP32_DOT=bool(fp32_dot), num_warps=num_warps or nw, num_stages=num_stages or ns,
     )
