@@ -204,3 +204,9 @@ def test_one_documented_benchmark_script():
     assert r.returncode == 0, r.stderr
     r = subprocess.run(["bash", SCRIPT, "/tmp/unused", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part 'nope'" in r.stderr and not os.path.exists("/tmp/unused")
+
+
+def test_bench_without_what_says_so_on_stderr(capsys):
+    assert cli(["bench"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("usage: fp8mla bench {decode,")

@@ -27,6 +27,8 @@ def add_arguments(p):
 
 def main(args) -> int:
     if not getattr(args, "_bench_main", None):
-        print("usage: fp8mla bench {" + ",".join(n for n, _ in BENCHES) + "} ...")
+        import sys
+        print("usage: fp8mla bench {" + ",".join(n for n, _ in BENCHES) + "} ...  (fp8mla bench WHAT --help)",
+              file=sys.stderr)  # an error: on stderr, like argparse's own usage errors
         return 2
     return int(args._bench_main(args) or 0)
