@@ -576,6 +576,8 @@ def test_from_memory_budget_refuses_bad_budgets(budget, exc, msg):
 def test_from_memory_budget_takes_a_float():
     per_page = 16 * FORMATS["fp8_e4m3"].bytes_per_token()
     assert PagedMLACache.from_memory_budget(2.5 * per_page, 1, 16).num_pages == 2
+    np = pytest.importorskip("numpy")
+    assert PagedMLACache.from_memory_budget(np.int64(3 * per_page), 1, 16).num_pages == 3
 
 
 @pytest.mark.parametrize("device, msg", [

@@ -26,6 +26,7 @@ has nothing to do with allocation); ``extend`` stays as an alias.
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +155,7 @@ class PagedMLACache:
         down; at most the device's memory). ``kw`` as in the constructor (``device``, ``ckv_scale``, ...)."""
         for name, v in (("num_layers", num_layers), ("page_size", page_size)):
             check_positive_int(name, v)
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):  # numpy numbers too
             raise TypeError(f"budget_bytes: expected a number of bytes (an int such as 2 * 1024**3), got "
                             f"{budget_bytes!r} ({type(budget_bytes).__name__})")
         if not 0 < budget_bytes < float("inf"):  # NaN fails too
