@@ -23,7 +23,8 @@ COMMANDS = [
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``only``, just that subcommand's module is imported (a broken optional module then
     cannot take the other commands down)."""
-    parser = argparse.ArgumentParser(prog="fp8mla", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fp8mla", description="fp8mla: MLA attention over FP8 paged KV caches "
+                                     "with BF16 queries, and tools that find KV-pool casts.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_ in COMMANDS:
         if only is not None and name != only:
