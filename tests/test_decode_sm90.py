@@ -4,7 +4,7 @@ GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65,
 shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
 splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse.
 CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
-(skipped when Gluon does not import or its API is not the one the kernel is written for).
+(skipped when Gluon does not import; the kernel compiles with triton 3.6, the device's, and 3.9).
 """
 from __future__ import annotations
 
@@ -41,21 +41,26 @@ def test_schedule_covers_every_tile_once(lens, ctas):
     assert m_ptr[-1] == len(m_list) == len(items) and sorted(m_list) == list(range(len(items)))
 
 
-def _gluon_api_ok():
-    if k.gluon is None:
-        return False
-    import triton
-    return triton.__version__.startswith("3.6")
-
-
-@pytest.mark.skipif(not _gluon_api_ok(), reason="needs triton 3.6's Gluon (the kernel's API) to compile")
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("page", [16, 64])
 def test_compiles_for_sm90a_without_spills_or_byte_loads(page):
-    r = k.compile_report(page=page, ns=3)
+    # In a child process: the CPU suite runs under TRITON_INTERPRET=1, where gluon.jit cannot compile.
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=%d, ns=3); "
+            "r.pop('ptxas_full', None); print('REPORT', json.dumps(r))" % page)
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+    assert res.returncode == 0 and line, res.stderr[-3000:]
+    r = json.loads(line[-1][len("REPORT "):])
     assert not r["serialized_wgmma"], r["ptxas"]
-    assert sum(s for s, _ in r["spills"]) <= 64, r["spills"]          # a few words in the producer, not a loop
+    assert sum(st for st, _ in r["spills"]) <= 64, r["spills"]         # a few words in the producer, not a loop
     hgmma = sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))
-    assert hgmma >= 2 * (36 + 32) // 2, r["ops"]                      # QK (36 k-steps) + PV (32) per consumer
+    assert hgmma >= 36 + 32, r["ops"]                                  # QK (36 k-steps) + PV (32) per tile
     assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]                    # K and V^T come from 16-byte / ldmatrix loads
     assert r["smem"] <= k.SMEM_LIMIT
 

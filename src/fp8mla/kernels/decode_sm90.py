@@ -39,6 +39,12 @@ try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3
     from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, fence_async_shared,
                                                                  warpgroup_mma, warpgroup_mma_wait)
     GLUON_IMPORT_ERROR = None
+    # triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load (same arguments)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # ... and shared_memory_descriptor._reinterpret became reinterpret
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    # ... and thread_barrier became barrier
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
     gluon = None
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -88,7 +94,11 @@ if gluon is not None:
     def _vt_chunk(kbuf, slab, half: gl.constexpr, a_l: gl.constexpr, L16: gl.constexpr,
                   kv16_l: gl.constexpr):
         # V^T fragment of 64 dims x 64 tokens; row m holds dim 2(8(m>>4) + (m&7)) + ((m>>3)&1) of the chunk.
-        x = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l).slice(half * 32, 32, dim=1).load(L16)
+        if _NEW_REINTERPRET:
+            x16 = kbuf.index(slab).reinterpret(gl.int16, [64, 64], kv16_l)
+        else:
+            x16 = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l)
+        x = x16.slice(half * 32, 32, dim=1).load(L16)
         lo, hi = _fp8_pairs_to_f16(x)
         v = gl.join(lo, hi)
         v = gl.reshape(v, [64, 4, 8, 2])
@@ -108,14 +118,20 @@ if gluon is not None:
         keep = (r[:, None] < valid) & (c128[None, :] >= 0)
         keep64 = (r[:, None] < valid) & (c64[None, :] >= 0)
         for c in gl.static_range(4):
-            buf = kbuf.index(s * 4 + c)._reinterpret(gl.int8, [64, 128], kv8)
+            if _NEW_REINTERPRET:
+                buf = kbuf.index(s * 4 + c).reinterpret(gl.int8, [64, 128], kv8)
+            else:
+                buf = kbuf.index(s * 4 + c)._reinterpret(gl.int8, [64, 128], kv8)
             x = buf.load(zl)
             buf.store(gl.where(keep, x, gl.zeros_like(x)))
-        pb = pbuf.index(s)._reinterpret(gl.int8, [64, 64], kpe8)
+        if _NEW_REINTERPRET:
+            pb = pbuf.index(s).reinterpret(gl.int8, [64, 64], kpe8)
+        else:
+            pb = pbuf.index(s)._reinterpret(gl.int8, [64, 64], kpe8)
         x = pb.load(zl)
         pb.store(gl.where(keep64, x, gl.zeros_like(x)))
         fence_async_shared()   # generic-proxy writes before the next TMA write into this stage
-        gl.thread_barrier()
+        _cta_barrier()
 
     @gluon.jit
     def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
@@ -162,9 +178,9 @@ if gluon is not None:
                         else:
                             row = page * PAGE + (t * 64) % PAGE
                         for c in gl.static_range(4):
-                            tma.async_copy_global_to_shared(kv_desc, [row, c * 128], bar,
+                            _tma_load(kv_desc, [row, c * 128], bar,
                                                             kbuf.index(s * 4 + c).slice(r * ROWS, ROWS, dim=0))
-                        tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar,
+                        _tma_load(kpe_desc, [row, 0], bar,
                                                         pbuf.index(s).slice(r * ROWS, ROWS, dim=0))
                 g += 1
 
@@ -323,7 +339,7 @@ if gluon is not None:
                 xo.slice(7 * 64, 64).store(o7)
                 xml.slice(0, 16).store(m_i)
                 xml.slice(16, 16).store(l_i)
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(xbar.index(0), count=1)
             else:
                 mbarrier.wait(xbar.index(0), (it - i0) & 1)
@@ -343,7 +359,7 @@ if gluon is not None:
                 o7 = o7 * a0 + xo.slice(7 * 64, 64).load(mma) * a1
                 l_i = l_i * gl.exp2(m_i - m_use) + l1 * gl.exp2(m1 - m_use)
                 m_i = m_new
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
                 seen = l_i > 0
                 l_safe = gl.where(seen, l_i, 1.0)
@@ -655,8 +671,12 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         open(ptx, "w").write(k.asm["ptx"])
-        v = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
-                           capture_output=True, text=True).stderr
+        for exe in ("ptxas", "ptxas-blackwell"):   # later wheels ship an older "ptxas" beside the one they use
+            res = subprocess.run([os.path.join(bindir, exe), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
+                                 capture_output=True, text=True)
+            v = res.stderr
+            if res.returncode == 0:
+                break
         cub = os.path.join(d, "k.cubin")
         open(cub, "wb").write(k.asm["cubin"])
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
