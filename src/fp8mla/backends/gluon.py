@@ -64,6 +64,8 @@ class GluonPlan:
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
+        if ckv_scale_arr is not None:   # group scales are planned on the Triton kernel; never ignore them here
+            raise ValueError("ckv_scale_arr: the gluon backend takes per-tensor scales only (plan the group format)")
         for name, c in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             if c.stride(-1) != 1 or c.stride(0) != c.shape[1] * c.stride(1) or (c.stride(1) % 16) \
                     or c.data_ptr() % 16:
