@@ -363,7 +363,7 @@ def test_page_ids_outside_the_pool(fmt, case_seed):
                 assert_close(lse[rows], ref_l[rows], 1e-4, "lse")
 
 
-@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_m=8), dict(block_n=0), dict(v_convert="fast")])
+@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_m=8), dict(block_n=8), dict(v_convert="fast")])
 def test_bad_launch_options_are_named_errors(bad):
     b = make_paged_batch([20], [1], 16, 16, "fp8_e4m3", device=DEVICE, seed=0)
     name = next(iter(bad))
