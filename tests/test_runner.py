@@ -301,3 +301,23 @@ def test_runner_graphs_match_eager_steps(page_size):
     assert r.stats["graph_steps"] == 6 and r.stats["captures"] >= 2
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=f"step {i}")
+
+
+@needs_triton
+def test_runner_plans_into_graph_buffers(monkeypatch):
+    """The graph path's plan on the Triton backend's fixed CUDA-graph buffers (padded buckets, re-plans with other
+    lengths), run without capture (on the CPU: the interpreter): the model's outputs."""
+    m = tiny_model(backend="triton")
+
+    def model_step(ids, counts, x):
+        return m(x, m.begin_step(cache_a, ids, counts))
+    cache_a = m.make_cache(96, 4, "fp8_e4m3")
+    want, _ = run_schedule(model_step, cache_a, 256)
+    cache_b = m.make_cache(96, 4, "fp8_e4m3")
+    r = DecodeRunner(m, cache_b, max_batch=4, use_cuda_graph=False)
+    r.use_cuda_graph = True                              # graph-mode attention buffers...
+    monkeypatch.setattr(r, "_capture", lambda g: None)   # ...but no capture: the bucket's step runs as is
+    got, _ = run_schedule(r.step, cache_b, 256)
+    assert all(g["attn"].backend == "triton" and g["attn"]._use_cuda_graph for g in r._graphs.values())
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-3, msg=f"step {i}")
