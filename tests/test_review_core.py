@@ -239,3 +239,46 @@ def test_from_block_table_error_names_its_own_argument():
     bt = torch.tensor([[0, 1]], dtype=I32)
     with pytest.raises(ValueError, match=r"^kv_len:.*block_table"):
         PagedLayout.from_block_table(bt, torch.tensor([100], dtype=I32), PAGE)
+
+
+@pytest.mark.triton
+def test_triton_device_only_kv_indptr_past_kv_indices(monkeypatch):
+    """The device-side clamp uses kv_indptr differences only, not kv_indices.numel() (known on the host from the
+    shape, no sync): a device-only kv_indptr = [0, 5] over a 2-entry kv_indices (a slice of a larger buffer, as
+    engines pass) makes the decode kernel read kv_indices[2:5] -- past the tensor -- and attend over whatever
+    pages sit there: here request B's real tokens, so a finite, plausible, wrong answer. Expected: tokens past
+    the listed pages are never read (the 8 tokens of the 2 listed pages), or a named error."""
+    if "triton" not in fp8mla.available_backends("cpu"):
+        pytest.skip("triton cannot run here")
+    b = _batch([8, 9], [1, 1], causal=False)      # request A: 2 pages, request B: 3 pages
+    full = b.plan_args["kv_indices"]               # [A's 2 pages, B's 3 pages]
+    a = dict(b.plan_args, qo_indptr=torch.tensor([0, 1], dtype=I32), kv_indptr=torch.tensor([0, 5], dtype=I32),
+             kv_indices=full[:2], kv_len_arr=torch.tensor([17], dtype=I32))
+    _device_only(monkeypatch)
+    attn = _planned("triton", a)
+    monkeypatch.undo()
+    run = dict(b.run_args, q_nope=b.run_args["q_nope"][:1], q_pe=b.run_args["q_pe"][:1])
+    out, lse = attn.run(**run, return_lse=True)
+    ref_out, ref_lse = b.reference()               # request A over its own 8 tokens
+    _assert_matches(out, lse, ref_out[:1], ref_lse[:1], "request A clamped to the pages kv_indices lists")
+
+
+# -- 10. memory: split partials sized by the batch, not by the splits ---------------------------------------------
+@pytest.mark.triton
+def test_triton_partials_do_not_grow_with_the_batch():
+    """backends/triton.py allocates part_o [target + B, H * max_qo, Dc] fp32 on every plan (the old host
+    schedule: [number of partials]). Only requests split in >= 2 items write partials, and there are at most
+    2 * target of those (a split request has more than `chunk` tokens, so at most target of them, each with
+    <= L/chunk + 1 items). At B = 1024, H = 128 (TP1 DeepSeek) that is ~300 MB per plan for decode batches
+    whose requests are mostly unsplit. Expected: the partial buffers are bounded by the splits (2 * target + 1
+    here), not by B. 200 one-token requests, nothing is split."""
+    if "triton" not in fp8mla.available_backends("cpu"):
+        pytest.skip("triton cannot run here")
+    b = _batch([1] * 200, [1] * 200)
+    attn = _planned("triton", b.plan_args)
+    impl = attn._plan.impl
+    from fp8mla.backends.triton import items_target
+    target = items_target(-(-impl.max_rows // impl.cfg["block_m"]), "cpu", 2)
+    assert impl.t["part_o"].shape[0] <= 2 * target + 1, (
+        f"part_o holds {impl.t['part_o'].shape[0]} partials for a batch with no split request "
+        f"(target {target})")
