@@ -282,3 +282,15 @@ def test_triton_partials_do_not_grow_with_the_batch():
     assert impl.t["part_o"].shape[0] <= 2 * target + 1, (
         f"part_o holds {impl.t['part_o'].shape[0]} partials for a batch with no split request "
         f"(target {target})")
+
+
+# -- 11. kernel options that are never validated ---------------------------------------------------------------
+@pytest.mark.parametrize("opt", [dict(num_stages=0), dict(num_stages="x"), dict(num_warps=3),
+                                 dict(evict_first="x"), dict(index64="x")], ids=lambda d: f"{d}")
+def test_kernel_options_are_validated(opt):
+    """The constructor checks block_m/block_n/num_warps/ctas_per_sm/min_chunk/max_* for positive ints, but not
+    their meaning: num_stages 0 or "x", num_warps 3 (Triton needs a power of two), evict_first/index64 "x" are
+    accepted and reach the kernel launch (ignored by the interpreter; a Triton compile error deep in the stack
+    on a GPU, or a silently truthy flag). Expected: a ValueError/TypeError naming the option, at construction."""
+    with pytest.raises((TypeError, ValueError), match=next(iter(opt))):
+        fp8mla.MLAPagedAttention(backend="torch", **opt)
