@@ -161,12 +161,14 @@ def test_host_scale_outside_fp32_is_refused(name, value):
 
 # -- 5. causal: NaN in a token a query cannot see -------------------------------------------------------------------
 @pytest.mark.parametrize("qo", [3, 10], ids=["decode-kernel", "extend-kernel"])
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("backend", ["torch"])
 def test_causal_nan_in_a_token_the_query_cannot_see(backend, qo):
     """run()'s docstring: "NaN in a query or in a token it sees gives NaN". Causal, kv_len 12, NaN in one channel
     of token 11 (the last): only the last query sees it, yet every query row comes out NaN on torch, triton
     (decode and extend kernels) and in mla_reference itself (softmax_rows does p @ v with p = 0 on the NaN row:
-    0 x NaN = NaN). Expected: rows 0..qo-2 finite and equal to the reference computed without the NaN."""
+    0 x NaN = NaN). Expected: rows 0..qo-2 finite and equal to the reference computed without the NaN.
+    (Lead: fixed in the torch paths and the reference; the Triton kernels keep the 0 x NaN of P.V for now --
+    documented in run(): such a NaN never leaves its request -- so they are not parametrized here.)"""
     b = _batch([12], [qo], causal=True)
     clean_out, clean_lse = b.reference()
     b.pool[int(b.plan_args["kv_indices"][2]), 3, 5] = float("nan")   # token 11, c_kv channel 5
@@ -199,11 +201,18 @@ def test_graph_mode_replan_with_more_query_tokens():
         pytest.skip("triton cannot run here")
     bufs = dict(qo_indptr=torch.zeros(5, dtype=I32), kv_indptr=torch.zeros(5, dtype=I32),
                 kv_indices=torch.zeros(256, dtype=I32), kv_len_arr=torch.zeros(4, dtype=I32))
+    # Lead's decision: growing the row buffers would leave an already captured graph replaying stale buffers,
+    # so a longer plan is a clear error naming max_qo_len, and max_qo_len sizes them for MTP up front.
     attn = fp8mla.MLAPagedAttention(None, True, **bufs, backend="triton")
     first = _batch([5, 9], [1, 1], "fp8_e4m3", ckv_scale=0.5)
     attn.plan(**first.plan_args)
     attn.run(**first.run_args)
     b = _batch([7, 9], [3, 2], "fp8_e4m3", seed=1, ckv_scale=0.5)
+    with pytest.raises(ValueError, match="max_qo_len=3"):
+        attn.plan(**b.plan_args)
+    attn = fp8mla.MLAPagedAttention(None, True, **bufs, backend="triton", max_qo_len=4)
+    attn.plan(**first.plan_args)
+    attn.run(**first.run_args)
     attn.plan(**b.plan_args)
     out, lse = attn.run(**b.run_args, return_lse=True)
     _assert_matches(out, lse, *b.reference(), "graph re-plan with qo 3")

@@ -183,7 +183,7 @@ def test_run_scales():
     attn, pb = _planned("fp8_e4m3")
     r = pb.run_args
     # FlashInfer passes group scales under the plain e4m3 dtype: exactly one of ckv_scale / ckv_scale_arr.
-    _run_rejects(attn, r, ValueError, "ckv_scale", "only one", ckv_scale=0.5,
+    _run_rejects(attn, r, ValueError, "ckv_scale", "exactly one", ckv_scale=0.5,
                  ckv_scale_arr=torch.ones(r["ckv_cache"].shape[0], 16, 4, device=DEVICE))
     _run_rejects(attn, r, ValueError, "ckv_scale", "got neither", ckv_scale=None)  # never a silent 1.0
     _run_rejects(attn, r, ValueError, "ckv_scale", "positive", ckv_scale=0.0)
@@ -200,7 +200,7 @@ def test_run_scales():
     _run_rejects(attn, r, TypeError, "ckv_scale_arr", "float32", ckv_scale_arr=r["ckv_scale_arr"].double())
     _run_rejects(attn, r, ValueError, "ckv_scale_arr", f"[{P}, 16, 4]", ckv_scale_arr=r["ckv_scale_arr"][..., :2])
     _run_rejects(attn, r, ValueError, "ckv_scale_arr", f"[{P}, 16, 4]", ckv_scale_arr=r["ckv_scale_arr"][:-1])
-    _run_rejects(attn, r, ValueError, "ckv_scale", "only one", ckv_scale=0.5)  # c_kv has group scales
+    _run_rejects(attn, r, ValueError, "ckv_scale", "exactly one", ckv_scale=0.5)  # c_kv has group scales
 
     attn, pb = _planned("bf16")
     r = pb.run_args

@@ -4,7 +4,8 @@ reference, the torch backend, the ragged prefill's torch path): one definition o
 - a row that sees no key (all scores -inf) gives out 0 and lse -inf: the "no keys" answer;
 - NaN in a visible score (a NaN query, or NaN in a token the row sees) gives NaN out and NaN lse, never the
   "no keys" answer;
-- masked keys (``visible`` False) never contribute, whatever their scores hold.
+- masked keys (``visible`` False, or scores of -inf) never contribute, whatever their scores or values hold:
+  a NaN value of a key a row does not see does not reach that row (no 0 x NaN).
 """
 from __future__ import annotations
 
@@ -29,7 +30,16 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None 
     m0 = torch.where(seen, m, torch.zeros_like(m))
     p = torch.exp(s - m0)
     denom = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, v) / torch.where(seen, denom, torch.ones_like(denom))
+    bad_v = ~torch.isfinite(v)
+    if bool(bad_v.any()):
+        # A key a row does not see has weight 0, but 0 x NaN = NaN: zero non-finite values for the product and
+        # mark NaN the rows that give such a value a weight > 0.
+        hit = torch.matmul((p > 0).to(v.dtype), bad_v.to(v.dtype)) > 0
+        o = torch.matmul(p, torch.where(bad_v, torch.zeros_like(v), v))
+        o = torch.where(hit, torch.full_like(o, math.nan), o)
+    else:
+        o = torch.matmul(p, v)
+    o = o / torch.where(seen, denom, torch.ones_like(denom))
     o = torch.where(seen | nan, o, torch.zeros_like(o))
     lse = torch.where(seen | nan, m0 + torch.log(denom), torch.full_like(m, -math.inf)).squeeze(-1)
     return torch.where(nan, torch.full_like(o, math.nan), o), torch.where(nan.squeeze(-1), m.squeeze(-1), lse)

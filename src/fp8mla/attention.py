@@ -99,10 +99,7 @@ class MLAPagedAttention:
         if unknown:
             raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
                             f"{sorted(KERNEL_OPTIONS)}")
-        for name in ("block_m", "block_n", "num_warps", "ctas_per_sm", "min_chunk", "max_batch_size",
-                     "max_qo_len", "max_kv_indices"):
-            if kernel_options.get(name) is not None:
-                check_positive_int(name, kernel_options[name])
+        _check_kernel_options(kernel_options)
         # FlashInfer's graph buffers: they size fp8mla's, and (int32 ones) are the very tensors the kernels read,
         # as in FlashInfer: plan() copies into them and a captured run() reads their live contents (vLLM writes
         # page ids into the kv_indices buffer inside its captured forward).
@@ -167,7 +164,9 @@ class MLAPagedAttention:
         """
         if use_profiler:
             raise ValueError("use_profiler: fp8mla has no intra-kernel profiler; pass use_profiler=False")
-        check_tensor("kv_len_arr", kv_len_arr, ndim=1)
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                        ("kv_len_arr", kv_len_arr)):
+            check_tensor(name, t, ndim=1)
         device = self._workspace.device if self._workspace is not None else kv_indices.device
         if isinstance(qo_indptr, torch.Tensor) and qo_indptr.device.type != "cpu":
             qo_indptr = qo_indptr[: kv_len_arr.numel() + 1].cpu()  # O(batch) ints; FlashInfer copies it too
@@ -245,13 +244,18 @@ class MLAPagedAttention:
             a missing scale is an error, never a silent 1.0.
         Returns:
             ``out`` or ``(out, lse)`` with ``return_lse``; lse is base 2 unless ``return_lse_base_on_e``.
-            A query that sees no token gets 0 and lse ``-inf``; NaN in a query or in a token it sees gives NaN.
+            A query that sees no token gets 0 and lse ``-inf``; NaN in a query or in a token it sees gives NaN
+            (NaN stored in a token of the same request that a causal query does not see may reach it too, as
+            0 x NaN in P.V; it never reaches another request).
         """
         p = self._plan
         if p is None:
             raise RuntimeError("run: call plan() first")
         if profiler_buffer is not None:
             raise ValueError("profiler_buffer: fp8mla has no intra-kernel profiler; pass None")
+        if o_scale is not None and (isinstance(o_scale, bool) or not isinstance(o_scale, (int, float))
+                                    or not math.isfinite(o_scale)):
+            raise ValueError(f"o_scale: expected a finite float (the output's multiplier) or None, got {o_scale!r}")
         spec, layout = p.spec, p.layout
         H, Dc, Dk = spec.num_heads, spec.head_dim_ckv, spec.head_dim_kpe
         fmt = spec.kv_format
@@ -293,7 +297,7 @@ class MLAPagedAttention:
             impl.scale_values = self._scales_host
         impl.run(q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, bool(return_lse_base_on_e))
         if o_scale is not None and o_scale != 1.0:
-            out.mul_(o_scale)
+            out.mul_(o_scale)  # checked above: a finite float
         return (out, lse) if return_lse else out
 
     @staticmethod
@@ -364,6 +368,24 @@ class MLAPagedAttention:
         return self._scales
 
 
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
+_WARPS = (1, 2, 4, 8, 16)
+
+
+def _check_kernel_options(opts: dict) -> None:
+    for name in ("block_m", "block_n", "ctas_per_sm", "min_chunk", "max_batch_size", "max_qo_len",
+                 "max_kv_indices", "num_stages"):
+        if opts.get(name) is not None:
+            check_positive_int(name, opts[name])
+    if opts.get("num_warps") is not None and (isinstance(opts["num_warps"], bool)
+                                              or opts["num_warps"] not in _WARPS):
+        raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+    for name in ("evict_first", "index64", "fp8_math"):
+        if opts.get(name) is not None and not isinstance(opts[name], bool):
+            raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
+
+
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
     """A per-tensor scale: None (= 1), a positive finite float, or a 1-element fp32 tensor on the plan's
     device (returned as a 0-d tensor; its value is checked on the device)."""
@@ -376,8 +398,9 @@ def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
         if not allowed:
             raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name}, got a tensor")
         return v.reshape(())
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-        raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (FP32_TINY <= v <= FP32_MAX):
+        raise ValueError(f"{name}: expected a positive finite float in fp32's normal range [{FP32_TINY:.3g}, "
+                         f"{FP32_MAX:.3g}] (the kernels use it in fp32), got {v!r}")
     if not allowed and v != 1.0:
         raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name} (only 1.0), got {v!r}")
     return float(v)

@@ -93,7 +93,8 @@ class PagedLayout:
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                 kv_len: torch.Tensor, page_size: int, *, device=None) -> "PagedLayout":
+                 kv_len: torch.Tensor, page_size: int, *, device=None,
+                 len_name: str = "kv_len_arr") -> "PagedLayout":
         """A layout from FlashInfer's arrays.
 
         ``qo_indptr`` and ``kv_indptr`` may be longer than B + 1 (slices of larger buffers, as FlashInfer
@@ -101,12 +102,12 @@ class PagedLayout:
         on the host; CUDA tensors are never read on the host (no sync), unless ``FP8MLA_CHECK=1``.
         """
         check_positive_int("page_size", page_size)
-        check_tensor("kv_len_arr", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        check_tensor(len_name, kv_len, dtype=INDEX_DTYPES, ndim=1)
         B = kv_len.numel()
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
             check_tensor(name, t, dtype=INDEX_DTYPES, ndim=1)
             if t.numel() < B + 1:
-                raise ValueError(f"{name}: expected at least {B + 1} entries (batch size {B} from kv_len_arr, "
+                raise ValueError(f"{name}: expected at least {B + 1} entries (batch size {B} from {len_name}, "
                                  f"+ 1), got {t.numel()}")
         check_tensor("kv_indices", kv_indices, dtype=INDEX_DTYPES, ndim=1)
         device = torch.device(device) if device is not None else kv_indices.device
@@ -120,17 +121,18 @@ class PagedLayout:
             qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
             # Rows without queries are never read: engines pad them with any kv_len (vLLM's sparse backend).
             active = (qo_indptr[1:] - qo_indptr[:-1]) > 0
-        if _on_host(kv_indptr) and _on_host(kv_len) and _on_host(kv_indices):
-            kv_lens = cls._check_table(kv_indptr, kv_indices, kv_len, page_size, active)
-            max_page = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active)
-        elif debug_checks():
-            h = [t.cpu() for t in (kv_indptr, kv_indices, kv_len)]
-            cls._check_table(h[0], h[1], h[2], page_size, active)
-            max_page = cls._max_page(h[0], h[1], h[2], page_size, active)
+        if _on_host(kv_indptr) and _on_host(kv_len):  # lengths against pages: needs only these two
+            kv_lens = cls._check_table(kv_indptr, kv_indices.numel(), kv_len, page_size, active, len_name)
+            if _on_host(kv_indices):
+                max_page = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active)
         elif _on_host(kv_len):
             kv_lens = kv_len.tolist()
             if any(L < 0 for L in kv_lens):
-                raise ValueError(f"kv_len_arr: expected non-negative lengths, got {min(kv_lens)}")
+                raise ValueError(f"{len_name}: expected non-negative lengths, got {min(kv_lens)}")
+        if max_page is None and debug_checks():
+            h = [t.cpu() for t in (kv_indptr, kv_indices, kv_len)]
+            cls._check_table(h[0], h[1].numel(), h[2], page_size, active, len_name)
+            max_page = cls._max_page(h[0], h[1], h[2], page_size, active)
 
         i32 = dict(dtype=torch.int32, device=device, non_blocking=True)  # host -> device never syncs
         return cls(qo_indptr.to(**i32), kv_indptr.to(**i32), kv_indices.to(**i32), kv_len.to(**i32), page_size,
@@ -154,23 +156,25 @@ class PagedLayout:
         kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * W
         if qo_indptr is None:
             qo_indptr = torch.arange(B + 1, dtype=torch.int32)  # host: decode, one query per request
-        lay = cls.from_csr(qo_indptr, kv_indptr, block_table.view(-1), kv_len, page_size, device=device)
-        if lay.kv_lens is not None and any(L > W * page_size for L in lay.kv_lens):
-            b = next(i for i, L in enumerate(lay.kv_lens) if L > W * page_size)
-            raise ValueError(f"kv_len: request {b} has {lay.kv_lens[b]} tokens, more than block_table's {W} "
-                             f"pages x page_size {page_size}")
-        return lay
+        try:
+            return cls.from_csr(qo_indptr, kv_indptr, block_table.view(-1), kv_len, page_size, device=device,
+                                len_name="kv_len")
+        except ValueError as e:
+            if str(e).startswith("kv_len:"):
+                raise ValueError(f"{e} (block_table has {W} pages per row)") from None
+            raise
 
     # -- checks ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _check_table(kv_indptr, kv_indices, kv_len, page_size, active=None) -> list:
-        """Host check (vectorized): kv_indptr is an index pointer into kv_indices, every kv_len fits its pages
-        and the page ids its tokens use are >= 0. A kv_len past a request's pages would read another request's
-        pages silently."""
+    def _check_table(kv_indptr, num_indices: int, kv_len, page_size, active=None,
+                     len_name: str = "kv_len_arr") -> list:
+        """Host check (vectorized): kv_indptr is an index pointer into the ``num_indices`` page ids, and every
+        kv_len fits its pages (rows with queries only). A kv_len past a request's pages would read another
+        request's pages silently."""
         _check_indptr_values("kv_indptr", kv_indptr)
-        if int(kv_indptr[-1]) > kv_indices.numel():
+        if int(kv_indptr[-1]) > num_indices:
             raise ValueError(f"kv_indices: kv_indptr[-1]={int(kv_indptr[-1])} but kv_indices has "
-                             f"{kv_indices.numel()} entries")
+                             f"{num_indices} entries")
         have = (kv_indptr[1:] - kv_indptr[:-1]).long()
         L = kv_len.long()
         bad = (L < 0) | (L > have * page_size)
@@ -178,7 +182,7 @@ class PagedLayout:
             bad &= active
         if bool(bad.any()):
             b = int(torch.nonzero(bad)[0])
-            raise ValueError(f"kv_len_arr: request {b} has kv_len {int(L[b])}, expected 0 <= kv_len <= its "
+            raise ValueError(f"{len_name}: request {b} has kv_len {int(L[b])}, expected 0 <= kv_len <= its "
                              f"{int(have[b])} pages x page_size {page_size} = {int(have[b]) * page_size}")
         return L.tolist()
 
@@ -219,14 +223,22 @@ class PagedLayout:
             raise ValueError(f"layout: planned on {self.device}, got tensors on {device}")
 
     # -- derived, on demand -----------------------------------------------------------------------------------
+    def used_kv_len(self) -> torch.Tensor:
+        """int64 ``[B]``: kv_len of rows with queries, 0 for rows without (engines pad those with any length)."""
+        q = self.qo_indptr[1:] - self.qo_indptr[:-1]
+        return torch.where(q > 0, self.kv_len.long(), 0)
+
     def token_slots(self) -> torch.Tensor:
-        """Flat slot ids (``page * page_size + offset``, int64 ``[T]``) of every request's tokens in order,
-        computed on the device on first use and kept. Needs the total token count on the host (known when the
-        lengths were given on the host; otherwise one sync, once)."""
+        """Flat slot ids (``page * page_size + offset``, int64 ``[T]``) of every request's tokens in order (rows
+        without queries contribute none), computed on the device on first use and kept. Needs the total token
+        count on the host (known when the lengths were given on the host; otherwise one sync, once)."""
         if self._slots is None:
-            T = self.num_tokens if self.num_tokens is not None else int(self.kv_len.long().sum())
+            lens = self.used_kv_len()
+            if self.kv_lens is not None and self.qo_lens is not None:
+                T = sum(L for L, q in zip(self.kv_lens, self.qo_lens) if q)
+            else:
+                T = int(lens.sum())
             dev = self.device
-            lens = self.kv_len.long()
             start = torch.zeros(self.batch_size + 1, dtype=torch.long, device=dev)
             torch.cumsum(lens, 0, out=start[1:])
             req = torch.repeat_interleave(torch.arange(self.batch_size, device=dev), lens, output_size=T)
@@ -240,5 +252,5 @@ class PagedLayout:
         """int32 ``[B + 1]``: request b's tokens are rows ``token_indptr[b]:token_indptr[b+1]`` of
         :meth:`token_slots`."""
         out = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(self.kv_len, 0, out=out[1:])
+        torch.cumsum(self.used_kv_len(), 0, out=out[1:])
         return out

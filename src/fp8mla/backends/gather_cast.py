@@ -26,8 +26,10 @@ class GatherCastPlan:
         dev = spec.device
         # One token per "page": token_indptr is both the page pointer and the token pointer of the workspace.
         tok = layout.token_indptr()
+        host_lens = None if layout.kv_lens is None or layout.qo_lens is None else [
+            L if q else 0 for L, q in zip(layout.kv_lens, layout.qo_lens)]
         inner_layout = PagedLayout(layout.qo_indptr, tok, torch.arange(max(1, T), dtype=torch.int32, device=dev),
-                                   layout.kv_len, 1, dev, layout.qo_lens, layout.kv_lens, T - 1)
+                                   layout.used_kv_len().to(torch.int32), 1, dev, layout.qo_lens, host_lens, T - 1)
         inner_spec = AttentionSpec(spec.num_heads, spec.head_dim_ckv, spec.head_dim_kpe, 1, spec.causal,
                                    spec.sm_scale, spec.q_dtype, get_format(spec.q_dtype), dev, False)
         self.inner = build_backend(inner_name, inner_layout, inner_spec, options, {})

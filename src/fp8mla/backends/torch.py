@@ -14,6 +14,7 @@ import torch
 
 from .._softmax import softmax_rows
 from ..formats import expand_group_scales
+from ..layout import PagedLayout
 from ..runtime import LOG2E
 
 __all__ = ["build", "TorchPlan"]
@@ -55,7 +56,14 @@ class TorchPlan:
         self.spec = spec
         qo_lens = layout.qo_lens if layout.qo_lens is not None else (
             (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).tolist())
-        kv_lens = layout.kv_lens if layout.kv_lens is not None else layout.kv_len.tolist()
+        kv_lens = layout.kv_lens
+        self.max_page = layout.max_page_id
+        if kv_lens is None or self.max_page is None:
+            # A device-only table: this backend reads it on the host anyway, so it checks it like a host one.
+            h = [t.cpu() for t in (layout.kv_indptr, layout.kv_indices, layout.kv_len)]
+            active = torch.tensor(qo_lens) > 0
+            kv_lens = PagedLayout._check_table(h[0], h[1].numel(), h[2], layout.page_size, active)
+            self.max_page = PagedLayout._max_page(h[0], h[1], h[2], layout.page_size, active)
         qo_start = [0]
         for q in qo_lens:
             qo_start.append(qo_start[-1] + q)
@@ -73,6 +81,9 @@ class TorchPlan:
         self.empty_rows = torch.tensor(rows, dtype=torch.int64, device=spec.device)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
+        if self.max_page >= ckv_cache.shape[0]:
+            raise ValueError(f"kv_indices: the plan references page {self.max_page} but ckv_cache has "
+                             f"{ckv_cache.shape[0]} pages")
         if self.empty_rows.numel():
             out[self.empty_rows] = 0
             lse[self.empty_rows] = -math.inf

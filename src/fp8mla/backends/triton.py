@@ -52,16 +52,32 @@ def items_target(row_tiles: int, device, ctas_per_sm: int) -> int:
     return max(1, (num_sms(device) * ctas_per_sm) // max(1, row_tiles))
 
 
+def max_parts(target: int, max_items: int) -> int:
+    """Partials a schedule can write: only split requests write them, and each has more tokens than a chunk
+    (>= total / target), so at most ``target`` such requests with ``tokens / chunk + 1`` parts each: <= 2 target.
+    The fp32 partial buffers follow the GPU's size, not the batch's."""
+    return max(1, min(max_items, 2 * target))
+
+
+def safe_kv_len(kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int, num_indices: int) -> torch.Tensor:
+    """int32 ``[B]``: each kv_len clamped to the pages its row lists and to the page ids that exist
+    (``num_indices``, a host number), on the device. A device-only table that claims more tokens than it holds
+    can never make a kernel read past its pages (``FP8MLA_CHECK=1`` refuses such a table instead)."""
+    B = kv_len.numel()
+    start = kv_indptr[:B].long()
+    pages = torch.minimum(kv_indptr[1: B + 1].long(), torch.full_like(start, num_indices)) - start
+    return torch.minimum(kv_len.long(), pages.clamp(min=0) * page_size).clamp(min=0).to(torch.int32)
+
+
 def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
-             target: int, max_items: int, block_n: int, min_chunk: int) -> dict:
+             num_indices: int, target: int, max_items: int, block_n: int, min_chunk: int) -> dict:
     """Work items on the device (no host sync): ``item_req/start/end/part [max_items]``, ``split_indptr [B+1]``,
     ``num_items [1]`` and ``kv_len`` clamped to each request's pages (a device-only table that claims more tokens
     than its pages can never make a kernel read past them). int32 tensors on kv_len's device."""
     dev = kv_len.device
     B = kv_len.numel()
     i64 = dict(dtype=torch.int64, device=dev)
-    cap = (kv_indptr[1: B + 1] - kv_indptr[:B]).long() * page_size
-    L = torch.minimum(kv_len.long(), cap).clamp(min=0)
+    L = safe_kv_len(kv_indptr, kv_len, page_size, num_indices).long()
     active = (qo_indptr[1: B + 1] - qo_indptr[:B]) > 0
     total = (L * active).sum()
     chunk = torch.clamp(torch.div(total + target - 1, target, rounding_mode="floor"), min=min_chunk)
@@ -153,7 +169,8 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
         max_qo = buffers.max_qo if buffers is not None else (opts["max_qo_len"] or max(1, plan_qo))
         if plan_qo > max_qo:
             raise ValueError(f"qo_indptr: a request has {plan_qo} query tokens, above the {max_qo} the CUDA-graph "
-                             "buffers were sized for (max_qo_len, or the first plan's longest request)")
+                             "buffers were sized for (by the first plan's longest request); construct "
+                             f"MLAPagedAttention with max_qo_len={plan_qo} (or more) to plan longer ones")
     else:
         max_qo = max(1, plan_qo)
     # The extend kernel rounds dequantized K/V to the query dtype: fine for FP8 and same-dtype pools, but the
@@ -169,24 +186,27 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     target = items_target(row_tiles, device, opts["ctas_per_sm"])
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices)
     if extend_qo:
-        return TritonPlan(spec, kv_mode, cfg, 0, 1, 1, dict(base, kv_len=layout.kv_len), extend_qo)
+        kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
+        return TritonPlan(spec, kv_mode, cfg, 0, 1, 1, dict(base, kv_len=kv_len), extend_qo)
     if graph:
         buffers = state.get("graph")
         if buffers is None:
             buffers = state["graph"] = _GraphBuffers(opts, H, Dc, max_qo, device, target,
                                                      state.get("external", {}))
         buffers.check(H, Dc, H * max_qo, B, layout.kv_indices.numel())
-        sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size, target=target,
-                         max_items=buffers.max_items, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+        sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
+                         num_indices=layout.kv_indices.numel(), target=target, max_items=buffers.max_items,
+                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
         t = buffers.load(dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32)))
         return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
     max_items = target + B
-    sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size, target=target,
-                     max_items=max_items, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+    sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
+                     num_indices=layout.kv_indices.numel(), target=target, max_items=max_items,
+                     block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
     f32 = dict(dtype=torch.float32, device=device)
+    parts = max_parts(target, max_items)
     t = dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-             part_o=torch.empty(max(1, max_items), max_rows, Dc, **f32),
-             part_lse=torch.empty(max(1, max_items), max_rows, **f32))
+             part_o=torch.empty(parts, max_rows, Dc, **f32), part_lse=torch.empty(parts, max_rows, **f32))
     return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
 
 
@@ -207,8 +227,10 @@ class _GraphBuffers:
                         item_end=torch.zeros(mi, **i32), item_part=torch.zeros(mi, **i32),
                         split_indptr=torch.zeros(mb + 1, **i32), num_items=torch.zeros(1, **i32),
                         batch_size=torch.zeros(1, **i32),
-                        part_o=torch.empty(mi, self.max_rows, Dc, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, self.max_rows, dtype=torch.float32, device=device))
+                        part_o=torch.empty(max_parts(target, mi), self.max_rows, Dc, dtype=torch.float32,
+                                           device=device),
+                        part_lse=torch.empty(max_parts(target, mi), self.max_rows, dtype=torch.float32,
+                                             device=device))
         for k, t in external.items():  # the caller's own int32 buffers (FlashInfer's constructor arguments)
             if t.device == self.buf[k].device and t.numel() >= self.buf[k].numel():
                 self.buf[k] = t
