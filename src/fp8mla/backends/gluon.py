@@ -2,8 +2,9 @@
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
-one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64,
-bf16/fp16 queries, host-known kv lengths (the split schedule is made on the host, O(batch)).
+one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
+scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the device from the layout (no host
+read, no sync); lengths are clamped to the pages each row lists.
 
 ``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
 device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
@@ -95,10 +96,15 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         raise ValueError(f"num_stages: the gluon kernel's ring takes 2..4 stages; {ns} stages need "
                          f"{k.smem_bytes(ns)} B of shared memory, above {k.SMEM_LIMIT}")
     mp, mc = k.merge_blocks(64)  # fixed: the schedule is made on the device, its longest merge is not known here
+    # Lengths clamped to the pages each row lists (a device-only table can never make the kernel read past them)
+    # and zeroed for rows without queries (engines pad those with any length).
+    from .triton import safe_kv_len
+    kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
+    kv_len = torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
-                kv_len=layout.kv_len)
+                kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(layout.kv_len, n_sm, min_tiles)
+        t = k.schedule_device(kv_len, n_sm, min_tiles)
         cap = n_sm + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, k.HP, k.DC, dtype=torch.float32, device=device),
@@ -106,7 +112,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         return GluonPlan(spec, n_sm, max(1, B), mp, mc, ns, t)
     buf = state.get("graph")
     if buf is None:
-        buf = state["graph"] = _GraphBuffers(opts, n_sm, device)
+        buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}))
     buf.check(B, layout.kv_indices.numel())
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], n_sm, min_tiles, out=t)
@@ -116,7 +122,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 class _GraphBuffers:
     """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates."""
 
-    def __init__(self, opts, n_sm, device):
+    def __init__(self, opts, n_sm, device, external: dict):
         from ..kernels import decode_sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
@@ -132,6 +138,11 @@ class _GraphBuffers:
                         batch_size=torch.zeros(1, **i32),
                         part_o=torch.empty(mi, k.HP, k.DC, dtype=torch.float32, device=device),
                         part_lse=torch.empty(mi, k.HP, dtype=torch.float32, device=device))
+        # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
+        # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
+        if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
+            self.buf["kv_indices"] = external["kv_indices"]
+            self.max_kv_indices = external["kv_indices"].numel()
 
     def check(self, B, n_indices):
         for what, got, cap in (("batch size", B, self.max_batch), ("kv_indices entries", n_indices,
