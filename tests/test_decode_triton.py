@@ -369,3 +369,24 @@ def test_bad_launch_options_are_named_errors(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         launch(b, **bad)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_group"])
+def test_uint8_pool_bit_conversion_matches(fmt, case_seed):
+    """The SM80 path (the pool read as uint8, FP8 converted by bit manipulation; e4m3 as value / 256 with the 256
+    folded into the scales) gives the same answer as the typed pool, NaN bytes included."""
+    from fp8mla.kernels.decode import RAW_E4M3, RAW_E5M2
+    b = make_paged_batch([40, 9, 70], [1, 2, 1], 16, 16, fmt, device=DEVICE, seed=case_seed, ckv_scale=0.5)
+    pages, ind = b.plan_args["kv_indices"].tolist(), b.plan_args["kv_indptr"].tolist()
+    b.pool[pages[ind[1]], 2, 30] = math.nan  # request 1: NaN out
+    want_o, want_l = launch(b, v_convert="asm")
+    r = b.run_args
+    typed = r["ckv_cache"], r["kpe_cache"]
+    r["ckv_cache"], r["kpe_cache"] = typed[0].view(torch.uint8), typed[1].view(torch.uint8)
+    raw = RAW_E5M2 if fmt == "fp8_e5m2" else RAW_E4M3
+    got_o, got_l = launch(b, v_convert="asm", raw_fp8=raw)
+    assert torch.isnan(got_l[1:3]).all() and torch.isnan(want_l[1:3]).all()
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_l, want_l, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="raw_fp8"):
+        launch(b)  # a uint8 pool without raw_fp8

@@ -467,6 +467,33 @@ def column_chunks(kv_mode: int, head_dim_ckv: int, v_cvt: int) -> int:
     return 1
 
 
+def default_config(rows: int, kv_mode: int, arch: int | None) -> dict:
+    """``block_m, block_n, num_warps, num_stages, v_convert`` for ``rows`` = heads x longest query on sm_<arch>
+    (``arch`` = major * 10 + minor; None = the CPU interpreter).
+
+    sm_90 (and the interpreter): the configuration measured on the H200 (2026-11-29): plain V conversion, 4 warps
+    for 16-row tiles, BLOCK_N 64. (Compiled with triton 3.9 it spills and has 256 LDS.U8 per tile; the portable
+    configuration below has neither: measure ``v_convert="asm", num_warps=8`` there before switching.)
+    Other targets (SM80/89/120, the portable path): V converted by inline asm in 128-column chunks, 8 warps,
+    16-row tiles with BLOCK_N 64 or 32-row tiles with BLOCK_N 32: no spills, no LDS.U8, <= 95 KB of shared
+    memory (SM89/120 allow 99 KB), compiled with triton 3.9 (tests/test_compile_targets.py checks it).
+    """
+    block_m = 16 if rows <= 16 else (32 if arch not in (None, 90) else 64)
+    if arch in (None, 90):
+        return dict(block_m=block_m, block_n=64, num_warps=4 if block_m <= 16 else 8, num_stages=2,
+                    v_convert="plain")
+    return dict(block_m=block_m, block_n=64 if block_m <= 16 else 32, num_warps=8, num_stages=2, v_convert="asm")
+
+
+def device_arch(t) -> int | None:
+    """sm_XX of a CUDA tensor's device as major * 10 + minor (None off CUDA)."""
+    if t.device.type != "cuda":
+        return None
+    import torch
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return major * 10 + minor
+
+
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, lse, part_o, part_lse,
                qo_indptr, kv_indptr, kv_indices, kv_len, item_req, item_start, item_end, item_part, num_items,
                split_indptr, batch_size, *, grid_items: int, grid_batch: int, num_heads: int, max_rows: int,
@@ -483,10 +510,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     ``num_items`` and ``batch_size`` are 1-element int32 device tensors so a captured graph can be re-planned.
     ``out``, ``lse`` and ``ckv_scale_arr`` may have any strides (a transposed ``lse`` is fine).
     ``q_split``: bf16 MMAs (kv_mode 1) with an fp16 query: the query is split into two bf16 parts (ignored in the
-    other modes, which run fp16 MMAs). ``v_convert``: ``"plain"`` (default) or ``"asm"`` (V converted by inline
-    PTX in 128-column chunks: no byte-wise shared loads; the portable path for SM80/89/120); ``cvt_asm=True`` is
-    the old spelling of ``v_convert="asm"``. ``raw_fp8``: 1 / 2 when the FP8 pool is passed as uint8 holding
-    e4m3 / e5m2 bits (SM80: Triton has no FP8 type there); a uint8 pool without it is refused.
+    other modes, which run fp16 MMAs). ``v_convert``: ``"plain"`` or ``"asm"`` (V converted by inline PTX in
+    128-column chunks: no byte-wise shared loads; the portable path); None picks :func:`default_config`'s for
+    the device (plain on sm_90 and the interpreter, asm elsewhere); ``cvt_asm=True`` is the old spelling of
+    ``v_convert="asm"``. ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits; an FP8
+    pool on a GPU older than sm_89 (where Triton has no FP8 type) is viewed as uint8 automatically.
     Page ids outside ``[0, P)`` are never read: the request's rows come out NaN.
     """
     P, page, Dc = ckv_cache.shape
@@ -498,8 +526,13 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     check_tile("block_n", block_n)
     if not _pow2(Dc) or Dc < 16 or not _pow2(Dk) or Dk < 16:
         raise ValueError(f"head_dim_ckv/head_dim_kpe: expected powers of two >= 16, got {Dc}/{Dk}")
+    arch = device_arch(ckv_cache)
     if v_convert is None:
-        v_convert = "asm" if cvt_asm else "plain"
+        v_convert = "asm" if cvt_asm else default_config(max_rows, kv_mode, arch)["v_convert"]
+    if arch is not None and arch < 89 and str(ckv_cache.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
+        import torch  # SM80: no FP8 type in Triton; the same bytes as uint8, converted by bit manipulation
+        raw_fp8 = RAW_E4M3 if ckv_cache.dtype == torch.float8_e4m3fn else RAW_E5M2
+        ckv_cache, kpe_cache = ckv_cache.view(torch.uint8), kpe_cache.view(torch.uint8)
     if v_convert not in V_CONVERT:
         raise ValueError(f"v_convert: expected one of {sorted(V_CONVERT)}, got {v_convert!r}")
     v_cvt = V_CONVERT[v_convert]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _k16
+from .decode import _asm_to_fp16, _bits_to_fp16, _k16, device_arch
 from .softmax import attend_block, causal_bounds, dot, finish, mask_scores
 
 LOG2E = 1.0 / math.log(2.0)
@@ -40,7 +40,8 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
               stride_gs_s, stride_gs_g,
               PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, BLOCK_DC: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP32_DOT: tl.constexpr):
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP32_DOT: tl.constexpr, V_ASM: tl.constexpr,
+              RAW_FP8: tl.constexpr):
     # The MMA type is the query's. Under the interpreter (fp32 dots, fp32 -> bf16 by truncation there) computed
     # values stay fp32: the interpreter checks indexing and softmax, the GPU run checks the rounding.
     dt = tl.float32 if FP32_DOT else qn.dtype
@@ -69,7 +70,11 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
                 other=0.0)
     k = tl.load(kpe_ptr + (page * stride_kpe_p + slot * stride_kpe_s)[:, None] + dk[None, :], mask=kmask,
                 other=0.0)
-    if FP32_DOT and c.dtype == tl.float8e4nv:  # the interpreter turns e4m3 NaN into 480: bit path there
+    c_raw = c
+    if RAW_FP8 != 0:  # uint8 FP8 bits (SM80): exact fp16 (e4m3: value / 256, the 256 is in s_c, s_k, the output)
+        c = _bits_to_fp16(c, RAW_FP8)
+        k = _bits_to_fp16(k, RAW_FP8)
+    elif FP32_DOT and c.dtype == tl.float8e4nv:  # the interpreter turns e4m3 NaN into 480: bit path there
         c = _k16(c, 0, True)
         k = _k16(k, 0, True)
     if HAS_GROUP:
@@ -85,6 +90,10 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
     if MASKED:
         s = mask_scores(s, pos, kv_len, qi, q_len, CAUSAL)
     s = s + tl.where(rmask | (pos >= kv_len), 0.0, float("nan"))[None, :]
+    if V_ASM and not FP32_DOT:
+        # V as fp16 converted once by inline asm in the load layout (no byte-wise LDS.U8 for the transposed
+        # operand; see kernels/decode.py V_CVT); P is rounded to fp16 for it. Per-tensor formats only.
+        return attend_block(acc, m_i, l_i, s, _asm_to_fp16(c_raw, RAW_FP8), FP32_DOT)
     return attend_block(acc, m_i, l_i, s, c, FP32_DOT)
 
 
@@ -99,6 +108,7 @@ def _extend_kernel(
     PAGE: tl.constexpr, DC: tl.constexpr, DK: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+    V_ASM: tl.constexpr, RAW_FP8: tl.constexpr,
 ):
     # Last query blocks first: under causal masking they see the most tokens (longest programs start early).
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -131,8 +141,9 @@ def _extend_kernel(
     kpe_scale = tl.load(scales_ptr + 1)
     if HAS_GROUP:
         ckv_scale = 1.0
-    s_c = sm_scale * ckv_scale * 1.4426950408889634   # 1/ln 2: exp2 instead of exp
-    s_k = sm_scale * kpe_scale * 1.4426950408889634
+    raw_f = 256.0 if RAW_FP8 == 1 else 1.0           # uint8 e4m3 converts to value / 256
+    s_c = sm_scale * ckv_scale * 1.4426950408889634 * raw_f  # 1/ln 2: exp2 instead of exp
+    s_k = sm_scale * kpe_scale * 1.4426950408889634 * raw_f
 
     # Query i sees tokens <= kv_len - q_len + i; the block's first query bounds the unmasked blocks.
     full, hi = causal_bounds(kv_len, q_len, qblk * BLOCK_Q, BLOCK_Q, BLOCK_N, CAUSAL)
@@ -144,28 +155,39 @@ def _extend_kernel(
         acc, m_i, l_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start,
                                   num_pages, kv_len, n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s,
                                   stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s, stride_gs_g, PAGE, DC, DK,
-                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, False, CAUSAL, FP32_DOT)
+                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, False, CAUSAL, FP32_DOT, V_ASM,
+                                  RAW_FP8)
     for n0 in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_start,
                                   num_pages, kv_len, n0, qi, q_len, s_c, s_k, stride_ckv_p, stride_ckv_s,
                                   stride_kpe_p, stride_kpe_s, stride_gs_p, stride_gs_s, stride_gs_g, PAGE, DC, DK,
-                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, True, CAUSAL, FP32_DOT)
+                                  BLOCK_DC, BLOCK_DK, BLOCK_N, HAS_GROUP, GROUP_SIZE, True, CAUSAL, FP32_DOT, V_ASM,
+                                  RAW_FP8)
 
     # -- epilogue: the ckv scale folded into the output; rows that saw nothing get 0 and lse -inf, NaN stays --
-    out, lse = finish(acc, m_i, l_i, ckv_scale)
+    out, lse = finish(acc, m_i, l_i, ckv_scale * raw_f)
     tl.store(o_ptr + qrow[:, None] * stride_o_n + h64[:, None] * stride_o_h + dc[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & (dc[None, :] < DC))
     tl.store(lse_ptr + qrow * stride_lse_n + h64 * stride_lse_h, lse, mask=rmask)
 
 
-def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False) -> dict:
-    """BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages used when the caller gives none."""
+def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False, arch: int | None = None) -> dict:
+    """BLOCK_H, BLOCK_Q, BLOCK_N, num_warps, num_stages (and ``v_asm``) used when the caller gives none, for
+    sm_<arch> (None: the interpreter, or sm_90's measured configuration)."""
+    if arch is not None and arch != 90 and not fp32_dot:
+        # The portable path (SM80/89/120): 32 rows x BLOCK_N 32, 8 warps, V converted by inline asm (per-tensor
+        # FP8): no spills, no LDS.U8, 88 KB of shared memory (SM89/120 allow 99 KB); triton 3.9 compiles,
+        # checked by tests/test_compile_targets.py. Not measured on such a GPU.
+        block_h = min(triton.next_power_of_2(num_heads), 32)
+        return dict(block_h=block_h, block_q=max(1, 32 // block_h), block_n=32, num_warps=8, num_stages=2,
+                    v_asm=not has_group)
     rows = 32 if fp32_dot else 64  # the interpreter: small tiles keep the numpy work per step low
     block_h = min(triton.next_power_of_2(num_heads), rows)
     # GPU: BLOCK_N 64, 8 warps, 2 stages measured fastest on the H200 (2026-11-29, H=128 qo 1024 kv 8192, page 64:
     # FP8 11.8 ms vs 17.0 at BLOCK_N 32; BF16 7.2 vs 10.7), although ptxas reports more spills. The group format's
     # fp32 dequantization tiles do not fit shared memory at BLOCK_N 64 (OutOfResources on the H200): 32 there.
-    t = dict(block_h=block_h, block_q=max(1, rows // block_h), block_n=32 if fp32_dot or has_group else 64)
+    t = dict(block_h=block_h, block_q=max(1, rows // block_h), block_n=32 if fp32_dot or has_group else 64,
+             v_asm=False)
     t.update(num_warps=4, num_stages=1) if fp32_dot else t.update(num_warps=8, num_stages=2)
     return t
 
@@ -223,7 +245,14 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
                 ckv_scale_arr.dtype != torch.float32:
             raise ValueError(f"ckv_scale_arr: expected fp32 [{P}, {page}, {Dc // GROUP}] (head_dim_ckv a multiple "
                              f"of {GROUP}), got {ckv_scale_arr.dtype} {list(ckv_scale_arr.shape)}")
-    t = default_tiles(H, fp32_dot, has_group)
+    arch = device_arch(ckv_cache)
+    raw_fp8 = 0
+    if arch is not None and arch < 89 and str(ckv_cache.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
+        # SM80: no FP8 type in Triton; the same bytes as uint8, converted by bit manipulation
+        raw_fp8 = 1 if ckv_cache.dtype == torch.float8_e4m3fn else 2
+        ckv_cache, kpe_cache = ckv_cache.view(torch.uint8), kpe_cache.view(torch.uint8)
+    t = default_tiles(H, fp32_dot, has_group, arch)
+    v_asm = bool(t["v_asm"]) and ckv_cache.element_size() == 1 and not has_group
     bh, bq, bn = block_h or t["block_h"], block_q or t["block_q"], block_n or t["block_n"]
     for name, v, lo in (("block_h", bh, 1), ("block_q", bq, 1), ("block_n", bn, 16)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
@@ -245,6 +274,6 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         PAGE=page, DC=Dc, DK=Dk, BLOCK_DC=max(16, triton.next_power_of_2(Dc)),
         BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_Q=bq, BLOCK_H=bh, BLOCK_N=bn, NUM_HB=num_hb,
-        CAUSAL=bool(causal), HAS_GROUP=has_group, GROUP_SIZE=GROUP, FP32_DOT=bool(fp32_dot),
-        num_warps=num_warps or t["num_warps"], num_stages=num_stages or t["num_stages"],
+        CAUSAL=bool(causal), HAS_GROUP=has_group, GROUP_SIZE=GROUP, FP32_DOT=bool(fp32_dot), V_ASM=v_asm,
+        RAW_FP8=raw_fp8, num_warps=num_warps or t["num_warps"], num_stages=num_stages or t["num_stages"],
     )

@@ -125,6 +125,21 @@ def split_head_dim(d: int) -> tuple[int, int]:
     return da, (0 if rest == 0 else max(16, triton.next_power_of_2(rest)))
 
 
+def default_tiles(dqk: int, dv: int, arch: int | None, fp32_dot: bool) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, num_warps, num_stages)`` for head dims ``dqk`` / ``dv`` on sm_<arch> (None: no GPU)."""
+    da, db = split_head_dim(dqk)
+    block_dv = max(16, triton.next_power_of_2(dv))
+    if fp32_dot:  # the interpreter: fewer, larger numpy ops are faster
+        return 32, 32, 4, 1
+    if arch is not None and arch != 90:
+        # SM80/89/120: 64 x 32 tiles, 2 stages, 4 warps (8 past 192 / 128 dims): no spills and <= 99 KB of
+        # shared memory (triton 3.9 compiles; tests/test_compile_targets.py). The sm_90 tiles below spill there.
+        return 64, 32, (4 if da + db <= 192 and block_dv <= 128 else 8), 2
+    if block_dv <= 128:
+        return 128, 64, 8, 3
+    return 64, 64, 4, 2  # a 128 x 256 fp32 accumulator would spill: halve the query block
+
+
 def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
                    kv_indptr: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
                    causal: bool, max_qo_len: int, fp32_dot: bool, block_m: int | None = None,
@@ -159,12 +174,11 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         raise ValueError(f"lse: expected fp32 [{n}, {Hq}], got {lse.dtype} {list(lse.shape)}")
     DA, DB = split_head_dim(Dqk)
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
-    if fp32_dot:  # the interpreter: fewer, larger numpy ops are faster
-        bm, bn, nw, ns = 32, 32, 4, 1
-    elif BLOCK_DV <= 128:
-        bm, bn, nw, ns = 128, 64, 8, 3
-    else:  # a 128 x 256 fp32 accumulator would spill: halve the query block
-        bm, bn, nw, ns = 64, 64, 4, 2
+    arch = None
+    if q.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(q.device)
+        arch = major * 10 + minor
+    bm, bn, nw, ns = default_tiles(Dqk, Dv, arch, fp32_dot)
     block_m, block_n = block_m or bm, block_n or bn
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 16 or val & (val - 1):
