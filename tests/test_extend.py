@@ -192,3 +192,21 @@ def test_bad_arguments_are_named_errors(bad, match, case_seed):
         return
     with pytest.raises(ValueError, match=match):
         run_extend(b, **bad)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_uint8_pool_bit_conversion_matches(fmt, case_seed):
+    """The SM80 path (the pool read as uint8, FP8 converted by bit manipulation, e4m3 as value / 256 with the 256
+    in the scales) gives the typed pool's answer, NaN bytes included."""
+    b = small([40, 17], [12, 9], 4, 16, fmt, seed=case_seed)
+    pages, ind = b.plan_args["kv_indices"].tolist(), b.plan_args["kv_indptr"].tolist()
+    b.pool[pages[ind[1]], 2, 30] = math.nan
+    want = run_extend(b)
+    r = b.run_args
+    r["ckv_cache"], r["kpe_cache"] = r["ckv_cache"].view(torch.uint8), r["kpe_cache"].view(torch.uint8)
+    got = run_extend(b, raw_fp8=2 if fmt == "fp8_e5m2" else 1)
+    assert torch.isnan(got[1][12:]).all()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="raw_fp8"):
+        run_extend(b)

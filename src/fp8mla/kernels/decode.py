@@ -116,8 +116,11 @@ def _k16(x, RAW_FP8: tl.constexpr, FP32_DOT: tl.constexpr):
     if RAW_FP8 != 0:
         return _bits_to_fp16(x, RAW_FP8)
     elif FP32_DOT and x.dtype == tl.float8e4nv:
-        # The CPU interpreter turns e4m3 NaN (0x7f) into 480; the GPU's cvt gives NaN. Use the bit path there.
+        # The CPU interpreter turns e4m3 NaN (0x7f) into 480 (and e5m2 NaN / inf into finite values when
+        # converting to fp32); the GPU's cvt keeps them. Use the exact bit path there.
         return _bits_to_fp16(x.to(tl.uint8, bitcast=True), 1) * 256.0
+    elif FP32_DOT and x.dtype == tl.float8e5:
+        return _bits_to_fp16(x.to(tl.uint8, bitcast=True), 2)
     else:
         return x.to(tl.float16)
 

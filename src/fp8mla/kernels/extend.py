@@ -74,7 +74,8 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
     if RAW_FP8 != 0:  # uint8 FP8 bits (SM80): exact fp16 (e4m3: value / 256, the 256 is in s_c, s_k, the output)
         c = _bits_to_fp16(c, RAW_FP8)
         k = _bits_to_fp16(k, RAW_FP8)
-    elif FP32_DOT and c.dtype == tl.float8e4nv:  # the interpreter turns e4m3 NaN into 480: bit path there
+    elif FP32_DOT and (c.dtype == tl.float8e4nv or c.dtype == tl.float8e5):
+        # the interpreter's FP8 conversions lose NaN / inf: the exact bit path there
         c = _k16(c, 0, True)
         k = _k16(k, 0, True)
     if HAS_GROUP:
@@ -197,7 +198,7 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
                out: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool, scales: torch.Tensor,
                ckv_scale_arr: torch.Tensor | None, max_qo_len: int, fp32_dot: bool,
                block_h: int | None = None, block_q: int | None = None, block_n: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None) -> None:
+               num_warps: int | None = None, num_stages: int | None = None, raw_fp8: int = 0) -> None:
     """Launch the paged extend; writes ``out`` and ``lse`` (base 2).
 
     Args:
@@ -213,6 +214,8 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         fp32_dot: do the dots in fp32 (required under TRITON_INTERPRET=1).
         block_h, block_q, block_n, num_warps, num_stages: tile overrides (see :func:`default_tiles`); powers of
             two, block_n >= 16, block_h x block_q >= 16.
+        raw_fp8: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits (converted by bit manipulation;
+            an FP8 pool on a GPU older than sm_89, where Triton has no FP8 type, is viewed so automatically).
     Bad arguments raise ValueError / TypeError naming them. Page ids outside ``[0, P)`` are never read: the
     request's rows come out NaN. NaN in a query or a used token gives NaN rows (never out 0 / lse -inf).
     """
@@ -246,7 +249,9 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
             raise ValueError(f"ckv_scale_arr: expected fp32 [{P}, {page}, {Dc // GROUP}] (head_dim_ckv a multiple "
                              f"of {GROUP}), got {ckv_scale_arr.dtype} {list(ckv_scale_arr.shape)}")
     arch = device_arch(ckv_cache)
-    raw_fp8 = 0
+    if (ckv_cache.dtype == torch.uint8) != (raw_fp8 in (1, 2)):
+        raise ValueError(f"raw_fp8: 1 (e4m3) or 2 (e5m2) exactly when the pool is uint8; got {raw_fp8!r} with a "
+                         f"{ckv_cache.dtype} pool")
     if arch is not None and arch < 89 and str(ckv_cache.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
         # SM80: no FP8 type in Triton; the same bytes as uint8, converted by bit manipulation
         raw_fp8 = 1 if ckv_cache.dtype == torch.float8_e4m3fn else 2
