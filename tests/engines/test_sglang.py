@@ -15,7 +15,13 @@ Skipped unless SGLang is importable (the engine venv that .ci/run builds; see do
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # fp8mla's Triton kernels run in Triton's interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("sglang", reason="SGLang is not installed (engine tests run in .ci/run's engine venv)")
 
@@ -28,13 +34,15 @@ if not versions.is_supported("sglang", versions.engine_version("sglang") or "0")
 K = pytest.importorskip("sglang.test.kits.attention_unittest.attention_methods.mla_attention",
                         reason="SGLang's attention unit-test kit is not importable")
 
-import torch  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 
+from fp8mla import available_backends  # noqa: E402
 from fp8mla.integrations import sglang as plugin  # noqa: E402
 from fp8mla.sentinel import forbid_pool_casts  # noqa: E402
 
+# fp8mla's kernel backends run under the engine (FP8MLA_BACKEND): torch, and triton where it can run here
+BACKENDS = [b for b in ("torch", "triton") if b in available_backends("cpu")]
 DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64, max_context_len=64)
 ATOL = {False: K.MLA_ATOL, True: 0.25}  # vs the unquantized reference: fp8_kv_cache -> atol = rtol
 
@@ -105,9 +113,15 @@ def _check(actual, fixture, fp8, rounded="all"):
     return [round((actual.float() - e.float()).abs().max().item(), 4) for e in (exact, plain)]
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("FP8MLA_BACKEND", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16_pool", "fp8_pool"])
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
-def test_kit_mla_case(case, fp8):
+def test_kit_mla_case(case, fp8, backend):
     from fp8mla.integrations.sglang_backend import FP8MLAAttnBackend, STATS
     fixture = K.build_mla_attention_fixture(_Case(), case, dtype=torch.bfloat16, device="cpu", fp8_kv_cache=fp8,
                                             **DIMS)
@@ -120,12 +134,13 @@ def test_kit_mla_case(case, fp8):
     err = _check(actual, fixture, fp8)
     calls = STATS.decode_calls if case.forward_mode.is_decode() else STATS.extend_calls
     assert calls == 1 and STATS.pool_dtypes == {torch.float8_e4m3fn if fp8 else torch.bfloat16}
-    print(f"{case.name} {'fp8' if fp8 else 'bf16'}: max |err| vs stored values, vs unquantized: {err}")
+    assert STATS.backends == {backend}
+    print(f"{case.name} {'fp8' if fp8 else 'bf16'} {backend}: max |err| vs stored values, vs unquantized: {err}")
 
 
 @pytest.mark.parametrize("k_scale", [1.0, 0.3])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale):
+def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale, backend):
     """The DeepSeek model's path: the layer hands the fresh latents to the backend, which writes them (k / k_scale
     into the FP8 pool) and runs them ragged, plus the cached prefix paged, merged by LSE."""
     from fp8mla.integrations.sglang_backend import STATS
@@ -157,12 +172,13 @@ def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale):
         actual = mod.o_proj(torch.bmm(o.transpose(0, 1), mod.w_vc).transpose(0, 1).flatten(1, 2))
     err = _check(actual, fixture, True, rounded="prefix")
     assert STATS.writes == 1 and STATS.extend_ragged_calls == 1 and STATS.extend_calls == 1
+    assert STATS.backends == {backend}  # the cached prefix's paged run
     # the fresh tokens went into the pool as k / k_scale
     locs = fb.out_cache_loc.long()
     stored = pool.kv_buffer[0][locs].view(torch.float8_e4m3fn).float()
     want = (torch.cat([k_nope, k_rope], -1).float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(stored, want)
-    print(f"fresh latents, page {page_size}, k_scale {k_scale}: max |err| vs stored values, vs unquantized: {err}")
+    print(f"fresh latents, page {page_size}, k_scale {k_scale}, {backend}: max |err| vs stored values, vs unquantized: {err}")
 
 
 def test_plugin_entry_point_and_cli_choice():

@@ -10,6 +10,8 @@ Runs, in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, full-vocabu
   ref_q    stock CPU_MLA, bf16 cache holding exactly the FP8-rounded latents (its writes round-trip through e4m3)
   ours     FP8MLA, bf16 cache
   ours_q   FP8MLA, kv_cache_dtype="fp8": e4m3 pool, bf16 queries, every decode call guarded by forbid_pool_casts
+ours and ours_q run once per fp8mla kernel backend (FP8MLA_BACKEND): torch, and triton (on the CPU in Triton's
+interpreter, ``TRITON_INTERPRET=1``, set here before anything imports triton).
 Tolerances (natural-log probabilities over the 512-token vocabulary, every decode step; vLLM computes them from
 bf16 logits, whose ulp near -10 is 0.0625):
   ours vs ref and ours_q vs ref_q (same stored values, different kernels): max |diff| <= 0.1, mean <= 0.025;
@@ -28,6 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # fp8mla's Triton kernels run in Triton's interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (engine tests run in .ci/run's engine venv)")
 
@@ -37,8 +43,10 @@ if not versions.is_supported("vllm", versions.engine_version("vllm") or "0"):
     pytest.skip(f"vLLM {versions.engine_version('vllm')} is not a supported version ({versions.describe('vllm')})",
                 allow_module_level=True)
 
-import torch  # noqa: E402
+from fp8mla import available_backends  # noqa: E402
 
+# fp8mla's kernel backends run under the engine (FP8MLA_BACKEND): torch, and triton where it can run here
+BACKENDS = [b for b in ("torch", "triton") if b in available_backends("cpu")]
 PROMPTS = [[5, 17, 99, 3, 250, 7], list(range(10, 40)), [300, 301, 2, 9]]
 MAX_TOKENS = 6
 NUM_LAYERS = 2
@@ -124,10 +132,6 @@ def runs(checkpoint):
         CPUMLAImpl.do_kv_cache_update = orig_write
     assert vllm_backend.STATS.decode_calls == 0  # the reference runs did not go through fp8mla
 
-    vllm_backend.STATS.reset()
-    out["ours"] = _generate(checkpoint, "FP8MLA", "auto")
-    out["ours_stats"] = _snapshot(vllm_backend.STATS)
-
     # ours_q: every attention forward of every layer (vLLM's forward_impl: the glue around forward_mqa, where a
     # pool-wide cast would live, and the fp8mla call) runs under forbid_pool_casts of that layer's pool.
     orig_impl = MLAAttention.forward_impl
@@ -140,14 +144,27 @@ def runs(checkpoint):
         with forbid_pool_casts(kv_cache):
             return orig_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs)
 
-    MLAAttention.forward_impl = forward_impl
-    vllm_backend.STATS.reset()
+    saved = os.environ.get("FP8MLA_BACKEND")
     try:
-        out["ours_q"] = _generate(checkpoint, "FP8MLA", "fp8")
+        for b in BACKENDS:
+            os.environ["FP8MLA_BACKEND"] = b
+            vllm_backend.STATS.reset()
+            out["ours", b] = _generate(checkpoint, "FP8MLA", "auto")
+            out["ours_stats", b] = _snapshot(vllm_backend.STATS)
+            MLAAttention.forward_impl = forward_impl
+            vllm_backend.STATS.reset()
+            guarded["calls"] = 0
+            try:
+                out["ours_q", b] = _generate(checkpoint, "FP8MLA", "fp8")
+            finally:
+                MLAAttention.forward_impl = orig_impl
+            out["ours_q_stats", b] = _snapshot(vllm_backend.STATS)
+            out["guarded_calls", b] = guarded["calls"]
     finally:
-        MLAAttention.forward_impl = orig_impl
-    out["ours_q_stats"] = _snapshot(vllm_backend.STATS)
-    out["guarded_calls"] = guarded["calls"]
+        if saved is None:
+            os.environ.pop("FP8MLA_BACKEND", None)
+        else:
+            os.environ["FP8MLA_BACKEND"] = saved
     return out
 
 
@@ -173,43 +190,47 @@ def _compare(ours, ref, tol):
     return float(d.max()), float(d.mean()), len(diffs)
 
 
-def test_tokens_follow_stock_backend(runs):
-    assert all(len(t) == MAX_TOKENS for t in runs["ours_q"][0])
-    for name in ("ours", "ours_q", "ref_q"):  # the first token comes from vLLM's prefill in every run
-        assert [t[0] for t in runs[name][0]] == [t[0] for t in runs["ref"][0]]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tokens_follow_stock_backend(runs, backend):
+    assert all(len(t) == MAX_TOKENS for t in runs["ours_q", backend][0])
+    for run in (runs["ours", backend], runs["ours_q", backend], runs["ref_q"]):  # first token: vLLM's prefill
+        assert [t[0] for t in run[0]] == [t[0] for t in runs["ref"][0]]
 
 
-def test_full_logprobs_match_stock_backend(runs):
-    for name in ("ref", "ref_q", "ours", "ours_q"):
-        assert all(bool(torch.isfinite(lp).all()) for lp in runs[name][1]), f"{name}: missing or non-finite logprobs"
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_logprobs_match_stock_backend(runs, backend):
+    ours, ours_q = runs["ours", backend], runs["ours_q", backend]
+    for name, run in (("ref", runs["ref"]), ("ref_q", runs["ref_q"]), ("ours", ours), ("ours_q", ours_q)):
+        assert all(bool(torch.isfinite(lp).all()) for lp in run[1]), f"{name}: missing or non-finite logprobs"
     decode_steps = len(PROMPTS) * (MAX_TOKENS - 1)
     # The same stored values through two kernels: bf16-level agreement.
-    auto = _compare(runs["ours"], runs["ref"], TOL_SAME_MAX)
-    same = _compare(runs["ours_q"], runs["ref_q"], TOL_SAME_MAX)
+    auto = _compare(ours, runs["ref"], TOL_SAME_MAX)
+    same = _compare(ours_q, runs["ref_q"], TOL_SAME_MAX)
     for what, (mx, mean, _) in (("FP8MLA vs CPU_MLA, bf16 cache", auto),
                                 ("FP8MLA on the fp8 cache vs CPU_MLA on the same values in bf16", same)):
         assert mx <= TOL_SAME_MAX and mean <= TOL_SAME_MEAN, f"{what}: max {mx:.4f}, mean {mean:.4f}"
     # FP8 cache vs bf16 cache: bounded, and the quantization error shows (the FP8 pool is what was read).
-    fp8 = _compare(runs["ours_q"], runs["ref"], TOL_FP8_MAX)
+    fp8 = _compare(ours_q, runs["ref"], TOL_FP8_MAX)
     assert fp8[0] <= TOL_FP8_MAX and fp8[1] <= TOL_FP8_MEAN, f"FP8MLA fp8 vs CPU_MLA bf16: {fp8}"
     assert fp8[1] > 2 * same[1], f"the fp8 run is as close to the bf16 reference as to the rounded one: {fp8}, {same}"
     assert min(auto[2], same[2], fp8[2]) >= decode_steps // 2, (auto, same, fp8, decode_steps)
-    print(f"\n|dlogprob| (max, mean, steps of {decode_steps}) x 512 tokens: FP8MLA/bf16 vs CPU_MLA/bf16 {auto}; "
-          f"FP8MLA/fp8 vs CPU_MLA on the fp8-rounded values {same}; FP8MLA/fp8 vs CPU_MLA/bf16 {fp8}")
+    print(f"\n[{backend}] |dlogprob| (max, mean, steps of {decode_steps}) x 512 tokens: FP8MLA/bf16 vs CPU_MLA/bf16 "
+          f"{auto}; FP8MLA/fp8 vs CPU_MLA on the fp8-rounded values {same}; FP8MLA/fp8 vs CPU_MLA/bf16 {fp8}")
 
 
-def test_every_decode_call_went_through_fp8mla_on_the_fp8_pool(runs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_decode_call_went_through_fp8mla_on_the_fp8_pool(runs, backend):
     decode_tokens = len(PROMPTS) * (MAX_TOKENS - 1) * NUM_LAYERS  # every decode token of every layer
     for key, dtype in (("ours_stats", torch.bfloat16), ("ours_q_stats", torch.float8_e4m3fn)):
-        s = runs[key]
+        s = runs[key, backend]
         assert s["decode_tokens"] == decode_tokens, (key, s)
         assert s["decode_calls"] >= (MAX_TOKENS - 1) * NUM_LAYERS, (key, s)
         assert s["pool_dtypes"] == {dtype}, (key, s)
-        assert s["backends"] and all(isinstance(b, str) for b in s["backends"]), (key, s)
+        assert s["backends"] == {backend}, (key, s)
     # forbid_pool_casts was active around every attention forward of the FP8 run (and none raised).
-    assert runs["guarded_calls"] >= runs["ours_q_stats"]["decode_calls"]
+    assert runs["guarded_calls", backend] >= runs["ours_q_stats", backend]["decode_calls"]
     # the FP8 run's pools really are one byte per value
-    assert all(p.dtype == torch.uint8 for p in runs["ours_q"][2].values())
+    assert all(p.dtype == torch.uint8 for p in runs["ours_q", backend][2].values())
 
 
 def test_unsupported_vllm_version_is_refused_by_name(monkeypatch):

@@ -17,7 +17,9 @@ pool is read as stored:
 - ``forward_extend``: with fresh latents (``k`` given, the DeepSeek model's path), ragged causal attention over
   the fresh 16-bit latents (:class:`fp8mla.MLARaggedPrefill`) plus paged non-causal attention over the cached
   prefix read in place, merged by log-sum-exp; without them (``k is None``: the tokens were written already),
-  causal paged attention over each request's whole sequence in the pool.
+  causal paged attention over each request's whole sequence in the pool. On CUDA the ragged kernel does not
+  take the absorbed 576/512 widths, so there the fresh tokens are written first and read back by the paged
+  extend kernel (the second form).
 - writes: ``k / k_scale`` saturated to the pool's dtype by fp8mla's rule, then SGLang's ``set_mla_kv_buffer``.
 - CUDA graphs (decode): ``init_cuda_graph_state`` makes a wrapper with fixed buffers; the batch is planned in
   ``init_forward_metadata_out_graph`` (outside the graph) and run inside it.
@@ -39,6 +41,8 @@ from fp8mla.attention import MLAPagedAttention  # noqa: E402
 from fp8mla.formats import get_format  # noqa: E402
 from fp8mla.layout import PagedLayout  # noqa: E402
 from fp8mla.ragged import MLARaggedPrefill, merge_state  # noqa: E402
+
+from ._options import backend as _backend, ragged_backend as _ragged_backend  # noqa: E402
 
 __all__ = ["FP8MLAAttnBackend", "STATS"]
 
@@ -98,10 +102,11 @@ class FP8MLAAttnBackend(AttentionBackend):
         if rows % self.page_size:
             raise ValueError(f"fp8mla: the KV pool has {rows} rows, not a whole number of pages of "
                              f"{self.page_size}")
-        self._decode = MLAPagedAttention()
-        self._extend = MLAPagedAttention()
-        self._prefix = MLAPagedAttention()
-        self._ragged = MLARaggedPrefill()
+        self._backend = _backend()  # FP8MLA_BACKEND (default auto)
+        self._decode = MLAPagedAttention(backend=self._backend)
+        self._extend = MLAPagedAttention(backend=self._backend)
+        self._prefix = MLAPagedAttention(backend=self._backend)
+        self._ragged = MLARaggedPrefill(backend=_ragged_backend())
         self._graph_decode: dict[int, MLAPagedAttention] = {}
         self._graph_opts: dict | None = None
         self.forward_metadata = None
@@ -198,7 +203,8 @@ class FP8MLAAttnBackend(AttentionBackend):
         B = forward_batch.batch_size
         attn = self._graph_decode.get(B)
         if attn is None:
-            attn = self._graph_decode[B] = MLAPagedAttention(None, True, **(self._graph_opts or {}))
+            attn = self._graph_decode[B] = MLAPagedAttention(None, True, backend=self._backend,
+                                                              **(self._graph_opts or {}))
         seq_cpu = forward_batch.seq_lens_cpu[:B].to(torch.int64)
         self._plan(attn, self._layout(forward_batch, seq_cpu, torch.ones(B, dtype=torch.int64)), True)
         self.forward_metadata = _Metadata("decode", attn=attn)
@@ -269,6 +275,8 @@ class FP8MLAAttnBackend(AttentionBackend):
                 self._write(layer, forward_batch, *fresh)
         ckv, kpe, scales = self._pool(layer)
         STATS.extend_calls += 1
+        if fresh is not None and self.device.type == "cuda" and md.ragged.backend != "triton":
+            fresh = None  # no GPU kernel for 576-wide ragged attention: read the just-written tokens back instead
         if fresh is None:  # the new tokens are in the pool already: causal over every request's sequence
             out = md.attn.run(q_nope, q_pe, ckv, kpe, **scales)
             STATS.backends.add(md.attn.backend)

@@ -41,6 +41,8 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, Multipl
 import fp8mla  # noqa: E402
 from fp8mla.formats import get_format  # noqa: E402
 
+from ._options import backend as _backend  # noqa: E402
+
 __all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "STATS"]
 
 # kv_cache_dtype strings -> the pool's storage dtype (None: the model dtype). vLLM views an FP8 cache as
@@ -108,7 +110,7 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             opts = dict(max_batch_size=max(1, sched.max_num_seqs), max_qo_len=1,
                         max_kv_indices=max(1, sched.max_num_seqs * -(-self.model_config.max_model_len
                                                                      // self.page_size)))
-        self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=graphs, **opts)
+        self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=graphs, backend=_backend(), **opts)
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
                       query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
