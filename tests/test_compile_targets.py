@@ -40,6 +40,7 @@ CASES = {
     "decode-bf16-h16": ("decode", dict(heads=16, kv_mode=1)),
     "extend-fp8": ("extend", dict(heads=128)),
     "extend-bf16": ("extend", dict(heads=128, kv="bf16")),
+    "extend-group": ("extend", dict(heads=128, kv_mode=2)),
     "ragged-192-128": ("ragged", dict()),
     "ragged-256-256": ("ragged", dict(dims=(256, 256))),
     "decode-merge": ("decode_merge", dict()),
@@ -49,13 +50,13 @@ CASES = {
 
 SM90_CANDIDATES = [
     ("decode-fp8-h16", dict(V_CVT=1, NCH=4, num_warps=8)),
-    ("decode-group-h16", dict(V_CVT=1, NCH=4, num_warps=8)),
+    ("decode-group-h16", dict()),   # sm_90's default for the group format
     ("decode-fp8-h128", dict(V_CVT=1, NCH=4, num_warps=8, BLOCK_M=32, BLOCK_N=32)),
     ("extend-fp8", dict(V_ASM=1, BLOCK_H=32, BLOCK_Q=1, BLOCK_N=32, num_warps=8, NUM_HB=4)),
     ("ragged-192-128", dict()),
 ]
-SM90_DEFAULTS = ["decode-fp8-h16", "decode-group-h16", "decode-bf16-h16", "extend-fp8", "extend-bf16",
-                 "ragged-192-128", "decode-merge", "merge-state"]
+SM90_DEFAULTS = ["decode-fp8-h16", "decode-fp8-h128", "decode-group-h16", "decode-bf16-h16", "extend-fp8",
+                 "extend-bf16", "ragged-192-128", "decode-merge", "merge-state"]
 LOOP_CHECKS = [("decode", 89, dict(heads=16, V_CVT=0, NCH=1)), ("decode", 90, dict(heads=16))]
 
 
@@ -111,8 +112,11 @@ def _assert_clean(r, what):
 def test_portable_targets_compile_clean(compiled, case, arch):
     kernel, sel = CASES[case]
     r = _report(compiled, kernel, arch, sel)
-    _assert_clean(r, f"{case} on sm_{arch} {r['cfg']}")
     assert r["smem"] <= ck.SMEM_LIMIT[arch], f"{case} on sm_{arch}: {r['smem']} B of shared memory"
+    if case == "extend-group":
+        pytest.xfail("the extend kernel's group format dequantizes to fp32 tiles (spills, LDS.U8); the group "
+                     "format's clean path is the decode kernel, which the backend uses for it")
+    _assert_clean(r, f"{case} on sm_{arch} {r['cfg']}")
 
 
 @pytest.mark.parametrize("case", SM90_DEFAULTS)

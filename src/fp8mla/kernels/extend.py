@@ -179,9 +179,11 @@ def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False, arch:
         # The portable path (SM80/89/120): 32 rows x BLOCK_N 32, 8 warps, V converted by inline asm (per-tensor
         # FP8): no spills, no LDS.U8, 88 KB of shared memory (SM89/120 allow 99 KB); triton 3.9 compiles,
         # checked by tests/test_compile_targets.py. Not measured on such a GPU.
+        # Group format: its fp32 dequantized tile needs BLOCK_N 16 to fit (78 KB; 24 B of spills, LDS.U8 remain:
+        # the decode kernel is that format's exact, clean path).
         block_h = min(triton.next_power_of_2(num_heads), 32)
-        return dict(block_h=block_h, block_q=max(1, 32 // block_h), block_n=32, num_warps=8, num_stages=2,
-                    v_asm=not has_group)
+        return dict(block_h=block_h, block_q=max(1, 32 // block_h), block_n=16 if has_group else 32, num_warps=8,
+                    num_stages=2, v_asm=not has_group)
     rows = 32 if fp32_dot else 64  # the interpreter: small tiles keep the numpy work per step low
     block_h = min(triton.next_power_of_2(num_heads), rows)
     # GPU: BLOCK_N 64, 8 warps, 2 stages measured fastest on the H200 (2026-11-29, H=128 qo 1024 kv 8192, page 64:
