@@ -49,6 +49,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .softmax import softmax_step
+
 # KV_MODE values. KV_FP8_FP16_MATH: FP8 (or fp16) storage, fp16 MMAs. KV_FP16_MATH is its old name, kept until
 # every caller has switched.
 KV_FP8_FP16_MATH, KV_BF16, KV_GROUP = 0, 1, 2
@@ -356,11 +358,7 @@ def _mla_decode_kernel(
         fill = tl.where(ld_ok, float("-inf"), tl.where(t_ok, float("nan"), float("-inf")))
         s = tl.where(visible, s, fill[None, :])
         # -- online softmax (log2 domain) -----------------------------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)  # kernels/softmax.py: NaN and "no keys" rules
         if KV_MODE == 1:
             pb = p.to(tl.float32 if FP32_DOT else tl.bfloat16)
             acc0 = _dot(pb, c0, acc0 * alpha[:, None], FP32_DOT)
