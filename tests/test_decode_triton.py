@@ -236,7 +236,7 @@ def launch(b, splits=1, out=None, lse=None, scale_arr=None, kv_indices=None, **k
                i32(cols[1]), i32(cols[2]), i32(cols[3]), i32([len(items)]), i32(split_indptr), i32([len(lens)]),
                grid_items=len(items), grid_batch=len(lens), num_heads=H, max_rows=max_rows, sm_scale=a["sm_scale"],
                causal=a["causal"], kv_mode=kv_mode, block_m=kw.pop("block_m", 16), block_n=block_n,
-               num_warps=4, num_stages=1, fp32_dot=DEVICE == "cpu", **kw)
+               num_warps=kw.pop("num_warps", 4), num_stages=1, fp32_dot=DEVICE == "cpu", **kw)
     return out, lse
 
 
@@ -390,3 +390,17 @@ def test_uint8_pool_bit_conversion_matches(fmt, case_seed):
     torch.testing.assert_close(got_l, want_l, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="raw_fp8"):
         launch(b)  # a uint8 pool without raw_fp8
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the asm V conversion runs on a GPU only")
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_group", "fp16"])
+@pytest.mark.parametrize("v_convert,warps", [("plain", 4), ("asm", 4), ("asm", 8)])
+def test_v_conversion_paths_on_gpu(fmt, v_convert, warps, case_seed):
+    """Both V conversions (plain; inline asm in 128-column chunks: the portable path, and sm_90's candidate at
+    8 warps) against the reference on the GPU, with splits."""
+    b = make_paged_batch([3000, 77, 1025, 0], [1, 2, 1, 1], 16, 64, fmt, device=DEVICE, seed=case_seed,
+                         ckv_scale=0.5, kpe_scale=0.25)
+    ref_o, ref_l = b.reference()
+    out, lse = launch(b, splits=3, block_n=64, v_convert=v_convert, num_warps=warps)
+    assert_close(out, ref_o, DEFAULT_TOL, "out")
+    assert lse_abs_err(lse, ref_l) <= 1e-3

@@ -210,3 +210,13 @@ def test_uint8_pool_bit_conversion_matches(fmt, case_seed):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="raw_fp8"):
         run_extend(b)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the asm V conversion runs on a GPU only")
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("v_asm", [False, True])
+def test_v_conversion_paths_on_gpu(fmt, v_asm, case_seed):
+    """Both V conversions (plain, and inline asm: the portable path's) against the reference on the GPU."""
+    b = make_paged_batch([300, 77, 1025], [100, 77, 17], 16, 64, fmt, device=DEVICE, seed=case_seed,
+                         ckv_scale=0.5, kpe_scale=0.25)
+    check(b, *run_extend(b, v_asm=v_asm))

@@ -200,7 +200,8 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
                out: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool, scales: torch.Tensor,
                ckv_scale_arr: torch.Tensor | None, max_qo_len: int, fp32_dot: bool,
                block_h: int | None = None, block_q: int | None = None, block_n: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None, raw_fp8: int = 0) -> None:
+               num_warps: int | None = None, num_stages: int | None = None, raw_fp8: int = 0,
+               v_asm: bool | None = None) -> None:
     """Launch the paged extend; writes ``out`` and ``lse`` (base 2).
 
     Args:
@@ -218,6 +219,7 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
             two, block_n >= 16, block_h x block_q >= 16.
         raw_fp8: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits (converted by bit manipulation;
             an FP8 pool on a GPU older than sm_89, where Triton has no FP8 type, is viewed so automatically).
+        v_asm: convert V by inline asm (per-tensor FP8 pools; default: on GPUs other than sm_90).
     Bad arguments raise ValueError / TypeError naming them. Page ids outside ``[0, P)`` are never read: the
     request's rows come out NaN. NaN in a query or a used token gives NaN rows (never out 0 / lse -inf).
     """
@@ -259,7 +261,7 @@ def mla_extend(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         raw_fp8 = 1 if ckv_cache.dtype == torch.float8_e4m3fn else 2
         ckv_cache, kpe_cache = ckv_cache.view(torch.uint8), kpe_cache.view(torch.uint8)
     t = default_tiles(H, fp32_dot, has_group, arch)
-    v_asm = bool(t["v_asm"]) and ckv_cache.element_size() == 1 and not has_group
+    v_asm = bool(t["v_asm"] if v_asm is None else v_asm) and ckv_cache.element_size() == 1 and not has_group
     bh, bq, bn = block_h or t["block_h"], block_q or t["block_q"], block_n or t["block_n"]
     for name, v, lo in (("block_h", bh, 1), ("block_q", bq, 1), ("block_n", bn, 16)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
