@@ -4,7 +4,8 @@ The kit (sglang/test/kits/attention_unittest, MLA methods) builds SGLang's real 
 (``MLATokenToKVPool`` with an FP8 pool stored as uint8, ``ReqToTokenPool``, shuffled page locations, a
 ``ForwardBatch``), creates the backend from ``ATTENTION_BACKENDS["fp8mla"]`` (the registry our plugin fills),
 runs a DeepSeek-style absorbed-MLA module through ``RadixAttention`` and compares with its float32 reference on
-the unquantized latents. DeepSeek widths: kv_lora_rank 512, rope 64, 4 heads, bf16.
+the unquantized latents. DeepSeek widths: kv_lora_rank 512, rope 64, 4 heads, bf16. Every case runs once per
+fp8mla kernel backend (FP8MLA_BACKEND): torch, and triton (on the CPU in Triton's interpreter).
 
 Tolerances: the kit's own (3e-2) against its reference computed on the latents the pool holds (for an FP8 pool:
 rounded to e4m3 and scaled back, which separates the kernel's error from quantization); 0.25 against the

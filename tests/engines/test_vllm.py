@@ -238,3 +238,24 @@ def test_unsupported_vllm_version_is_refused_by_name(monkeypatch):
     with pytest.raises(versions.UnsupportedEngineVersion, match=r"supports vllm 0\.32\.x or 0\.33\.x"):
         versions.check_version("vllm", "0.31.2")
     assert versions.check_version("vllm", "0.33.1+cpu") == "0.33.1+cpu"
+
+
+def test_plugin_entry_point_registers_the_backend_and_routes_the_cpu_platform():
+    from importlib.metadata import entry_points
+
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    eps = {ep.name: ep.value for ep in entry_points(group=DEFAULT_PLUGINS_GROUP)}
+    assert eps.get("fp8mla") == "fp8mla.integrations.vllm:register"
+    load_general_plugins()
+    member = AttentionBackendEnum["FP8MLA"]
+    assert member.get_path() == "fp8mla.integrations.vllm_backend.FP8MLABackend"
+    assert member.get_class().get_name() == "FP8MLA"
+
+    class Sel:  # the selector config fields the CPU platform reads
+        use_mla, use_sparse = True, False
+
+    assert CpuPlatform.get_attn_backend_cls(member, Sel()) == member.get_path()
+    # any other MLA selection keeps vLLM's own choice
+    assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CPU_MLA, Sel()).endswith("CPUMLABackend")
