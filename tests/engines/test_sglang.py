@@ -190,6 +190,31 @@ def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale, backend
     print(f"fresh latents, page {page_size}, k_scale {k_scale}, {backend}: max |err| vs stored values, vs unquantized: {err}")
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_hooks_plan_decode_into_fixed_buffers(page_size, backend):
+    """The decode graph hooks (init_cuda_graph_state, init_forward_metadata_out_graph, nothing in graph): the batch
+    is planned into a wrapper with fixed buffers (use_cuda_graph=True) and run from them, for two batches of the
+    same size. On the CPU nothing is captured; this checks the planning side of the hooks."""
+    from fp8mla.integrations.sglang_backend import STATS
+    results = []
+    for prefix in ((14, 15, 16), (3, 40, 1)):
+        case = K.MLAAttentionCase(name=f"graph_p{page_size}", backend="fp8mla", forward_mode=ForwardMode.DECODE,
+                                  num_heads=4, page_size=page_size, prefix_lens=prefix)
+        fixture = K.build_mla_attention_fixture(_Case(), case, dtype=torch.bfloat16, device="cpu",
+                                                fp8_kv_cache=True, **DIMS)
+        be = fixture.backend
+        be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+        STATS.reset()
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=be)), forbid_pool_casts(*_pools(fixture)):
+            be.init_forward_metadata_out_graph(fixture.forward_batch, in_capture=False)
+            be.init_forward_metadata_in_graph(fixture.forward_batch)
+            actual = fixture.actual_module(fixture.input_hidden, fixture.forward_batch)
+        results.append(_check(actual, fixture, True))
+        assert STATS.decode_calls == 1 and STATS.backends == {backend}
+        assert be.get_cuda_graph_seq_len_fill_value() == 1
+    print(f"graph hooks, page {page_size}, {backend}: {results}")
+
+
 def test_plugin_entry_point_and_cli_choice():
     from importlib.metadata import entry_points
 

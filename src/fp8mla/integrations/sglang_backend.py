@@ -165,12 +165,15 @@ class FP8MLAAttnBackend(AttentionBackend):
     # -- metadata -----------------------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
+        if mode.is_idle():  # no tokens on this rank (DP attention): AttentionBackend.forward returns empty outputs
+            self.forward_metadata = _Metadata("idle")
+            return
         seq_cpu = forward_batch.seq_lens_cpu
         if seq_cpu is None:
             raise ValueError("forward_batch.seq_lens_cpu: fp8mla plans from SGLang's host lengths, got None")
         B = forward_batch.batch_size
         seq_cpu = seq_cpu[:B].to(torch.int64)
-        if mode.is_decode_or_idle():
+        if mode.is_decode():
             self._plan(self._decode, self._layout(forward_batch, seq_cpu, torch.ones(B, dtype=torch.int64)), True)
             self.forward_metadata = _Metadata("decode", attn=self._decode)
             return
@@ -205,7 +208,10 @@ class FP8MLAAttnBackend(AttentionBackend):
         if attn is None:
             attn = self._graph_decode[B] = MLAPagedAttention(None, True, backend=self._backend,
                                                               **(self._graph_opts or {}))
-        seq_cpu = forward_batch.seq_lens_cpu[:B].to(torch.int64)
+        seq_cpu = forward_batch.seq_lens_cpu
+        if seq_cpu is None:  # SGLang's capture path may not carry host lengths: one copy, at capture time only
+            seq_cpu = forward_batch.seq_lens.cpu()
+        seq_cpu = seq_cpu[:B].to(torch.int64)
         self._plan(attn, self._layout(forward_batch, seq_cpu, torch.ones(B, dtype=torch.int64)), True)
         self.forward_metadata = _Metadata("decode", attn=attn)
 
