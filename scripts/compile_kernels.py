@@ -234,7 +234,8 @@ KEYS = ["HMMA", "HGMMA", "QMMA", "F2FP", "F2F", "PRMT", "LDG", "LDGSTS", "LDS", 
 def fmt(r: dict) -> str:
     o = r["ops"]
     return (f"regs {r['regs']:3d} stack {r['stack']} B spill ops {r['spill_ops']} smem {r['smem']:6d} B | "
-            f"LDS.U8 {r['lds_u8']} (in {r['loops']} loops {r['lds_u8_in_loops']}) | " + " ".join(f"{k}={o.get(k, 0)}" for k in KEYS))
+            f"LDS.U8 {r['lds_u8']} (in {r['loops']} loops {r['lds_u8_in_loops']}) | "
+            + " ".join(f"{k}={o.get(k, 0)}" for k in KEYS))
 
 
 def _parse_set(items):

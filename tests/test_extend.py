@@ -1,6 +1,7 @@
 """The paged extend (prefill) kernel against the float64 reference on NaN-poisoned pools with shuffled pages:
 every format, page sizes 1..128, causal and not, more queries than tokens, fp16 queries, strided queries,
-H=128, the full DeepSeek widths; NaN in gives NaN out, page ids outside the pool, a transposed lse, named errors. CPU: TRITON_INTERPRET=1 at small sizes; GPU: the same plus a large case."""
+H=128, the full DeepSeek widths; NaN in gives NaN out, page ids outside the pool, a transposed lse, named errors.
+CPU: TRITON_INTERPRET=1 at small sizes; GPU: the same plus a large case and both V conversions."""
 from __future__ import annotations
 
 import math

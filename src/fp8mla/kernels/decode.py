@@ -473,7 +473,8 @@ def default_config(rows: int, kv_mode: int, arch: int | None) -> dict:
     (``arch`` = major * 10 + minor; None = the CPU interpreter).
 
     sm_90 (and the interpreter): the configuration measured on the H200 (2026-11-29): plain V conversion, 4 warps
-    for 16-row tiles, BLOCK_N 64 (group format: asm V, BLOCK_N 32, as the backend already used). (Compiled with triton 3.9 it spills and has 256 LDS.U8 per tile; the portable
+    for 16-row tiles, BLOCK_N 64 (group format: asm V, BLOCK_N 32, as the backend already used). (Compiled
+    with triton 3.9 it spills and has 256 LDS.U8 per tile; the portable
     configuration below has neither: measure ``v_convert="asm", num_warps=8`` there before switching.)
     Other targets (SM80/89/120, the portable path): V converted by inline asm in 128-column chunks, 8 warps,
     16-row tiles with BLOCK_N 64 or 32-row tiles with BLOCK_N 32: no spills, no LDS.U8, <= 95 KB of shared
