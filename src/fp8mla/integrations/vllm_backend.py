@@ -102,19 +102,24 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         self._kv_dtype = _cache_storage_dtype(vllm_config.cache_config.cache_dtype, self._q_dtype)
         # DCP all-gathers the query heads before forward_mqa.
         self._num_heads = self.num_heads * self.dcp_world_size
-        device = torch.device(device)
-        graphs = device.type == "cuda"
-        opts = {}
-        if graphs:
-            sched = vllm_config.scheduler_config
-            opts = dict(max_batch_size=max(1, sched.max_num_seqs), max_qo_len=1,
-                        max_kv_indices=max(1, sched.max_num_seqs * -(-self.model_config.max_model_len
-                                                                     // self.page_size)))
-        self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=graphs, backend=_backend(), **opts)
+        self._graphs = torch.device(device).type == "cuda"
+        # decode rows per batch, captured (padded) batches included
+        self._max_batch = max(1, vllm_config.scheduler_config.max_num_seqs,
+                              getattr(self.compilation_config, "max_cudagraph_capture_size", None) or 0)
+        self._attn = None  # built at the first plan, when the block table's width is known
+
+    def _wrapper(self, block_table):
+        if self._attn is None:
+            opts = {}
+            if self._graphs:  # fixed buffers for the widest batch of the full-width table (no copy per plan)
+                opts = dict(max_batch_size=self._max_batch, max_qo_len=1,
+                            max_kv_indices=self._max_batch * max(1, block_table.shape[1]))
+            self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=self._graphs, backend=_backend(), **opts)
+        return self._attn
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
                       query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
-        _plan(self._attn, block_table_tensor, seq_lens_device, query_start_loc_cpu, self.page_size,
+        _plan(self._wrapper(block_table_tensor), block_table_tensor, seq_lens_device, query_start_loc_cpu, self.page_size,
               self._num_heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim, self._sm_scale,
               self._q_dtype, self._kv_dtype)
         STATS.plans += 1
