@@ -23,19 +23,24 @@ Skipped unless vLLM is importable (the engine venv that .ci/run builds; see docs
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # before touching the environment of the main test run
+    pytest.skip("vLLM is not installed (engine tests run in .ci/run's engine venv)", allow_module_level=True)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: patchable, one import
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # fp8mla's Triton kernels run in Triton's interpreter (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (engine tests run in .ci/run's engine venv)")
+vllm = pytest.importorskip("vllm", reason="vLLM is not importable here")
 
 from fp8mla.integrations import versions  # noqa: E402
 
