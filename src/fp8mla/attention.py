@@ -27,7 +27,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 STRATEGIES = ("native", "gather_cast")
 CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices")  # CUDA-graph buffer sizes
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64", "fp8_math") + CAPACITY_OPTIONS
+                  "index64", "v_convert", "fp8_math") + CAPACITY_OPTIONS
 FLASHINFER_BACKENDS = ("fa2", "fa3")
 # Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
 MAX_SM_SCALE = 1e6
@@ -60,7 +60,8 @@ class MLAPagedAttention:
             the batch's tokens into a 16-bit workspace sized by those tokens, then run the 16-bit kernel on it; a
             baseline and a fallback, never a cast of the pool).
         **kernel_options: tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
-            ``min_chunk``, ``evict_first``, ``index64``; ``fp8_math`` for the gluon backend) and the CUDA-graph
+            ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math`` for the gluon
+            backend) and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20).
 
@@ -381,6 +382,8 @@ def _check_kernel_options(opts: dict) -> None:
     if opts.get("num_warps") is not None and (isinstance(opts["num_warps"], bool)
                                               or opts["num_warps"] not in _WARPS):
         raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+    if opts.get("v_convert") is not None and opts["v_convert"] not in ("plain", "asm"):
+        raise ValueError(f"v_convert: expected 'plain' or 'asm', got {opts['v_convert']!r}")
     for name in ("evict_first", "index64", "fp8_math"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")

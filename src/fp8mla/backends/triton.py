@@ -17,16 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.decode import KV_BF16, KV_FP16_MATH, KV_GROUP, mla_decode
+from ..kernels.decode import KV_BF16, KV_FP8_FP16_MATH, KV_GROUP, default_config, mla_decode
 from ..runtime import LN2, interpreting, num_sms
 
 __all__ = ["build", "DEFAULTS", "KERNEL_OPTIONS", "schedule", "kernel_config"]
 
-DEFAULTS = dict(block_n=None, num_stages=2, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
+DEFAULTS = dict(block_n=None, num_stages=None, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
                 max_qo_len=None, max_kv_indices=1 << 20)
 # Tuning options this backend reads (validated by MLAPagedAttention's constructor).
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64")
+                  "index64", "v_convert")
 EXTEND_MIN_QO = 9  # plans with longer query blocks run the extend (paged prefill) kernel
 
 
@@ -34,18 +34,29 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def kernel_config(num_heads: int, max_qo_len: int, kv_mode: int, opts: dict) -> dict:
-    """BLOCK_M / BLOCK_N / warps / stages for a plan (overridable through the constructor's keywords)."""
+def kernel_config(num_heads: int, max_qo_len: int, kv_mode: int, opts: dict, device=None) -> dict:
+    """BLOCK_M / BLOCK_N / warps / stages / V conversion for a plan: the kernel's per-GPU defaults
+    (``kernels.decode.default_config``: the measured sm_90 configuration, the spill-free portable one on
+    SM80/89/120), overridable through the constructor's keywords."""
     rows = num_heads * max_qo_len
-    block_m = opts.get("block_m") or min(64, max(16, _pow2(rows)))
-    # The group format's fp32 dequantization tiles overflow shared memory at BLOCK_N 64 (259 KB on the H200).
-    block_n = opts.get("block_n") or (32 if kv_mode == KV_GROUP else 64)
+    arch = None
+    if device is not None and torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = major * 10 + minor
+    d = default_config(rows, kv_mode, arch)
+    block_m = opts.get("block_m") or d["block_m"]
+    block_n = opts.get("block_n") or d["block_n"]
     for name, v in (("block_m", block_m), ("block_n", block_n)):
         if v != _pow2(v) or v < 16:
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
+    v_convert = opts.get("v_convert") or d["v_convert"]
+    if v_convert not in ("plain", "asm"):
+        raise ValueError(f"v_convert: expected 'plain' or 'asm', got {v_convert!r}")
     return dict(block_m=block_m, block_n=block_n, evict_first=opts.get("evict_first", DEFAULTS["evict_first"]),
-                index64=opts.get("index64"), num_warps=opts.get("num_warps") or (4 if block_m <= 16 else 8),
-                num_stages=opts.get("num_stages", DEFAULTS["num_stages"]))
+                index64=opts.get("index64"), v_convert=v_convert,
+                num_warps=opts.get("num_warps") or (d["num_warps"] if not opts.get("block_m")
+                                                    else (4 if block_m <= 16 else 8)),
+                num_stages=opts.get("num_stages") or d["num_stages"])
 
 
 def items_target(row_tiles: int, device, ctas_per_sm: int) -> int:
@@ -111,7 +122,7 @@ def _kv_mode(spec) -> int:
     fmt = spec.kv_format
     if fmt.scale_kind == "group":
         return KV_GROUP
-    return KV_BF16 if fmt.storage_dtype == torch.bfloat16 else KV_FP16_MATH
+    return KV_BF16 if fmt.storage_dtype == torch.bfloat16 else KV_FP8_FP16_MATH
 
 
 def check_dims(spec) -> None:
@@ -148,6 +159,7 @@ class TritonPlan:
                        sm_scale=spec.sm_scale, causal=spec.causal, kv_mode=self.kv_mode, block_m=c["block_m"],
                        block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"],
                        fp32_dot=interpreting(), evict_first=c["evict_first"], index64=c["index64"],
+                       v_convert=c["v_convert"],
                        q_split=self.kv_mode == KV_GROUP or (self.kv_mode == KV_BF16
                                                             and spec.q_dtype == torch.float16))
         if base_e:
@@ -180,7 +192,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     extend_ok = fmt.scale_kind != "group" and not (fmt.storage_dtype == torch.float16
                                                     and spec.q_dtype == torch.bfloat16)
     extend_qo = plan_qo if extend_ok and not graph and plan_qo >= EXTEND_MIN_QO else 0
-    cfg = kernel_config(H, max_qo, kv_mode, opts)
+    cfg = kernel_config(H, max_qo, kv_mode, opts, device)
     max_rows = 0 if extend_qo else H * max_qo
     row_tiles = -(-max_rows // cfg["block_m"]) if max_rows else 1
     target = items_target(row_tiles, device, opts["ctas_per_sm"])
