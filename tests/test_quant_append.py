@@ -32,7 +32,10 @@ def wild_values(T, D, dtype, g):
 
 
 def pair(fmt, **kw):
-    kw = dict(head_dim_ckv=256, head_dim_kpe=32, ckv_scale=0.37, kpe_scale=3.1, device=DEVICE) | kw
+    # Scales only where the format takes them (the cache refuses a scale its format would ignore).
+    f = get_format(fmt)
+    kw = dict(head_dim_ckv=256, head_dim_kpe=32, ckv_scale=0.37 if f.scale_kind == "tensor" else 1.0,
+              kpe_scale=3.1 if f.is_fp8 else 1.0, device=DEVICE) | kw
     return [PagedMLACache(2, 7, 4, fmt, **kw) for _ in range(2)]
 
 
@@ -93,8 +96,8 @@ def test_scaling_is_an_ieee_division(use_triton):
     kpe = torch.cat([_near_midpoint_values(torch.float16, 3.1, 8), -_near_midpoint_values(torch.bfloat16, 0.9, 8)])
     ckv = _near_midpoint_values(torch.bfloat16, 0.9, 15).repeat(18)[:256]
     for fmt in ("fp8_e4m3", "fp8_e4m3_group"):
-        cache = PagedMLACache(1, 2, 4, fmt, head_dim_ckv=256, head_dim_kpe=16, ckv_scale=0.9, kpe_scale=3.1,
-                              device=DEVICE)
+        cache = PagedMLACache(1, 2, 4, fmt, head_dim_ckv=256, head_dim_kpe=16,
+                              ckv_scale=0.9 if fmt == "fp8_e4m3" else 1.0, kpe_scale=3.1, device=DEVICE)
         c_kv = torch.stack([ckv, -ckv.flip(0)]).to(DEVICE)
         k_pe = torch.stack([kpe, kpe.flip(0)]).to(torch.float16).to(DEVICE)
         cache.write(0, torch.tensor([5, 2], device=DEVICE), c_kv, k_pe, use_triton=use_triton)
@@ -131,7 +134,7 @@ def test_append_read_back_round_trip(fmt, use_triton, case_seed):
     """Values up to 4x past the FP8 range: stored saturated at +-max * scale, the rest within rounding error."""
     f = get_format(fmt)
     g = torch.Generator().manual_seed(case_seed)
-    ckv_scale, kpe_scale = (0.5, 0.25) if f.is_fp8 else (1.0, 1.0)
+    ckv_scale, kpe_scale = (0.5 if f.scale_kind == "tensor" else 1.0, 0.25) if f.is_fp8 else (1.0, 1.0)
     cache = PagedMLACache(1, 9, 8, fmt, head_dim_ckv=256, head_dim_kpe=64, ckv_scale=ckv_scale,
                           kpe_scale=kpe_scale, device=DEVICE)
     lens = [13, 1, 8]

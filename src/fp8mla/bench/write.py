@@ -64,7 +64,9 @@ def _append_rows(args, copy_bw, read_bw, device):
     for fmt_name in args.kv:
         fmt = get_format(fmt_name)
         pages = -(-max(args.pool_tokens, T) // page)
-        cache = PagedMLACache(1, pages, page, fmt_name, device=device, ckv_scale=0.5, kpe_scale=0.5)
+        cache = PagedMLACache(1, pages, page, fmt_name, device=device,  # scales only where the format takes them
+                              ckv_scale=0.5 if fmt.scale_kind == "tensor" else 1.0,
+                              kpe_scale=0.5 if fmt.is_fp8 else 1.0)
         g = torch.Generator(device=device).manual_seed(0)
         slots = torch.randperm(pages * page, device=device, generator=g)[:T]
         c_kv = torch.randn(T, DC, device=device, generator=g).to(torch.bfloat16)
