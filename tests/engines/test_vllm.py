@@ -34,6 +34,7 @@ if importlib.util.find_spec("vllm") is None:  # before touching the environment 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: patchable, one import
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report over the network from a test
 
 import torch  # noqa: E402
 
