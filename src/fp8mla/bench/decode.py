@@ -107,6 +107,10 @@ def main(args) -> int:
                     t0 = time.time()
                     pool, plan_args = make_pool(B, L, page, fmt_name, device)
                     ckv, kpe = pool[..., :DC], pool[..., DC:]
+                    # The pool holds values stored with scale 1: say so (an FP8 run without its scales is refused).
+                    sk = {} if not fmt.is_fp8 else dict(kpe_scale=1.0, **(
+                        dict(ckv_scale_arr=torch.ones(*pool.shape[:2], DC // 128, device=device))
+                        if fmt.scale_kind == "group" else dict(ckv_scale=1.0)))
                     q_nope = torch.randn(B, H, DC, device=device, dtype=torch.bfloat16)
                     q_pe = torch.randn(B, H, DK, device=device, dtype=torch.bfloat16)
                     out = torch.empty(B, H, DC, device=device, dtype=torch.bfloat16)
@@ -120,25 +124,25 @@ def main(args) -> int:
                         name = "fp8mla" if vname == "default" else f"fp8mla[{vname}]"
                         attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)  # the portable kernel
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
-                        runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse))
+                        runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                     if "gluon" in fp8mla_backends(device):  # the Hopper kernel, where its supports() takes the plan
                         try:
                             attn = MLAPagedAttention(backend="gluon")
                             attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                             runners["fp8mla gluon"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
-                                                                             lse=lse))
+                                                                             lse=lse, **sk))
                         except ValueError as e:
                             print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners["fp8mla gather_cast"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
-                                                                               lse=lse))
+                                                                               lse=lse, **sk))
                     if "torch" in args.compare:
                         attn = MLAPagedAttention(backend="torch")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners["torch gather-cast"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
-                                                                              lse=lse))
+                                                                              lse=lse, **sk))
                     if "flashinfer" in args.compare:
                         for be in ("fa3", "fa2"):
                             try:
