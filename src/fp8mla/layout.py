@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_positive_int, check_tensor, same_device
+from ._checks import INDEX_DTYPES, check_positive_int, check_tensor
 
 __all__ = ["PagedLayout"]
 
@@ -81,14 +81,6 @@ class PagedLayout:
     @property
     def max_qo_len(self) -> int | None:
         return None if self.qo_lens is None else max(self.qo_lens, default=0)
-
-    @property
-    def max_kv_len(self) -> int | None:
-        return None if self.kv_lens is None else max(self.kv_lens, default=0)
-
-    @property
-    def num_tokens(self) -> int | None:
-        return None if self.kv_lens is None else sum(self.kv_lens)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -217,10 +209,6 @@ class PagedLayout:
         if self.max_page_id is not None and self.max_page_id >= num_pages:
             raise ValueError(f"kv_indices: the plan references page {self.max_page_id} but ckv_cache has "
                              f"{num_pages} pages")
-
-    def check_device(self, device) -> None:
-        if not same_device(self.device, device):
-            raise ValueError(f"layout: planned on {self.device}, got tensors on {device}")
 
     # -- derived, on demand -----------------------------------------------------------------------------------
     def used_kv_len(self) -> torch.Tensor:
