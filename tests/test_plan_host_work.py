@@ -127,3 +127,34 @@ def test_torch_backend_cost_follows_tokens():
     assert padded <= 2 * sum(lens), f"{padded} padded token slots for {sum(lens)} tokens"
     out = attn.run(**pb.run_args)
     assert_close(out, pb.reference()[0], 1e-2)
+
+
+def test_host_schedule_matches_device_schedule():
+    """The O(batch) host schedule (plans with host lengths) gives the device schedule's work items: random
+    lengths, rows without queries, empty rows, a table that claims more tokens than its pages, odd sizes."""
+    from fp8mla.backends.triton import schedule, schedule_host
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        ps = int(torch.randint(1, 70, (1,), generator=g))
+        qo_lens = torch.randint(0, 3, (B,), generator=g) * (trial % 3 != 0) + (trial % 3 == 0)
+        pages = torch.randint(0, 40, (B,), generator=g)
+        kv_len = (pages * ps - torch.randint(0, ps, (B,), generator=g)).clamp(min=0)
+        kv_len[torch.rand(B, generator=g) < 0.2] += ps * 3   # lengths past their pages: clamped
+        qo = torch.zeros(B + 1, dtype=torch.int32)
+        kv = torch.zeros(B + 1, dtype=torch.int32)
+        torch.cumsum(qo_lens, 0, out=qo[1:])
+        torch.cumsum(pages, 0, out=kv[1:])
+        num_indices = int(kv[-1]) - int(torch.randint(0, 3, (1,), generator=g))  # the last row may lose pages
+        kw = dict(target=int(torch.randint(1, 300, (1,), generator=g)), block_n=[16, 32, 64][trial % 3],
+                  min_chunk=[64, 256, 512][trial % 3])
+        dev = schedule(qo, kv, kv_len.to(torch.int32), ps, num_indices=num_indices, max_items=kw["target"] + B,
+                       **kw)
+        host = schedule_host(dict(qo_indptr=qo, kv_indptr=kv, kv_len=kv_len.to(torch.int32)), ps,
+                             num_indices=num_indices, **kw)
+        n = int(dev["num_items"])
+        assert host["num_items"] == [n] and host["batch_size"] == [B]
+        for k in ("split_indptr", "kv_len"):
+            assert host[k] == dev[k].tolist(), (trial, k)
+        for k in ("item_req", "item_start", "item_end", "item_part"):
+            assert host[k] == dev[k][:n].tolist(), (trial, k)

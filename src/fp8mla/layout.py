@@ -31,6 +31,15 @@ def _on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without a sync: CUDA gets it through pinned memory, asynchronously (the caching
+    host allocator keeps the pinned block until the copy has run, so the caller may drop it)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def debug_checks() -> bool:
     """``FP8MLA_CHECK=1``: check device-only page tables too, at the price of a device-to-host sync."""
     return os.environ.get("FP8MLA_CHECK") == "1"
@@ -68,6 +77,9 @@ class PagedLayout:
     qo_lens: list | None = None
     kv_lens: list | None = None
     max_page_id: int | None = None      # largest page id a token uses (-1: none), when checked on the host
+    # Host copies (int32 CPU tensors) of qo_indptr[:B + 1], kv_indptr[:B + 1] and kv_len, when all three were
+    # given on the host: a backend can then schedule on the host and stage its arrays in one copy (no device op).
+    host: dict | None = field(default=None, repr=False)
     _slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -127,8 +139,16 @@ class PagedLayout:
             max_page = cls._max_page(h[0], h[1], h[2], page_size, active)
 
         i32 = dict(dtype=torch.int32, device=device, non_blocking=True)  # host -> device never syncs
-        return cls(qo_indptr.to(**i32), kv_indptr.to(**i32), kv_indices.to(**i32), kv_len.to(**i32), page_size,
-                   device, qo_lens, kv_lens, max_page)
+        host = None
+        if _on_host(qo_indptr) and _on_host(kv_indptr) and _on_host(kv_len):
+            # The three small arrays in one host -> device copy (each copy is a launch's worth of host time).
+            packed = torch.cat([qo_indptr.to(torch.int32), kv_indptr.to(torch.int32), kv_len.to(torch.int32)])
+            host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:])
+            d = to_device(packed, device)
+            qo_d, kv_d, len_d = d[: B + 1], d[B + 1: 2 * B + 2], d[2 * B + 2:]
+        else:
+            qo_d, kv_d, len_d = qo_indptr.to(**i32), kv_indptr.to(**i32), kv_len.to(**i32)
+        return cls(qo_d, kv_d, kv_indices.to(**i32), len_d, page_size, device, qo_lens, kv_lens, max_page, host)
 
     @classmethod
     def from_block_table(cls, block_table: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
@@ -145,7 +165,9 @@ class PagedLayout:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {kv_len.numel()}")
         dev = block_table.device
         block_table = block_table.to(torch.int32).contiguous()  # no copy for vLLM's int32 table (row slices)
-        kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * W
+        # Row b starts at b * W. Built on the host when the lengths are there too: checked there in O(batch), and
+        # staged with them in one copy (a device arange would be two launches).
+        kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cpu" if _on_host(kv_len) else dev) * W
         if qo_indptr is None:
             qo_indptr = torch.arange(B + 1, dtype=torch.int32)  # host: decode, one query per request
         try:

@@ -118,6 +118,43 @@ def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Ten
                 split_indptr=split_indptr.to(i32), num_items=split_indptr[B:].to(i32), kv_len=L.to(i32))
 
 
+def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, block_n: int,
+                  min_chunk: int) -> dict:
+    """:func:`schedule` on the host, in O(batch) Python, from the layout's host arrays (``PagedLayout.host``):
+    the same work items (its first ``num_items`` entries; the kernels read no further), as lists of ints.
+    It costs no device op: the plan stages these with its other arrays in one host -> device copy."""
+    qo, kvp, lens = (host[k].tolist() for k in ("qo_indptr", "kv_indptr", "kv_len"))
+    B = len(lens)
+    L = [max(0, min(n, max(0, min(kvp[b + 1], num_indices) - kvp[b]) * page_size)) for b, n in enumerate(lens)]
+    active = [qo[b + 1] > qo[b] for b in range(B)]
+    total = sum(n for n, a in zip(L, active) if a)
+    chunk = max(-(-total // target), min_chunk)
+    chunk = -(-chunk // block_n) * block_n
+    split, req, start, end, part = [0], [], [], [], []
+    n_parts = 0
+    for b, (n, a) in enumerate(zip(L, active)):
+        if not a:
+            split.append(split[-1])
+            continue
+        if n > 0:
+            k = -(-n // chunk)
+            per = -(-(-(-n // k)) // block_n) * block_n
+            c = -(-n // per)
+        else:
+            per, c = 1, 1
+        split.append(split[-1] + c)
+        req += [b] * c
+        start += range(0, c * per, per)
+        end += [min(n, j + per) for j in range(0, c * per, per)]
+        if c > 1:
+            part += range(n_parts, n_parts + c)
+            n_parts += c
+        else:
+            part.append(-1)
+    return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
+                split_indptr=split, num_items=[split[-1]], kv_len=L, batch_size=[B])
+
+
 def _kv_mode(spec) -> int:
     fmt = spec.kv_format
     if fmt.scale_kind == "group":
@@ -206,24 +243,54 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
             buffers = state["graph"] = _GraphBuffers(opts, H, Dc, max_qo, device, target,
                                                      state.get("external", {}))
         buffers.check(H, Dc, H * max_qo, B, layout.kv_indices.numel())
+        if layout.host is not None:  # host lengths: schedule on the host, stage everything in one copy
+            sched = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+                                  target=target, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+            t = buffers.load_host(sched, layout.kv_indices)
+            return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
         sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
                          num_indices=layout.kv_indices.numel(), target=target, max_items=buffers.max_items,
                          block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
         t = buffers.load(dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32)))
         return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
     max_items = target + B
-    sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
-                     num_indices=layout.kv_indices.numel(), target=target, max_items=max_items,
-                     block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+    if layout.host is not None:  # host lengths: schedule on the host, one host -> device copy
+        h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(), target=target,
+                          block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+        sizes = dict(item_req=max(1, max_items), split_indptr=B + 1, num_items=1, kv_len=B, batch_size=1)
+        sched = _stage({k: (h[k], sizes.get(k, sizes["item_req"])) for k in _HOST_KEYS}, device)
+    else:
+        sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
+                         num_indices=layout.kv_indices.numel(), target=target, max_items=max_items,
+                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+        sched["batch_size"] = torch.full((1,), B, dtype=torch.int32, device=device)
     f32 = dict(dtype=torch.float32, device=device)
     parts = max_parts(target, max_items)
-    t = dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-             part_o=torch.empty(parts, max_rows, Dc, **f32), part_lse=torch.empty(parts, max_rows, **f32))
+    t = dict(base, **sched, part_o=torch.empty(parts, max_rows, Dc, **f32),
+             part_lse=torch.empty(parts, max_rows, **f32))
     return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
 
 
+# The schedule's arrays a host-scheduled plan stages (item arrays first: their capacity is the largest).
+_HOST_KEYS = ("item_req", "item_start", "item_end", "item_part", "split_indptr", "num_items", "kv_len", "batch_size")
+
+
+def _stage(arrays: dict, device) -> dict:
+    """``{name: (list of ints, capacity)}`` -> int32 device views of one buffer, filled by one host -> device copy
+    (zero-padded to each capacity)."""
+    from ..layout import to_device
+    flat, where = [], {}
+    for k, (vals, cap) in arrays.items():
+        where[k] = (len(flat), cap)
+        flat += vals
+        flat += [0] * (cap - len(vals))
+    d = to_device(torch.tensor(flat, dtype=torch.int32), device)
+    return {k: d[o: o + n] for k, (o, n) in where.items()}
+
+
 class _GraphBuffers:
-    """Fixed device buffers for CUDA-graph capture; plan() copies into them, never reallocates."""
+    """Fixed device buffers for CUDA-graph capture; plan() copies into them, never reallocates. The small int32
+    arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
 
     def __init__(self, opts, H, Dc, max_qo, device, target, external: dict):
         self.H, self.Dc, self.max_qo = H, Dc, max_qo
@@ -233,19 +300,23 @@ class _GraphBuffers:
         self.max_kv_indices = opts["max_kv_indices"]
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        self.buf = dict(qo_indptr=torch.zeros(mb + 1, **i32), kv_indptr=torch.zeros(mb + 1, **i32),
-                        kv_indices=torch.zeros(max(1, self.max_kv_indices), **i32), kv_len=torch.zeros(mb, **i32),
-                        item_req=torch.zeros(mi, **i32), item_start=torch.zeros(mi, **i32),
-                        item_end=torch.zeros(mi, **i32), item_part=torch.zeros(mi, **i32),
-                        split_indptr=torch.zeros(mb + 1, **i32), num_items=torch.zeros(1, **i32),
-                        batch_size=torch.zeros(1, **i32),
+        self.sizes = dict(qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, split_indptr=mb + 1, num_items=1,
+                          batch_size=1, item_req=mi, item_start=mi, item_end=mi, item_part=mi)
+        self.flat = torch.zeros(sum(self.sizes.values()), **i32)
+        self.buf, o = {}, 0
+        for k, n in self.sizes.items():
+            self.buf[k] = self.flat[o: o + n]
+            o += n
+        self.buf.update(kv_indices=torch.zeros(max(1, self.max_kv_indices), **i32),
                         part_o=torch.empty(max_parts(target, mi), self.max_rows, Dc, dtype=torch.float32,
                                            device=device),
                         part_lse=torch.empty(max_parts(target, mi), self.max_rows, dtype=torch.float32,
                                              device=device))
+        self.external = set()
         for k, t in external.items():  # the caller's own int32 buffers (FlashInfer's constructor arguments)
             if t.device == self.buf[k].device and t.numel() >= self.buf[k].numel():
                 self.buf[k] = t
+                self.external.add(k)
 
     def check(self, H, Dc, rows, B, n_indices):
         for what, got, cap in (("num_heads", H, self.H), ("head_dim_ckv", Dc, self.Dc),
@@ -256,6 +327,23 @@ class _GraphBuffers:
                 raise ValueError(f"plan: {what} {got} does not fit the CUDA-graph buffers ({cap}); construct "
                                  "MLAPagedAttention with larger buffers (max_batch_size / max_qo_len / "
                                  "max_kv_indices, or FlashInfer's qo_indptr= / kv_indices= buffers)")
+
+    def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
+        """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (plus one per
+        external small buffer), and the page ids from ``kv_indices`` (none when planned from the buffer itself)."""
+        flat = []
+        for k, n in self.sizes.items():
+            v = arrays[k]
+            flat += v
+            flat += [0] * (n - len(v))
+        h = torch.tensor(flat, dtype=torch.int32)
+        self.flat.copy_(h.pin_memory() if self.flat.is_cuda else h, non_blocking=True)
+        o = 0
+        for k, n in self.sizes.items():
+            if k in self.external:
+                self.buf[k][:n].copy_(self.flat[o: o + n], non_blocking=True)
+            o += n
+        return self.load(dict(kv_indices=kv_indices))
 
     def load(self, tensors: dict) -> dict:
         for k, v in tensors.items():
