@@ -42,15 +42,15 @@ def test_schedule_covers_every_tile_once(lens, ctas):
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-@pytest.mark.parametrize("page", [16, 64])
-def test_compiles_for_sm90a_without_spills_or_byte_loads(page):
+@pytest.mark.parametrize("page,heads", [(16, 16), (64, 16), (64, 32), (64, 128)])
+def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
     # In a child process: the CPU suite runs under TRITON_INTERPRET=1, where gluon.jit cannot compile.
     import json
     import os
     import subprocess
     import sys
-    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=%d, ns=3); "
-            "r.pop('ptxas_full', None); print('REPORT', json.dumps(r))" % page)
+    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=%d, ns=3, heads=%d); "
+            "r.pop('ptxas_full', None); print('REPORT', json.dumps(r))" % (page, heads))
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -58,7 +58,10 @@ def test_compiles_for_sm90a_without_spills_or_byte_loads(page):
     assert res.returncode == 0 and line, res.stderr[-3000:]
     r = json.loads(line[-1][len("REPORT "):])
     assert not r["serialized_wgmma"], r["ptxas"]
-    assert sum(st for st, _ in r["spills"]) <= 64, r["spills"]         # a few words in the producer, not a loop
+    # H16 / H32: a few words at most, not in a loop. H128 (32 heads per consumer, O^T = 128 registers of the
+    # 240): 380 B today with triton 3.9 (a known defect of the wide variant, see docs/benchmarks.md), bounded
+    # here so that it cannot grow unnoticed.
+    assert sum(st for st, _ in r["spills"]) <= (64 if heads <= 32 else 512), r["spills"]
     hgmma = sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))
     assert hgmma >= 36 + 32, r["ops"]                                  # QK (36 k-steps) + PV (32) per tile
     assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]                    # K and V^T come from 16-byte / ldmatrix loads

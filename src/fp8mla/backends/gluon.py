@@ -2,7 +2,8 @@
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
-one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
+and 17..128 heads with the wide-heads variant once ``GLUON_WIDE_HEADS`` is on (head groups of 32 or 64, ``nhg``
+CTAs per schedule slot), one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
 scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the device from the layout (no host
 read, no sync); lengths are clamped to the pages each row lists.
 
@@ -14,6 +15,7 @@ re-plan.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,14 @@ from ..runtime import LN2, gluon_usable, num_sms
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 PAGE_MULTIPLE = 64
+# The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90) is
+# compiled and CPU-checked but has not run on a GPU yet. Off until the H200 check (scripts/decode_v2_device.py
+# h128) passes; FP8MLA_GLUON_WIDE=1 forces it on (the device script and its tests set it).
+GLUON_WIDE_HEADS = False
+
+
+def wide_heads_enabled() -> bool:
+    return GLUON_WIDE_HEADS or os.environ.get("FP8MLA_GLUON_WIDE", "") == "1"
 
 
 def supports(spec, layout) -> tuple[bool, str]:
@@ -34,8 +44,12 @@ def supports(spec, layout) -> tuple[bool, str]:
     from ..kernels import decode_sm90 as k
     if k.gluon is None:
         return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
+    wide = wide_heads_enabled()
+    max_heads = k.MAX_WIDE_HEADS if wide else k.HP
     checks = [
-        (spec.num_heads <= k.HP, f"num_heads {spec.num_heads} > {k.HP} (the H128 variant is not written yet)"),
+        (1 <= spec.num_heads <= max_heads,
+         f"num_heads {spec.num_heads} > {max_heads}" + ("" if wide else
+            " (the wide-heads variant, up to 128, is off until verified on a GPU: FP8MLA_GLUON_WIDE=1)")),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
          f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
         (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
@@ -92,9 +106,14 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
     ns = int(opts["num_stages"])
-    if ns < 2 or k.smem_bytes(ns) > k.SMEM_LIMIT:
-        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..4 stages; {ns} stages need "
-                         f"{k.smem_bytes(ns)} B of shared memory, above {k.SMEM_LIMIT}")
+    hpw, nhg, wide = k.head_config(spec.num_heads)
+    smem = k.smem_bytes(ns, hpw, wide)
+    if ns < 2 or smem > k.SMEM_LIMIT:
+        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{'3' if wide else '4'} stages at "
+                         f"{spec.num_heads} heads; {ns} stages need {smem} B of shared memory, above {k.SMEM_LIMIT}")
+    # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
+    slots = max(1, n_sm // nhg)
+    rows = k.padded_heads(spec.num_heads)
     mp, mc = k.merge_blocks(64)  # fixed: the schedule is made on the device, its longest merge is not known here
     # Lengths clamped to the pages each row lists (a device-only table can never make the kernel read past them)
     # and zeroed for rows without queries (engines pad those with any length).
@@ -104,30 +123,31 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(kv_len, n_sm, min_tiles)
-        cap = n_sm + B
+        t = k.schedule_device(kv_len, slots, min_tiles)
+        cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-                 part_o=torch.empty(cap, k.HP, k.DC, dtype=torch.float32, device=device),
-                 part_lse=torch.empty(cap, k.HP, dtype=torch.float32, device=device))
-        return GluonPlan(spec, n_sm, max(1, B), mp, mc, ns, t)
+                 part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t)
     buf = state.get("graph")
     if buf is None:
-        buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}))
-    buf.check(B, layout.kv_indices.numel())
+        buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
+    buf.check(B, layout.kv_indices.numel(), rows)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], n_sm, min_tiles, out=t)
-    return GluonPlan(spec, n_sm, buf.max_batch, mp, mc, ns, t)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
 
 
 class _GraphBuffers:
     """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates."""
 
-    def __init__(self, opts, n_sm, device, external: dict):
+    def __init__(self, opts, n_sm, device, external: dict, rows: int):
         from ..kernels import decode_sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
         self.max_kv_indices = int(opts["max_kv_indices"])
         self.n_sm = n_sm
+        self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
         self.buf = dict(qo_indptr=torch.zeros(mb + 1, **i32), kv_indptr=torch.zeros(mb + 1, **i32),
@@ -136,15 +156,19 @@ class _GraphBuffers:
                         item_t0=torch.zeros(mi, **i32), item_t1=torch.zeros(mi, **i32),
                         m_ptr=torch.zeros(mb + 1, **i32), m_list=torch.zeros(mi, **i32),
                         batch_size=torch.zeros(1, **i32),
-                        part_o=torch.empty(mi, k.HP, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, k.HP, dtype=torch.float32, device=device))
+                        part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
+                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
         # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
         # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
             self.buf["kv_indices"] = external["kv_indices"]
             self.max_kv_indices = external["kv_indices"].numel()
 
-    def check(self, B, n_indices):
+    def check(self, B, n_indices, rows):
+        if rows > self.rows:
+            raise ValueError(f"plan: num_heads needs {rows} partial rows per work item; the gluon backend's "
+                             f"CUDA-graph buffers were sized for {self.rows} by the first plan (one wrapper per "
+                             "head count)")
         for what, got, cap in (("batch size", B, self.max_batch), ("kv_indices entries", n_indices,
                                                                    self.max_kv_indices)):
             if got > cap:

@@ -57,10 +57,32 @@ STAGE_BYTES = TILE * ROW_BYTES
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
 
 
-def smem_bytes(ns: int) -> int:
+def smem_bytes(ns: int, hpw: int = HP, wide: bool = False) -> int:
     """Shared memory of one CTA: the ring, two Q^T copies, two P^T tiles, the consumers' exchange buffer (o, m,
-    l in fp32), barriers (estimate, +1 KB slack)."""
-    return ns * STAGE_BYTES + 2 * HP * (DC + DK) * 2 + 2 * HP * TILE * 2 + DC * HP * 4 + 2 * HP * 4 + 1024
+    l in fp32; a 64-row token in the wide variant, which has no exchange), barriers (estimate, +1 KB slack)."""
+    xr = 64 if wide else DC
+    return ns * STAGE_BYTES + 2 * hpw * (DC + DK) * 2 + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024
+
+
+MAX_WIDE_HEADS = 128
+
+
+def head_config(num_heads: int) -> tuple[int, int, bool]:
+    """(hpw, nhg, wide) for ``num_heads``: H <= 16 -> the alternating-tile kernel (16 heads, one CTA per slot);
+    17..32 -> wide with 16 heads per consumer (one head group of 32); 33..128 -> wide with 32 heads per consumer,
+    ceil(H / 64) head groups of 64 (H = 128: two CTAs per schedule slot)."""
+    if num_heads < 1 or num_heads > MAX_WIDE_HEADS:
+        raise ValueError(f"num_heads: expected 1..{MAX_WIDE_HEADS}, got {num_heads}")
+    if num_heads <= HP:
+        return HP, 1, False
+    hpw = 16 if num_heads <= 32 else 32
+    return hpw, -(-num_heads // (2 * hpw)), True
+
+
+def padded_heads(num_heads: int) -> int:
+    """Rows per work item of the partial buffers (part_o [items, rows, 512], part_lse [items, rows])."""
+    hpw, nhg, wide = head_config(num_heads)
+    return 2 * hpw * nhg if wide else HP
 
 
 if gluon is not None:
@@ -135,7 +157,8 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  kbuf, pbuf, ready, empty, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr):
+                  kbuf, pbuf, ready, empty, NHG, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr,
+                  WIDE: gl.constexpr):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
         # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
@@ -145,8 +168,12 @@ if gluon is not None:
         idl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         ar = gl.arange(0, 16, layout=idl)
         pid = gl.program_id(0)
-        i0 = gl.load(cta_ptr + pid)
-        i1 = gl.load(cta_ptr + pid + 1)
+        if WIDE:
+            slot = pid // NHG    # the NHG head-group CTAs of one slot read the same tiles
+        else:
+            slot = pid
+        i0 = gl.load(cta_ptr + slot)
+        i1 = gl.load(cta_ptr + slot + 1)
         g = 0
         for it in range(i0, i1):
             b = gl.load(item_req + it)
@@ -185,12 +212,56 @@ if gluon is not None:
                 g += 1
 
     @gluon.jit
+    def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
+                    stride_o_h, stride_lse_t):
+        # One consumer's normalized (o, lse base 2) for heads h0 + hcol: the final out/lse when the item is the
+        # whole request, else the item's fp32 partial (the merge kernel combines a request's partials).
+        # An empty state (l = 0) writes o = 0, lse = -inf.
+        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, o0.type.layout))
+        hcol = gl.arange(0, o0.shape[1], layout=gl.SliceLayout(0, o0.type.layout))
+        dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)   # the PV's relabelled output dims
+        seen = l_i > 0
+        l_safe = gl.where(seen, l_i, 1.0)
+        inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
+        lse = gl.where(seen, m_use + gl.log2(l_safe), float("-inf"))
+        heads = hcol + h0
+        out_mask = (heads[None, :] < H) & (dim_m[:, None] >= 0)
+        if (t0 == 0) & (t1 == (L + 63) // 64):
+            ty = out.dtype.element_ty
+            ob = out + qtok * stride_o_t + heads[None, :] * stride_o_h + dim_m[:, None]
+            gl.store(ob + 0 * 64, (o0 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 1 * 64, (o1 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 2 * 64, (o2 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 3 * 64, (o3 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 4 * 64, (o4 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 5 * 64, (o5 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 6 * 64, (o6 * inv).to(ty), mask=out_mask)
+            gl.store(ob + 7 * 64, (o7 * inv).to(ty), mask=out_mask)
+            gl.store(lse_out + qtok * stride_lse_t + heads, lse, mask=heads < H)
+        else:
+            pidx = it.to(gl.int64)
+            base = part_o + pidx * stride_po_i + heads[None, :] * stride_po_r + dim_m[:, None]
+            gl.store(base + 0 * 64, o0 * inv, mask=out_mask)
+            gl.store(base + 1 * 64, o1 * inv, mask=out_mask)
+            gl.store(base + 2 * 64, o2 * inv, mask=out_mask)
+            gl.store(base + 3 * 64, o3 * inv, mask=out_mask)
+            gl.store(base + 4 * 64, o4 * inv, mask=out_mask)
+            gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
+            gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
+            gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
+            gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=heads < H)
+
+    @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS: gl.constexpr, MODE: gl.constexpr):
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
+        # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
+        # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
+        # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
+        # exchange at all: each writes its own normalized partial.
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HPW, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         ld_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
@@ -205,24 +276,26 @@ if gluon is not None:
             warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32])
         kv16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        STEP: gl.constexpr = 1 if WIDE else 2
 
         pid = gl.program_id(0)
-        i0 = gl.load(cta_ptr + pid)
-        i1 = gl.load(cta_ptr + pid + 1)
+        if WIDE:
+            slot = pid // NHG
+            h0 = (pid % NHG) * (2 * HPW) + cid * HPW    # this consumer's first head
+        else:
+            slot = pid
+            h0 = pid * 0
+        i0 = gl.load(cta_ptr + slot)
+        i1 = gl.load(cta_ptr + slot + 1)
         ckv_scale = gl.load(scales)
         kpe_scale = gl.load(scales + 1)
         my_qpe = qpe_smem.index(cid)
         my_p = pT_smem.index(cid)
         bP = my_p.permute((1, 0))
-        hq = gl.arange(0, 16, layout=gl.SliceLayout(1, blk))
+        hq = gl.arange(0, HPW, layout=gl.SliceLayout(1, blk)) + h0
         h_ok = hq < H
         cq = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
         cp = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
-        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        hcol = gl.arange(0, 16, layout=gl.SliceLayout(0, mma))
-        dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)
-        out_offs = hcol[None, :] * stride_po_r + dim_m[:, None]
-        out_mask = (hcol[None, :] < H) & (dim_m[:, None] >= 0)
         g = 0
         for it in range(i0, i1):
             b = gl.load(item_req + it)
@@ -231,9 +304,10 @@ if gluon is not None:
             L = gl.load(kv_len + b)
             qtok = gl.load(qo_indptr + b).to(gl.int64)
             # -- Q^T for this request: scales and a per-head power of two folded in, fp16, k relabelled -----
+            # (padded heads: Q rows of zeros, scores 0, outputs never written)
             qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
             qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
-            amax = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk))
+            amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
             for c in gl.static_range(4):
                 x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
@@ -251,21 +325,30 @@ if gluon is not None:
             my_qpe.store(_relabel_k64(qp16))
             fence_async_shared()
             row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
+            tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+            hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
 
-            o0 = gl.zeros([64, 16], gl.float32, mma)
-            o1 = gl.zeros([64, 16], gl.float32, mma)
-            o2 = gl.zeros([64, 16], gl.float32, mma)
-            o3 = gl.zeros([64, 16], gl.float32, mma)
-            o4 = gl.zeros([64, 16], gl.float32, mma)
-            o5 = gl.zeros([64, 16], gl.float32, mma)
-            o6 = gl.zeros([64, 16], gl.float32, mma)
-            o7 = gl.zeros([64, 16], gl.float32, mma)
-            m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-            # row sums stay per thread (no cross-warp reduction per tile); reduced once in the epilogue
-            l_acc = gl.zeros([64, 16], gl.float32, mma)
+            o0 = gl.zeros([64, HPW], gl.float32, mma)
+            o1 = gl.zeros([64, HPW], gl.float32, mma)
+            o2 = gl.zeros([64, HPW], gl.float32, mma)
+            o3 = gl.zeros([64, HPW], gl.float32, mma)
+            o4 = gl.zeros([64, HPW], gl.float32, mma)
+            o5 = gl.zeros([64, HPW], gl.float32, mma)
+            o6 = gl.zeros([64, HPW], gl.float32, mma)
+            o7 = gl.zeros([64, HPW], gl.float32, mma)
+            m_i = gl.full([HPW], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+            # H16: row sums stay per thread (no cross-warp reduction per tile), reduced once in the epilogue.
+            # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers)
+            if WIDE:
+                l_i = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
+            else:
+                l_acc = gl.zeros([64, HPW], gl.float32, mma)
             n = t1 - t0
-            j0 = (cid + g) % 2          # this consumer takes the ring positions g + j with (g + j) % 2 == cid
-            for j in range(j0, n, 2):
+            if WIDE:
+                j0 = n * 0                # every ring position
+            else:
+                j0 = (cid + g) % 2        # this consumer takes the ring positions g + j with (g + j) % 2 == cid
+            for j in range(j0, n, STEP):
                 gg = g + j
                 s = gg % NS
                 mbarrier.wait(ready.index(s), (gg // NS) & 1)
@@ -274,14 +357,19 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s), count=1)
                 else:
                     if valid < 64:
+                        # WIDE: both consumers zero the same rows; every write stores either the row's own value
+                        # or 0, so the overlap is benign and the stage ends up the same either way.
                         _sanitize_tail(kbuf, pbuf, s, valid)
                     # -- S^T = K . Q^T ------------------------------------------------------------------------
-                    sT = gl.zeros([64, 16], gl.float32, mma)
+                    sT = gl.zeros([64, HPW], gl.float32, mma)
                     for c in gl.static_range(4):
                         a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
                         a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
                         sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
-                        sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+                        if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
+                            sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
+                        else:
+                            sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
                     ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
                     ap = gl.convert_layout(ap, a_l, assert_trivial=True)
                     sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
@@ -292,7 +380,10 @@ if gluon is not None:
                     m_new = gl.maximum(m_i, gl.max(sT, axis=0))
                     alpha = gl.exp2(m_i - m_new)
                     p = gl.exp2(sT - m_new[None, :])
-                    l_acc = l_acc * alpha[None, :] + p
+                    if WIDE:
+                        l_i = l_i * alpha + gl.sum(p, axis=0)
+                    else:
+                        l_acc = l_acc * alpha[None, :] + p
                     m_i = m_new
                     my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
                     fence_async_shared()
@@ -325,131 +416,129 @@ if gluon is not None:
                     o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
                     mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
             # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
-            l_i = gl.sum(l_acc, axis=0)
-            if cid == 1:
-                # hand the raw state to consumer 0 (which merges it and writes the item's result)
-                mbarrier.wait(xbar.index(1), ((it - i0) & 1) ^ 1, pred=it > i0)
-                xo.slice(0 * 64, 64).store(o0)
-                xo.slice(1 * 64, 64).store(o1)
-                xo.slice(2 * 64, 64).store(o2)
-                xo.slice(3 * 64, 64).store(o3)
-                xo.slice(4 * 64, 64).store(o4)
-                xo.slice(5 * 64, 64).store(o5)
-                xo.slice(6 * 64, 64).store(o6)
-                xo.slice(7 * 64, 64).store(o7)
-                xml.slice(0, 16).store(m_i)
-                xml.slice(16, 16).store(l_i)
-                _cta_barrier()
-                mbarrier.arrive(xbar.index(0), count=1)
+            if WIDE:
+                m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+                _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
+                            H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
+                            stride_o_t, stride_o_h, stride_lse_t)
             else:
-                mbarrier.wait(xbar.index(0), (it - i0) & 1)
-                m1 = xml.slice(0, 16).load(gl.SliceLayout(0, mma))
-                l1 = xml.slice(16, 16).load(gl.SliceLayout(0, mma))
-                m_new = gl.maximum(m_i, m1)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                a0 = gl.exp2(m_i - m_use)[None, :]
-                a1 = gl.exp2(m1 - m_use)[None, :]
-                o0 = o0 * a0 + xo.slice(0 * 64, 64).load(mma) * a1
-                o1 = o1 * a0 + xo.slice(1 * 64, 64).load(mma) * a1
-                o2 = o2 * a0 + xo.slice(2 * 64, 64).load(mma) * a1
-                o3 = o3 * a0 + xo.slice(3 * 64, 64).load(mma) * a1
-                o4 = o4 * a0 + xo.slice(4 * 64, 64).load(mma) * a1
-                o5 = o5 * a0 + xo.slice(5 * 64, 64).load(mma) * a1
-                o6 = o6 * a0 + xo.slice(6 * 64, 64).load(mma) * a1
-                o7 = o7 * a0 + xo.slice(7 * 64, 64).load(mma) * a1
-                l_i = l_i * gl.exp2(m_i - m_use) + l1 * gl.exp2(m1 - m_use)
-                m_i = m_new
-                _cta_barrier()
-                mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
-                seen = l_i > 0
-                l_safe = gl.where(seen, l_i, 1.0)
-                inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
-                lse = gl.where(seen, m_use + gl.log2(l_safe), float("-inf"))
-                if (t0 == 0) & (t1 == (L + 63) // 64):
-                    # the item is the whole request: final output, no merge
-                    ty = out.dtype.element_ty
-                    ob = out + qtok * stride_o_t + hcol[None, :] * stride_o_h + dim_m[:, None]
-                    gl.store(ob + 0 * 64, (o0 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 1 * 64, (o1 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 2 * 64, (o2 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 3 * 64, (o3 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 4 * 64, (o4 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 5 * 64, (o5 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 6 * 64, (o6 * inv).to(ty), mask=out_mask)
-                    gl.store(ob + 7 * 64, (o7 * inv).to(ty), mask=out_mask)
-                    gl.store(lse_out + qtok * stride_lse_t + hcol, lse, mask=hcol < H)
+                l_i = gl.sum(l_acc, axis=0)
+                if cid == 1:
+                    # hand the raw state to consumer 0 (which merges it and writes the item's result)
+                    mbarrier.wait(xbar.index(1), ((it - i0) & 1) ^ 1, pred=it > i0)
+                    xo.slice(0 * 64, 64).store(o0)
+                    xo.slice(1 * 64, 64).store(o1)
+                    xo.slice(2 * 64, 64).store(o2)
+                    xo.slice(3 * 64, 64).store(o3)
+                    xo.slice(4 * 64, 64).store(o4)
+                    xo.slice(5 * 64, 64).store(o5)
+                    xo.slice(6 * 64, 64).store(o6)
+                    xo.slice(7 * 64, 64).store(o7)
+                    xml.slice(0, HPW).store(m_i)
+                    xml.slice(HPW, HPW).store(l_i)
+                    _cta_barrier()
+                    mbarrier.arrive(xbar.index(0), count=1)
                 else:
-                    pidx = it.to(gl.int64)
-                    base = part_o + pidx * stride_po_i + out_offs
-                    gl.store(base + 0 * 64, o0 * inv, mask=out_mask)
-                    gl.store(base + 1 * 64, o1 * inv, mask=out_mask)
-                    gl.store(base + 2 * 64, o2 * inv, mask=out_mask)
-                    gl.store(base + 3 * 64, o3 * inv, mask=out_mask)
-                    gl.store(base + 4 * 64, o4 * inv, mask=out_mask)
-                    gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
-                    gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
-                    gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
-                    gl.store(part_lse + pidx * stride_pl_i + hcol, lse, mask=hcol < H)
+                    mbarrier.wait(xbar.index(0), (it - i0) & 1)
+                    m1 = xml.slice(0, HPW).load(gl.SliceLayout(0, mma))
+                    l1 = xml.slice(HPW, HPW).load(gl.SliceLayout(0, mma))
+                    m_new = gl.maximum(m_i, m1)
+                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    a0 = gl.exp2(m_i - m_use)[None, :]
+                    a1 = gl.exp2(m1 - m_use)[None, :]
+                    o0 = o0 * a0 + xo.slice(0 * 64, 64).load(mma) * a1
+                    o1 = o1 * a0 + xo.slice(1 * 64, 64).load(mma) * a1
+                    o2 = o2 * a0 + xo.slice(2 * 64, 64).load(mma) * a1
+                    o3 = o3 * a0 + xo.slice(3 * 64, 64).load(mma) * a1
+                    o4 = o4 * a0 + xo.slice(4 * 64, 64).load(mma) * a1
+                    o5 = o5 * a0 + xo.slice(5 * 64, 64).load(mma) * a1
+                    o6 = o6 * a0 + xo.slice(6 * 64, 64).load(mma) * a1
+                    o7 = o7 * a0 + xo.slice(7 * 64, 64).load(mma) * a1
+                    l_i = l_i * gl.exp2(m_i - m_use) + l1 * gl.exp2(m1 - m_use)
+                    m_i = m_new
+                    _cta_barrier()
+                    mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
+                    _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
+                                H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
+                                stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)
             g += n
 
     @gluon.jit
     def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                   NS: gl.constexpr, MODE: gl.constexpr):
+                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   stride_o_t, stride_o_h, stride_lse_t,
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
+                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                   NS: gl.constexpr, MODE: gl.constexpr):
+                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   stride_o_t, stride_o_h, stride_lse_t,
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
+                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
                                cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
-                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0):
+                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
+                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False):
+        # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
+        # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         kbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS * 4, 64, 128], kv_l)
         pbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS, 64, 64], kpe_l)
-        q_smem = gl.allocate_shared_memory(gl.float16, [8, 16, 128], q_l)
-        qpe_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
-        pT_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
+        q_smem = gl.allocate_shared_memory(gl.float16, [8, HPW, 128], q_l)
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
+        pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers)
+        # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers);
+        # WIDE has no exchange (a token allocation keeps one argument list)
         x_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        xo = gl.allocate_shared_memory(gl.float32, [8 * 64, 16], x_l)
-        xml = gl.allocate_shared_memory(gl.float32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        XR: gl.constexpr = 64 if WIDE else 8 * 64
+        xo = gl.allocate_shared_memory(gl.float32, [XR, HPW], x_l)
+        xml = gl.allocate_shared_memory(gl.float32, [2 * HPW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ECNT: gl.constexpr = 2 if WIDE else 1     # WIDE: a stage is free once both consumers are done with it
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=ECNT)
         mbarrier.init(xbar.index(0), count=1)
         mbarrier.init(xbar.index(1), count=1)
         fence_async_shared()
         out = OUT
         lse_out = LSE_OUT
-        cargs = (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                 cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE)
+        # A tuple assigned to a variable turns its constexprs into runtime values; HPW and WIDE must stay
+        # constexpr (layouts, static branches), so the consumers' argument tuples are written out in the call.
+        # NS and MODE reach the consumers as runtime values, as they always have (the H16 kernel measured on the
+        # H200 was built that way; making them constexpr there is a separate, unmeasured change).
+        ns_t = gl.to_tensor(NS)
+        mode_t = gl.to_tensor(MODE)
         gl.warp_specialize([
             (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                         kbuf, pbuf, ready, empty, NS, PAGE, MODE)),
-            (_consumer0, cargs),
-            (_consumer1, cargs),
+                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
+            (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                          HPW, WIDE)),
+            (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                          HPW, WIDE)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -613,15 +702,23 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
-    item_req, item_t0, item_t1, part_o [items, 16, 512] fp32, part_lse [items, 16], m_ptr, m_list,
-    batch_size [1]). ``lse`` is written base 2."""
+    item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
+    m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
+    variant) it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots."""
     LOG2E = 1.4426950408889634
+    hpw, nhg, wide = head_config(num_heads)
+    if grid % nhg:
+        raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
     po, pl = t["part_o"], t["part_lse"]
+    if po.shape[1] < padded_heads(num_heads) or pl.shape[1] < padded_heads(num_heads):
+        raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads)} head rows per item, got "
+                         f"{po.shape[1]}/{pl.shape[1]}")
     mla_decode_sm90_kernel[(grid,)](
         kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
-        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode, num_warps=4)
+        nhg, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
+        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
+        HPW=hpw, WIDE=wide, num_warps=4)
     if not merge:
         return
     _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
@@ -639,14 +736,17 @@ KERNEL_SIGNATURE = {
     "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
     "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
     "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
-    "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
+    "sm_scale_log2": "fp32", "H": "i32", "NHG": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
-    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr"}
+    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
+    "WIDE": "constexpr"}
 
 
-def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None) -> dict:
-    """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops."""
+def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
+                   heads: int = 16) -> dict:
+    """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
+    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32)."""
     import collections
     import os
     import re
@@ -662,7 +762,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0}
+    hpw, _, wide = head_config(heads)
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*")})
