@@ -20,7 +20,7 @@ import fp8mla.layout as layout_mod
 from fp8mla.layout import PagedLayout
 from fp8mla.testing import compare, make_paged_batch
 
-from conftest import BACKEND_PARAMS
+from conftest import BACKEND_PARAMS, DEVICE
 
 H, DC, DK, PAGE = 2, 64, 16, 4
 I32 = torch.int32
@@ -50,8 +50,9 @@ def _with_padded_rows(plan_args, where: str, claim: int = 64):
         qo, kvp, kvl = qo + [qo[-1]] * 2, kvp + [kvp[-1]] * 2, kvl + [claim] * 2
     else:  # a padded row between request 0 and request 1
         qo, kvp, kvl = qo[:2] + [qo[1]] + qo[2:], kvp[:2] + [kvp[1]] + kvp[2:], kvl[:1] + [claim] + kvl[1:]
-    a["qo_indptr"], a["kv_indptr"] = torch.tensor(qo, dtype=I32), torch.tensor(kvp, dtype=I32)
-    a["kv_len_arr"] = torch.tensor(kvl, dtype=I32)
+    dev = a["qo_indptr"].device
+    a["qo_indptr"], a["kv_indptr"] = torch.tensor(qo, dtype=I32, device=dev), torch.tensor(kvp, dtype=I32, device=dev)
+    a["kv_len_arr"] = torch.tensor(kvl, dtype=I32, device=dev)
     return a
 
 
@@ -75,7 +76,7 @@ def test_gather_cast_with_padded_rows_without_queries(backend):
     """strategy="gather_cast" + vLLM-padded rows at the end of the batch: plan() dies with
     `IndexError: index 5 is out of bounds for dimension 0 with size 5` (layout.token_slots), where the native
     strategy (and FlashInfer) run the batch. Expected: the same answer as without the padded rows."""
-    b = _batch([5, 9], [1, 1], "fp8_e4m3", ckv_scale=0.5)
+    b = _batch([5, 9], [1, 1], "fp8_e4m3", ckv_scale=0.5, device=DEVICE)  # the GPU's too: triton needs it there
     attn = _planned(backend, _with_padded_rows(b.plan_args, "end"), strategy="gather_cast")
     out, lse = attn.run(**b.run_args, return_lse=True)
     _assert_matches(out, lse, *b.reference(), "gather_cast with padded rows")

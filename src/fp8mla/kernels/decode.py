@@ -480,12 +480,20 @@ def default_config(rows: int, kv_mode: int, arch: int | None) -> dict:
     16-row tiles with BLOCK_N 64 or 32-row tiles with BLOCK_N 32: no spills, no LDS.U8, <= 95 KB of shared
     memory (SM89/120 allow 99 KB), compiled with triton 3.9 (tests/test_compile_targets.py checks it).
     """
-    block_m = 16 if rows <= 16 else (32 if arch not in (None, 90) else 64)
+    group = kv_mode == KV_GROUP
+    block_m = 16 if rows <= 16 else (32 if arch not in (None, 90) or group else 64)
     if arch in (None, 90):
-        # The group format (new numerics, no measured default to keep): asm V at BLOCK_N 32 compiles clean.
-        group = kv_mode == KV_GROUP
-        return dict(block_m=block_m, block_n=32 if group else 64, num_warps=4 if block_m <= 16 else 8,
+        if group and block_m > 16:
+            # The group format with 64-row wgmma tiles spills (345 spill ops) and faulted on the H200 (illegal
+            # address, 2026-11-30, triton 3.6): the portable 32-row tile (mma.sync, asm V, no spills) instead.
+            return dict(block_m=32, block_n=32, num_warps=8, num_stages=2, v_convert="asm")
+        # BF16 pools with 64-row tiles: BLOCK_N 64 needs 295 KB of shared memory under triton 3.6 (over
+        # sm_90's 227 KB; the H200 refused the launch), BLOCK_N 32 half of that.
+        block_n = 32 if group or (kv_mode == KV_BF16 and block_m > 16) else 64
+        return dict(block_m=block_m, block_n=block_n, num_warps=4 if block_m <= 16 else 8,
                     num_stages=2, v_convert="asm" if group else "plain")
+    if group and arch is not None and arch < 89:
+        block_m = 16  # SM80 (FP8 as uint8 bits) with group scales: the 32-row tile spills (16 B), the 16-row one not
     return dict(block_m=block_m, block_n=64 if block_m <= 16 else 32, num_warps=8, num_stages=2, v_convert="asm")
 
 

@@ -78,6 +78,11 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
         # the interpreter's FP8 conversions lose NaN / inf: the exact bit path there
         c = _k16(c, 0, True)
         k = _k16(k, 0, True)
+    elif c.dtype == tl.float8e5:
+        # e5m2 -> fp16 is exact (a shift) and keeps NaN / inf; Triton's direct e5m2 -> bf16 on the H200 did not
+        # keep a NaN (the uint8 path's answer differed, 2026-11-30). Every e5m2 value is exact in bf16 too.
+        c = c.to(tl.float16)
+        k = k.to(tl.float16)
     if HAS_GROUP:
         g = tl.load(gs_ptr + (page * stride_gs_p + slot * stride_gs_s)[:, None]
                     + (dc // GROUP_SIZE)[None, :] * stride_gs_g, mask=cmask, other=1.0)
