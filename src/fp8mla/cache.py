@@ -277,38 +277,61 @@ class PagedMLACache:
         ``seq_ids`` is one id or a list; ``num_tokens`` an int or one per sequence. All or nothing: when the
         pool cannot hold every request, nothing is reserved and :class:`OutOfPagesError` is raised.
         """
+        slots = torch.tensor(self.reserve_slots(seq_ids, num_tokens), dtype=torch.int64)
+        if self.device.type == "cuda":  # through pinned memory: no host-device sync
+            return slots.pin_memory().to(self.device, non_blocking=True)
+        return slots
+
+    def reserve_slots(self, seq_ids, num_tokens) -> list:
+        """:meth:`reserve`, the slot ids as a host list of ints (for callers that stage them with other arrays
+        in one host -> device copy, as the decode runner does)."""
         ids = self._id_list(seq_ids)
-        counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
-        if len(counts) != len(ids):
-            raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-        if len(set(map(_hashable, ids))) != len(ids):
-            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
-        for c in counts:
+        if isinstance(num_tokens, (list, tuple)):
+            counts = list(num_tokens)
+            if len(counts) != len(ids):
+                raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
+            check = counts
+        else:
+            counts, check = [num_tokens] * len(ids), [num_tokens]
+        for c in check:
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
                 raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
-        seqs = [self._seq(i) for i in ids]
+        if len(set(map(_hashable, ids))) != len(ids):
+            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        table = self._seqs
+        seqs = [table[i] if i in table else self._seq(i) for i in ids]  # _seq: the error naming a missing id
+        ps, refs = self.page_size, self._refs
         # A shared (forked) partly filled last page must not be written: it is copied first, which takes a page
         # too. Count those copies before touching anything, so that a full pool leaves the state unchanged.
         unshare, copied = [], {}
+        need = 0
         for s, c in zip(seqs, counts):
-            last = s.pages[-1] if c and s.length % self.page_size else None
-            if last is not None and self._refs[last] - copied.get(last, 0) > 1:  # the last owner keeps it
-                unshare.append(s)
-                copied[last] = copied.get(last, 0) + 1
-        need = len(unshare) + sum(self._pages_needed(s, c) for s, c in zip(seqs, counts))
+            if c and s.length % ps:
+                last = s.pages[-1]
+                if refs[last] - copied.get(last, 0) > 1:  # the last owner keeps it
+                    unshare.append(s)
+                    copied[last] = copied.get(last, 0) + 1
+            need += max(0, -(-(s.length + c) // ps) - len(s.pages))
+        need += len(unshare)
         if need > len(self._free):
             raise OutOfPagesError(f"the pool is full: {need} more pages needed, {len(self._free)} of "
                                   f"{self.num_pages} free (page_size {self.page_size})")
         for s in unshare:
             self._unshare_last_page(s)
-        slots = []
+        slots, free = [], self._free
         for s, c in zip(seqs, counts):
-            s.pages += self._take_pages(self._pages_needed(s, c))
-            pos = range(s.length, s.length + c)
-            slots += [s.pages[t // self.page_size] * self.page_size + t % self.page_size for t in pos]
-            s.length += c
+            pages, t = s.pages, s.length
+            for _ in range(-(-(t + c) // ps) - len(pages)):  # new pages (a stack: low ids first)
+                p = free.pop()
+                refs[p] = 1
+                pages.append(p)
+            if c == 1:  # a decode token
+                slots.append(pages[t // ps] * ps + t % ps)
+            else:
+                slots += [pages[u // ps] * ps + u % ps for u in range(t, t + c)]
+            s.length = t + c
             s.pending = c
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return slots
 
     def free(self, seq_id) -> None:
         """Drop a sequence; its pages go back to the pool once no forked sequence shares them."""

@@ -165,6 +165,8 @@ class PagedLayout:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {kv_len.numel()}")
         dev = block_table.device
         block_table = block_table.to(torch.int32).contiguous()  # no copy for vLLM's int32 table (row slices)
+        if qo_indptr is None and _on_host(kv_len) and not _on_host(block_table) and not debug_checks():
+            return cls._decode_rows(block_table, kv_len, page_size, device)
         # Row b starts at b * W. Built on the host when the lengths are there too: checked there in O(batch), and
         # staged with them in one copy (a device arange would be two launches).
         kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cpu" if _on_host(kv_len) else dev) * W
@@ -177,6 +179,28 @@ class PagedLayout:
             if str(e).startswith("kv_len:"):
                 raise ValueError(f"{e} (block_table has {W} pages per row)") from None
             raise
+
+    @classmethod
+    def _decode_rows(cls, block_table, kv_len, page_size: int, device) -> "PagedLayout":
+        """from_block_table's path for a device table with host lengths and one query per row (the decode runner,
+        every step): the index pointers are known by construction, so only the lengths are checked, in O(batch)
+        Python, and the three small arrays reach the device in one copy. Same layout as the general path."""
+        B, W = block_table.shape
+        lens = kv_len.tolist()
+        cap = W * page_size
+        for b, n in enumerate(lens):
+            if not 0 <= n <= cap:
+                raise ValueError(f"kv_len: request {b} has kv_len {n}, expected 0 <= kv_len <= its {W} pages x "
+                                 f"page_size {page_size} = {cap} (block_table has {W} pages per row)")
+        device = torch.device(device) if device is not None else block_table.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        packed = torch.tensor(list(range(B + 1)) + list(range(0, (B + 1) * W, W) if W else [0] * (B + 1)) + lens,
+                              dtype=torch.int32)
+        host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:])
+        d = to_device(packed, device)
+        return cls(d[: B + 1], d[B + 1: 2 * B + 2], block_table.view(-1).to(device, non_blocking=True),
+                   d[2 * B + 2:], page_size, device, [1] * B, lens, None, host)
 
     # -- checks ---------------------------------------------------------------------------------------------
     @staticmethod

@@ -125,32 +125,46 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
     It costs no device op: the plan stages these with its other arrays in one host -> device copy."""
     qo, kvp, lens = (host[k].tolist() for k in ("qo_indptr", "kv_indptr", "kv_len"))
     B = len(lens)
-    L = [max(0, min(n, max(0, min(kvp[b + 1], num_indices) - kvp[b]) * page_size)) for b, n in enumerate(lens)]
-    active = [qo[b + 1] > qo[b] for b in range(B)]
-    total = sum(n for n, a in zip(L, active) if a)
+    L, active, total = [], [], 0
+    for b in range(B):  # safe_kv_len and the active rows (one pass: this runs every decode step)
+        n = lens[b]
+        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
+        n = n if n <= cap else cap
+        n = n if n > 0 else 0
+        L.append(n)
+        a = qo[b + 1] > qo[b]
+        active.append(a)
+        if a:
+            total += n
     chunk = max(-(-total // target), min_chunk)
     chunk = -(-chunk // block_n) * block_n
     split, req, start, end, part = [0], [], [], [], []
-    n_parts = 0
-    for b, (n, a) in enumerate(zip(L, active)):
-        if not a:
-            split.append(split[-1])
+    n_items = n_parts = 0
+    for b in range(B):
+        n = L[b]
+        if not active[b]:
+            split.append(n_items)
             continue
-        if n > 0:
+        if n > chunk:  # split in c chunks of per tokens (a multiple of block_n)
             k = -(-n // chunk)
             per = -(-(-(-n // k)) // block_n) * block_n
             c = -(-n // per)
         else:
-            per, c = 1, 1
-        split.append(split[-1] + c)
-        req += [b] * c
-        start += range(0, c * per, per)
-        end += [min(n, j + per) for j in range(0, c * per, per)]
-        if c > 1:
+            c = 1
+        if c == 1:
+            req.append(b)
+            start.append(0)
+            end.append(n)
+            part.append(-1)
+        else:
+            req += [b] * c
+            start += range(0, c * per, per)
+            end += range(per, c * per, per)  # every chunk but the last is full
+            end.append(n)
             part += range(n_parts, n_parts + c)
             n_parts += c
-        else:
-            part.append(-1)
+        n_items += c
+        split.append(n_items)
     return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
                 split_indptr=split, num_items=[split[-1]], kv_len=L, batch_size=[B])
 

@@ -26,7 +26,7 @@ import torch
 
 from ..attention import MLAPagedAttention
 from ..cache import PagedMLACache
-from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, _reserve, check_step_args
+from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
 
@@ -90,8 +90,11 @@ class DecodeRunner:
         i64 = dict(dtype=torch.int64, device=dev)
         B = max_batch
         self.x = torch.zeros(B, cfg.hidden_size, dtype=model.dtype, device=dev)
-        self.pos = torch.zeros(B, **i64)
-        self.slots = torch.full((B,), self.pad_slot, **i64)
+        # Everything a step stages, in one device buffer filled by one host -> device copy per step: positions,
+        # slots (both read by the graph), block-table rows, and each new token's (table entry, page id).
+        self._stage = torch.zeros(5, B, **i64)
+        self.pos, self.slots = self._stage[0], self._stage[1]
+        self.slots.fill_(self.pad_slot)
         # Block table: a row of page ids per sequence the runner tracks, a row of zeros for padding and a scratch
         # row that eager steps write the tokens of untracked sequences into.
         self.table = torch.zeros(B + 2, self.width, dtype=torch.int32, device=dev)
@@ -200,7 +203,7 @@ class DecodeRunner:
         static step with this batch's size in ``num_tokens``; on failure nothing stays reserved."""
         B = len(ids)
         Bb = bucket_for(B, self.buckets)
-        slots = _reserve(self.cache, ids, [1] * B)
+        slots = self.cache.reserve_slots(ids, 1)  # a host list: staged below with the rest, no sync
         try:
             return self._plan(ids, prefix, slots, B, Bb)
         except BaseException:
@@ -209,29 +212,27 @@ class DecodeRunner:
             raise
 
     def _plan(self, ids, prefix, slots, B, Bb) -> MLAStep:
-        cache, dev, ps = self.cache, self.device, self.cache.page_size
+        """O(batch) Python and a handful of device ops, none sized by the context: one host -> device copy of the
+        staged arrays, the new pages into the block table (one scatter), the bucket's rows of the table gathered
+        into the attention's own page-id buffer, and the attention's plan (host-scheduled: one more copy)."""
+        ps, W, MB = self.cache.page_size, self.width, self.max_batch
         rows = [self._row(s, p) for s, p in zip(ids, prefix)]
-        rows += [self.pad_row] * (Bb - B)
-        pad = [0] * (Bb - B)
-        # One host->device copy: block-table rows, positions (padding: 0), and each new token's page column.
-        host = torch.tensor(rows + prefix + pad + [p // ps for p in prefix], dtype=torch.int64)
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        d = host.to(dev, non_blocking=True)
-        rows_d, cols_d = d[:Bb], d[2 * Bb:]
-        self.pos[:Bb].copy_(d[Bb: 2 * Bb])
-        self.slots[:B].copy_(slots)
-        self.slots[B:Bb].fill_(self.pad_slot)
+        fill = [0] * (MB - B)
+        rows_all = rows + [self.pad_row] * (MB - B)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared).
-        self.table[rows_d[:B], cols_d] = (slots // ps).to(torch.int32)
+        host = torch.tensor(prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
+                            + [r * W + p // ps for r, p in zip(rows, prefix)] + fill
+                            + [s // ps for s in slots] + fill, dtype=torch.int64)
+        self._stage.view(-1).copy_(host.pin_memory() if self._stage.is_cuda else host, non_blocking=True)
+        self.table.view(-1).index_put_((self._stage[3, :B],), self._stage[4, :B].to(torch.int32))
         for sid, p in zip(ids, prefix):
             row, rec, _ = self._rows[sid]
             self._rows[sid] = (row, rec, p + 1)
-        kv_len = torch.tensor([p + 1 for p in prefix] + pad, dtype=torch.int32)
+        kv_len = torch.tensor([p + 1 for p in prefix] + fill[: Bb - B], dtype=torch.int32)
         g = self._bucket(Bb)
         attn, st = g["attn"], g["step"]
-        block_table = torch.index_select(self.table, 0, rows_d, out=g["block_table"])
+        block_table = torch.index_select(self.table, 0, self._stage[2, :Bb], out=g["block_table"])
         self._plan_attention(attn, block_table, kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
         st.reserved, st.committed = True, False
@@ -259,15 +260,16 @@ class DecodeRunner:
         g = self._graphs.get(Bb)
         if g is None:
             m, cache = self.model, self.cache
-            kw = dict(use_cuda_graph=True, max_batch_size=Bb, max_kv_indices=Bb * self.width) \
+            table = torch.zeros(Bb, self.width, dtype=torch.int32, device=self.device)
+            # Graphs: the bucket's gathered table is the attention's own page-id buffer (FlashInfer's kv_indices
+            # argument), so planning copies no page ids.
+            kw = dict(use_cuda_graph=True, max_batch_size=Bb, kv_indices=table.view(-1)) \
                 if self.use_cuda_graph else {}
             attn = MLAPagedAttention(backend=m.backend, **kw)
             st = MLAStep(cache, [], [], [], self.slots[:Bb], None, None, self.attn_dtype, None,
                          torch.arange(Bb, device=self.device), None, None, None, attn, m.rope, m.backend,
                          fused=m.fused)
-            g = self._graphs[Bb] = dict(graph=None, attn=attn, step=st, out=None, bucket=Bb,
-                                        block_table=torch.empty(Bb, self.width, dtype=torch.int32,
-                                                                device=self.device))
+            g = self._graphs[Bb] = dict(graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table)
         return g
 
     def _run_bucket(self, g: dict) -> torch.Tensor:
