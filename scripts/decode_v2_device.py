@@ -4,6 +4,8 @@ same run (and the Triton kernel when the package imports). One script, one devic
     python scripts/decode_v2_device.py check            # correctness only (odd lengths, NaN pools, reruns)
     python scripts/decode_v2_device.py bench [--variants ns4,ns5 ...]
     python scripts/decode_v2_device.py all              # both; prints a compact table last
+    python scripts/decode_v2_device.py h128             # the wide-heads variant (17..128 heads): checks + timings
+                                                        # against the Triton kernel (FP8MLA_GLUON_WIDE=1 inside)
 
 The kernel module is loaded from its file, so this runs even while other parts of the package are mid-edit.
 Writes $OUT/decode_v2.json when $OUT is set.
@@ -29,6 +31,8 @@ DC, DK = 512, 64
 F8 = torch.float8_e4m3fn
 DEV = os.environ.get("DECODE_V2_DEVICE", "cuda")  # "cpu": a dry run of the host code (no kernel launch)
 RESULTS = {"checks": [], "bench": [], "env": {}}
+T_START = time.time()
+BENCH_DEADLINE_S = float(os.environ.get("DECODE_V2_DEADLINE", "170"))   # no new bench shape after this
 
 
 def log(*a):
@@ -107,7 +111,12 @@ class Plan:
 
     def __init__(self, c, *, num_ctas=None, min_tiles=4, ns=3, regs=240, mode=0, merge=True):
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
-        grid, cta_ptr, items, m_ptr, m_list = dsm.schedule(c["kv_lens"], num_ctas or n_sm, min_tiles)
+        # H > 16 (wide variant): nhg head-group CTAs per schedule slot, partial rows padded to the head groups
+        _, nhg, _ = dsm.head_config(c["H"])
+        rows = dsm.padded_heads(c["H"])
+        slots, cta_ptr, items, m_ptr, m_list = dsm.schedule(c["kv_lens"], max(1, (num_ctas or n_sm) // nhg),
+                                                            min_tiles)
+        grid = slots * nhg
         i32 = dict(dtype=torch.int32, device=DEV)
         B = len(c["kv_lens"])
         self.t = dict(qo_indptr=c["qo_indptr"], kv_indptr=c["kv_indptr"], kv_indices=c["kv_indices"],
@@ -115,8 +124,8 @@ class Plan:
                       item_req=torch.tensor([i[0] for i in items], **i32),
                       item_t0=torch.tensor([i[1] for i in items], **i32),
                       item_t1=torch.tensor([i[2] for i in items], **i32),
-                      part_o=torch.empty(max(1, len(items)), 16, DC, dtype=torch.float32, device=DEV),
-                      part_lse=torch.empty(max(1, len(items)), 16, dtype=torch.float32, device=DEV),
+                      part_o=torch.empty(max(1, len(items)), rows, DC, dtype=torch.float32, device=DEV),
+                      part_lse=torch.empty(max(1, len(items)), rows, dtype=torch.float32, device=DEV),
                       m_ptr=torch.tensor(m_ptr, **i32), m_list=torch.tensor(m_list, **i32),
                       batch_size=torch.tensor([B], **i32))
         self.grid, self.B, self.c, self.ns, self.regs = grid, B, c, ns, regs
@@ -319,18 +328,23 @@ VARIANTS = {"ns4": dict(ns=4), "ns3": dict(ns=3), "ns2": dict(ns=2), "ns4_mt8": 
             "ns4_mt16": dict(ns=4, min_tiles=16), "ns3_mt8": dict(ns=3, min_tiles=8)}
 
 
-def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64):
+def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64, targets=TARGETS):
+    """``shapes``: (B, L) at ``H`` heads, or (H, B, L) triples."""
     flush = Flush()
     read, mm = ceilings(flush)
     RESULTS["env"].update(read_gbps=read, matmul_tflops=mm)
     log(f"ceilings: read {read:.0f} GB/s (torch.sum 4 GB bf16), bf16 matmul {mm:.0f} TFLOP/s")
     table = []
-    for B, L in shapes:
+    for shp in shapes:
+        if time.time() - T_START > BENCH_DEADLINE_S:
+            log(f"  skipped {shp}: past {BENCH_DEADLINE_S} s of the run")
+            continue
+        H, B, L = shp if len(shp) == 3 else (H, *shp)
         c = make_case([L] * B, H, page, seed=B, nan_pool=False, spare=8)
         nbytes = B * L * (DC + DK)
         floor = max(nbytes / (read * 1e9), 2 * B * H * L * (DC + DK + DC) / (mm * 1e12)) * 1e3
         ref_o, _ = reference(c, nreq=min(B, 2))
-        row = dict(shape=f"H{H} B{B} L{L} p{page}", floor=floor, target=TARGETS.get((B, L)))
+        row = dict(shape=f"H{H} B{B} L{L} p{page}", floor=floor, target=targets.get(shp))
         for vn in variants:
             kw = VARIANTS[vn]
             try:
@@ -368,6 +382,151 @@ def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64):
         best = min([r[v] for v in variants if v in r] or [float("nan")])
         log(f"{r['shape']:16s} {r['floor']:7.4f} {r['target'] or 0:7.3f} "
             + " ".join(f"{v:9.4f}" if v else f"{'-':>9s}" for v in vals) + f"   {100 * r['floor'] / best:5.1f}%")
+    return table
+
+
+# ------------------------------------------------------------------------------------------------------------
+# h128: the wide-heads variant (17..128 heads)
+# ------------------------------------------------------------------------------------------------------------
+def _guarded(name, fn):
+    """Run one check; an exception is a FAIL of that check only (the others still run)."""
+    t0 = time.time()
+    try:
+        ok = bool(fn())
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        ok = False
+        log(f"CHECK FAIL {name:34s} {type(e).__name__}: {str(e)[:300]}")
+        RESULTS["checks"].append(dict(name=name, ok=False, error=f"{type(e).__name__}: {e}",
+                                      trace=traceback.format_exc()[-2000:]))
+    RESULTS.setdefault("h128_summary", []).append((name, ok, round(time.time() - t0, 1)))
+    return ok
+
+
+def _api_checks():
+    """Through MLAPagedAttention (FP8MLA_GLUON_WIDE=1): auto picks gluon at H128, CUDA-graph replay after a
+    re-plan, bit-identical replays, poisoned outputs."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    import fp8mla
+    from fp8mla.reference import mla_reference
+    from fp8mla.testing import make_paged_batch
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+    def auto_pick():
+        H = 128
+        b = make_paged_batch([700, 1, 64, 0, 1500], [1] * 5, H, 64, "fp8_e4m3", device=DEV, seed=21)
+        attn = fp8mla.MLAPagedAttention(backend="auto")
+        attn.plan(**b.plan_args)
+        out = torch.full((5, H, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+        lse = torch.full((5, H), float("nan"), device=DEV)
+        attn.run(**b.run_args, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        ro, rl = b.reference()
+        fin = torch.isfinite(rl)
+        e, le = rel(out, ro), float((lse[fin] - rl[fin]).abs().max())
+        name = attn._plan.backend
+        ok = name == "gluon" and e <= 3e-3 and le <= 5e-3 and not torch.isnan(out).any()
+        log(f"CHECK {'PASS' if ok else 'FAIL'} {'API H128 auto -> ' + name:34s} relL2 {e:.2e} lse {le:.1e}")
+        return ok
+
+    def graph_replan():
+        H = 128
+        attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+        b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEV, seed=11, spare_pages=60)
+        attn.plan(**b1.plan_args)
+        q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+        out = torch.empty_like(q_nope)
+        lse = torch.empty(3, H, device=DEV)
+        kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        e1 = rel(out, b1.reference()[0])
+        a = dict(b1.plan_args)
+        pages = a["kv_indices"]
+        a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEV)
+        a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEV)
+        a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+        attn.plan(**a)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                               a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+        e2 = rel(out[:2], ref[:2])
+        o1 = out.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        same = torch.equal(o1, out)
+        empty_ok = bool((out[2] == 0).all())
+        ok = e1 <= 3e-3 and e2 <= 3e-3 and same and empty_ok
+        log(f"CHECK {'PASS' if ok else 'FAIL'} {'API H128 graph replay after re-plan':34s} relL2 {e1:.2e} / "
+            f"{e2:.2e} replay-identical {same} empty {empty_ok}")
+        return ok
+
+    return [("API H128 auto picks gluon", auto_pick), ("API H128 graph replay after re-plan", graph_replan)]
+
+
+H128_SHAPES = [(128, 1, 32768), (128, 8, 8192), (128, 64, 8192), (64, 64, 8192)]
+H128_TARGETS = {(128, 1, 32768): 0.025, (128, 8, 8192): 0.040, (128, 64, 8192): 0.26}
+
+
+def run_h128(variants, with_triton=True, shapes=H128_SHAPES, page=64):
+    os.environ["FP8MLA_GLUON_WIDE"] = "1"
+    odd = [1, 63, 64, 65, 0, 97, 514, 4096, 130]
+    checks = [
+        ("H16 p64 odd lens (regression)", lambda: check_case("H16 p64 odd lens (regression)",
+                                                             make_case(odd, 16, 64, seed=1))),
+        ("H128 p64 odd lens", lambda: check_case("H128 p64 odd lens", make_case(odd, 128, 64, seed=31))),
+        ("H128 p16 odd lens", lambda: check_case("H128 p16 odd lens", make_case(odd, 128, 16, seed=32))),
+        ("H64 p64 odd lens", lambda: check_case("H64 p64 odd lens", make_case(odd, 64, 64, seed=33))),
+        ("H32 p64 odd lens", lambda: check_case("H32 p64 odd lens", make_case(odd, 32, 64, seed=34))),
+        ("H20 p64 odd lens (padded, HPW 16)", lambda: check_case("H20 p64 odd lens (padded, HPW 16)",
+                                                                 make_case(odd, 20, 64, seed=35))),
+        ("H100 p16 (2nd head group padded)", lambda: check_case("H100 p16 (2nd head group padded)",
+                                                                make_case(odd, 100, 16, seed=36))),
+        ("H40 p32 7 CTAs", lambda: check_case("H40 p32 7 CTAs", make_case([1, 31, 33, 97, 2000], 40, 32, seed=37),
+                                              num_ctas=7)),
+        ("H128 p64 1 slot (2 CTAs)", lambda: check_case("H128 p64 1 slot (2 CTAs)", make_case(odd, 128, 64, seed=38),
+                                                        num_ctas=2)),
+        ("H128 p64 fp16 q scales .05/.02 x4", lambda: check_case(
+            "H128 p64 fp16 q scales .05/.02 x4", make_case([777, 65, 3000], 128, 64, seed=39, q_dtype=torch.float16,
+                                                           ckv_scale=0.05, kpe_scale=0.02, value=4.0))),
+        ("H128 p64 B1 L32768 (many splits)", lambda: check_case("H128 p64 B1 L32768 (many splits)",
+                                                                make_case([32768], 128, 64, seed=40))),
+        ("H128 p64 ns2", lambda: check_case("H128 p64 ns2", make_case(odd, 128, 64, seed=41), ns=2)),
+        ("H128 p64 all empty", lambda: check_case("H128 p64 all empty", make_case([0, 0], 128, 64, seed=42))),
+    ]
+    try:
+        checks += _api_checks()
+    except Exception as e:  # noqa: BLE001
+        log(f"  API checks unavailable: {type(e).__name__}: {str(e)[:200]}")
+    results = [(name, _guarded(name, fn)) for name, fn in checks]
+    ok = all(r for _, r in results)
+    table = []
+    try:
+        table = run_bench(variants, with_triton=with_triton, shapes=shapes, page=page, targets=H128_TARGETS)
+    except Exception as e:  # noqa: BLE001
+        log(f"BENCH error: {type(e).__name__}: {str(e)[:300]}")
+    log("")
+    log("== h128 summary ==")
+    for name, r in results:
+        log(f"  {'PASS' if r else 'FAIL'}  {name}")
+    log(f"CHECKS {'ALL PASS' if ok else 'SOME FAIL'} ({sum(r for _, r in results)}/{len(results)})")
+    for r in table:
+        g = min([r[v] for v in variants if v in r] or [float("nan")])
+        tr = r.get("triton")
+        log(f"  {r['shape']:18s} floor {r['floor']:.4f}  gluon {g:.4f} ({100 * r['floor'] / g:4.1f}% floor)  "
+            f"triton {tr if tr else float('nan'):.4f}  speedup {tr / g if tr else float('nan'):.2f}x  "
+            f"target {r['target'] or float('nan'):.3f}")
+    return ok
 
 
 def main():
@@ -379,7 +538,11 @@ def main():
     log(" ".join(f"{k}={v}" for k, v in RESULTS["env"].items()))
     variants = ["ns4", "ns5", "ns4_mt8"]
     shapes, page = SHAPES, 64
-    for a in sys.argv[2:]:
+    argv = sys.argv[2:]
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):   # same as OUT=dir in the environment
+            os.environ["OUT"] = argv[i + 1]
+            os.makedirs(argv[i + 1], exist_ok=True)
         if a.startswith("--variants="):
             variants = a.split("=", 1)[1].split(",")
         if a.startswith("--page="):
@@ -394,6 +557,9 @@ def main():
             hgmma_probe()
         if what in ("bench", "all") and ok:
             run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes, page=page)
+        if what == "h128":
+            hv = variants if any(a.startswith("--variants=") for a in sys.argv) else ["ns3", "ns2", "ns3_mt8"]
+            ok = run_h128(hv, with_triton="--no-triton" not in sys.argv, page=page)
     finally:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"decode_v2_{what}.json"), "w") as f:

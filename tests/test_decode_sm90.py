@@ -68,6 +68,18 @@ def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
     assert r["smem"] <= k.SMEM_LIMIT
 
 
+def test_head_config():
+    assert k.head_config(1) == (16, 1, False) and k.head_config(16) == (16, 1, False)
+    assert k.head_config(17) == (16, 1, True) and k.head_config(32) == (16, 1, True)
+    assert k.head_config(33) == (32, 1, True) and k.head_config(64) == (32, 1, True)
+    assert k.head_config(65) == (32, 2, True) and k.head_config(128) == (32, 2, True)
+    assert [k.padded_heads(h) for h in (8, 20, 64, 100, 128)] == [16, 32, 64, 128, 128]
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="num_heads"):
+            k.head_config(bad)
+    assert k.smem_bytes(3, 32, True) <= k.SMEM_LIMIT < k.smem_bytes(4, 32, True)
+
+
 # -- GPU --------------------------------------------------------------------------------------------------------
 def run_case(batch, backend="gluon", **opts):
     attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
@@ -137,9 +149,12 @@ def test_auto_picks_gluon_and_falls_back():
     attn, out, lse = run_case(b, backend="auto")
     assert attn.backend_name == "gluon" if hasattr(attn, "backend_name") else True
     check(b, out, lse)
-    for kv_lens, qo, H, page, fmt in (([100], [2], 16, 64, "fp8_e4m3"), ([100], [1], 128, 64, "fp8_e4m3"),
-                                      ([100], [1], 16, 8, "fp8_e4m3"), ([100], [1], 16, 64, "fp8_e4m3_group"),
-                                      ([100], [1], 16, 64, "bf16")):
+    from fp8mla.backends import gluon as gb
+    refused = [([100], [2], 16, 64, "fp8_e4m3"), ([100], [1], 16, 8, "fp8_e4m3"),
+               ([100], [1], 16, 64, "fp8_e4m3_group"), ([100], [1], 16, 64, "bf16")]
+    if not gb.wide_heads_enabled():   # H128 goes to the Triton kernel until the wide variant is switched on
+        refused.append(([100], [1], 128, 64, "fp8_e4m3"))
+    for kv_lens, qo, H, page, fmt in refused:
         b = make_paged_batch(kv_lens, qo, H, page, fmt, device=DEVICE, seed=2)
         _, out, lse = run_case(b, backend="auto")          # the Triton kernel takes these, correctly
         check(b, out, lse, tol=3e-3, lse_tol=5e-3)
@@ -167,6 +182,84 @@ def test_cuda_graph_capture_then_replan():
     torch.cuda.synchronize()
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
     a = dict(b1.plan_args)   # same pool, other lengths and page lists
+    pages = a["kv_indices"]
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+# -- GPU, the wide-heads variant (17..128 heads; off by default until verified: FP8MLA_GLUON_WIDE=1 here) -------
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
+
+
+@gpu
+@pytest.mark.parametrize("H", [20, 32, 64, 100, 128])
+@pytest.mark.parametrize("page", [16, 64])
+def test_wide_odd_lengths_nan_pools(wide, H, page):
+    b = make_paged_batch([0, 1, 63, 64, 65, 514, page + 1, 3000], [1] * 8, H, page, "fp8_e4m3", device=DEVICE,
+                         seed=H + page, extra_pages=1)
+    _, out, lse = run_case(b)
+    check(b, out, lse)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@gpu
+def test_wide_auto_picks_gluon(wide):
+    b = make_paged_batch([300, 65], [1, 1], 128, 64, "fp8_e4m3", device=DEVICE, seed=3)
+    attn, out, lse = run_case(b, backend="auto")
+    assert attn._plan.backend == "gluon"
+    check(b, out, lse)
+
+
+@gpu
+@pytest.mark.parametrize("min_chunk", [64, 4096])
+def test_wide_many_splits_and_bit_identical_reruns(wide, min_chunk):
+    b = make_paged_batch([20000, 1, 4097], [1] * 3, 128, 64, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
+                         seed=8, ckv_scale=0.05, kpe_scale=3.0)
+    attn, out, lse = run_case(b, min_chunk=min_chunk)
+    check(b, out, lse, lse_tol=2e-4)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+def test_wide_refuses_four_stages(wide):
+    b = make_paged_batch([100], [1], 128, 64, "fp8_e4m3", device=DEVICE, seed=4)
+    with pytest.raises(ValueError, match="num_stages"):
+        run_case(b, num_stages=4)
+
+
+@gpu
+def test_wide_cuda_graph_capture_then_replan(wide):
+    H = 128
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=12, spare_pages=60)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = dict(b1.plan_args)
     pages = a["kv_indices"]
     a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
     a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
