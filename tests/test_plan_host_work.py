@@ -158,3 +158,92 @@ def test_host_schedule_matches_device_schedule():
             assert host[k] == dev[k].tolist(), (trial, k)
         for k in ("item_req", "item_start", "item_end", "item_part"):
             assert host[k] == dev[k][:n].tolist(), (trial, k)
+
+
+class _OpCount:
+    """Torch ops dispatched (aten level) inside the block, by name."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ops = self.ops = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                ops[name] = ops.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+# Ops that only make views or host tensors: no launch on a GPU.
+_NO_LAUNCH = {"slice", "select", "view", "lift_fresh", "alias", "as_strided", "detach", "unsqueeze", "expand"}
+
+
+@pytest.mark.skipif("triton" not in fp8mla.available_backends("cpu"), reason="needs the triton backend here")
+def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
+    """The CUDA-graph runner's begin_step at B=64: the torch ops it dispatches (and the few that would launch on a
+    GPU) and its Python calls are the same for short and long contexts and for page 64 and page 1 (nothing
+    O(pages)), and it reads nothing back from the device. The runner's tables count as device tensors here (as on
+    a GPU), so the plan takes the graph path's host-scheduled route."""
+    from fp8mla.models import DeepseekMLAModel
+    from fp8mla.models.runner import DecodeRunner
+    B = 64
+    model = DeepseekMLAModel("tiny", 1, dtype=torch.bfloat16, backend="triton", fused=True)
+    on_host = fp8mla.layout._on_host
+    device_ptrs: set = set()
+    monkeypatch.setattr(fp8mla.layout, "_on_host",
+                        lambda t: t.untyped_storage().data_ptr() not in device_ptrs and on_host(t))
+    seen = {}
+    for page, ctx in ((64, 256), (64, 2048), (1, 256), (1, 2048)):
+        cache = model.make_cache(-(-B * (ctx + 2 * page) // page), page, "fp8_e4m3")
+        ids = [cache.add_sequence() for _ in range(B)]
+        cache.reserve(ids, ctx - 1)
+        r = DecodeRunner(model, cache, max_batch=B, max_context=ctx + page, use_cuda_graph=False)
+        r.use_cuda_graph = True                      # graph-mode attention buffers, no capture
+        monkeypatch.setattr(r, "_capture", lambda g: None)
+        r._bucket(B)
+        device_ptrs |= {r.table.untyped_storage().data_ptr(), r._stage.untyped_storage().data_ptr()}
+        device_ptrs |= {g["block_table"].untyped_storage().data_ptr() for g in r._graphs.values()}
+        prefix = [ctx - 1] * B
+        r.begin_step(ids, prefix).cancel()           # first step: fills the rows, builds the buffers
+        with _OpCount() as c:
+            st = r.begin_step(ids, prefix)
+        st.cancel()
+        calls = _count_python_calls(lambda: r.begin_step(ids, prefix).cancel())
+        launches = {k: v for k, v in c.ops.items() if k not in _NO_LAUNCH}
+        seen[(page, ctx)] = (sum(c.ops.values()), launches, calls)
+        assert r._graphs[B]["attn"].backend == "triton" and r._graphs[B]["attn"].layout.host is not None
+        # one staged copy, the int32 page ids, one scatter, one gather, the plan's staged copy
+        assert sum(launches.values()) <= 6, launches
+        assert not {"_local_scalar_dense", "item"} & set(c.ops), c.ops  # nothing read back from the device
+    first = next(iter(seen.values()))
+    assert all(v == first for v in seen.values()), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_runner_begin_step_never_syncs():
+    """The CUDA-graph runner's begin_step (after its bucket was captured) under set_sync_debug_mode("error")."""
+    from fp8mla.models import DeepseekMLAModel
+    from fp8mla.models.runner import DecodeRunner
+    model = DeepseekMLAModel.random("tiny", seed=1, dtype=torch.bfloat16, device="cuda")
+    for page in (1, 16):
+        cache = model.make_cache(-(-4 * 80 // page), page, "fp8_e4m3")
+        ids = [cache.add_sequence() for _ in range(3)]
+        cache.reserve(ids, [30, 7, 45])
+        r = DecodeRunner(model, cache, max_batch=4)
+        prefix = [cache.seq_len(s) for s in ids]
+        r.begin_step(ids, prefix).cancel()  # captures the bucket's graph
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            st = r.begin_step(ids, prefix)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        st.cancel()
+        r.close()
