@@ -212,13 +212,14 @@ if gluon is not None:
                 g += 1
 
     @gluon.jit
-    def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
+    def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H,
+                    mma: gl.constexpr, HPW: gl.constexpr, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
                     stride_o_h, stride_lse_t):
         # One consumer's normalized (o, lse base 2) for heads h0 + hcol: the final out/lse when the item is the
         # whole request, else the item's fp32 partial (the merge kernel combines a request's partials).
         # An empty state (l = 0) writes o = 0, lse = -inf.
-        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, o0.type.layout))
-        hcol = gl.arange(0, o0.shape[1], layout=gl.SliceLayout(0, o0.type.layout))
+        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
         dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)   # the PV's relabelled output dims
         seen = l_i > 0
         l_safe = gl.where(seen, l_i, 1.0)
@@ -419,7 +420,7 @@ if gluon is not None:
             if WIDE:
                 m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                 _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
-                            H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
+                            H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t)
             else:
                 l_i = gl.sum(l_acc, axis=0)
@@ -459,7 +460,7 @@ if gluon is not None:
                     _cta_barrier()
                     mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
                     _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
-                                H, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
+                                H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)
             g += n
 
@@ -524,8 +525,9 @@ if gluon is not None:
         # constexpr (layouts, static branches), so the consumers' argument tuples are written out in the call.
         # NS and MODE reach the consumers as runtime values, as they always have (the H16 kernel measured on the
         # H200 was built that way; making them constexpr there is a separate, unmeasured change).
-        ns_t = gl.to_tensor(NS)
-        mode_t = gl.to_tensor(MODE)
+        zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
+        ns_t = zero + NS
+        mode_t = zero + MODE
         gl.warp_specialize([
             (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                          kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
@@ -743,10 +745,18 @@ KERNEL_SIGNATURE = {
     "WIDE": "constexpr"}
 
 
+# Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
+# H % 16 == 0 (triton specializes such ints): the strides and H itself.
+_INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
+              "stride_pl_i", "stride_o_t", "stride_o_h", "stride_lse_t")
+
+
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
-                   heads: int = 16) -> dict:
+                   heads: int = 16, aligned_ints: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
-    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32)."""
+    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
+    ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
+    contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case."""
     import collections
     import os
     import re
@@ -766,7 +776,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                if sig[n].startswith("*")})
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
