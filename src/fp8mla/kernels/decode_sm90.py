@@ -157,7 +157,7 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  kbuf, pbuf, ready, empty, NHG, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr,
+                  kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr,
                   WIDE: gl.constexpr):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
@@ -212,14 +212,21 @@ if gluon is not None:
                 g += 1
 
     @gluon.jit
+    def _per_item(x, it):
+        # x, unchanged, but opaque to the compiler's loop-invariant code motion (it depends on the item index):
+        # at 128 O registers, index vectors and store addresses hoisted out of the item loop spill.
+        return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $2, 0; add.s32 $0, $1, z; }", "=r,r,r",
+                                         [x, gl.full_like(x, 0) + it], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
     def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H,
                     mma: gl.constexpr, HPW: gl.constexpr, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
                     stride_o_h, stride_lse_t):
         # One consumer's normalized (o, lse base 2) for heads h0 + hcol: the final out/lse when the item is the
         # whole request, else the item's fp32 partial (the merge kernel combines a request's partials).
         # An empty state (l = 0) writes o = 0, lse = -inf.
-        tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
+        tok_r = _per_item(gl.arange(0, 64, layout=gl.SliceLayout(1, mma)), it)
+        hcol = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), it)
         dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)   # the PV's relabelled output dims
         seen = l_i > 0
         l_safe = gl.where(seen, l_i, 1.0)
@@ -255,7 +262,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG,
+                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
@@ -306,6 +313,9 @@ if gluon is not None:
             qtok = gl.load(qo_indptr + b).to(gl.int64)
             # -- Q^T for this request: scales and a per-head power of two folded in, fp16, k relabelled -----
             # (padded heads: Q rows of zeros, scores 0, outputs never written)
+            if WIDE:   # per-item index vectors: hoisted out of the item loop they spill (see _per_item)
+                hq = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(1, blk)), it) + h0
+                h_ok = hq < H
             qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
             qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
             amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
@@ -467,7 +477,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -478,7 +488,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -489,10 +499,10 @@ if gluon is not None:
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
                                cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
-                               NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
-                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False):
+                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -718,9 +728,9 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     mla_decode_sm90_kernel[(grid,)](
         kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
-        nhg, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        HPW=hpw, WIDE=wide, num_warps=4)
+        HPW=hpw, WIDE=wide, NHG=nhg, num_warps=4)
     if not merge:
         return
     _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
@@ -738,11 +748,11 @@ KERNEL_SIGNATURE = {
     "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
     "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
     "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
-    "sm_scale_log2": "fp32", "H": "i32", "NHG": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
+    "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
     "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
-    "WIDE": "constexpr"}
+    "WIDE": "constexpr", "NHG": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -772,8 +782,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
-    hpw, _, wide = head_config(heads)
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide}
+    hpw, nhg, wide = head_config(heads)
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
