@@ -45,6 +45,24 @@ def _count_python_calls(fn) -> int:
     return calls
 
 
+def _count_python_lines(fn) -> int:
+    """Python lines executed by ``fn`` (a loop or comprehension over pages counts once per page)."""
+    lines = 0
+
+    def tracer(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
 @pytest.mark.parametrize("backend", ["triton"] if "triton" in fp8mla.available_backends("cpu") else [])
 def test_plan_python_work_does_not_grow_with_tokens(backend):
     fp8mla.MLAPagedAttention(backend=backend).plan(**_page1_args(2, 10))  # imports and caches, once
@@ -187,7 +205,7 @@ _NO_LAUNCH = {"slice", "select", "view", "lift_fresh", "alias", "as_strided", "d
 @pytest.mark.skipif("triton" not in fp8mla.available_backends("cpu"), reason="needs the triton backend here")
 def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
     """The CUDA-graph runner's begin_step at B=64: the torch ops it dispatches (and the few that would launch on a
-    GPU) and its Python calls are the same for short and long contexts and for page 64 and page 1 (nothing
+    GPU) and the Python lines it runs are the same for short and long contexts and for page 64 and page 1 (nothing
     O(pages)), and it reads nothing back from the device. The runner's tables count as device tensors here (as on
     a GPU), so the plan takes the graph path's host-scheduled route."""
     from fp8mla.models import DeepseekMLAModel
@@ -198,7 +216,7 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
     device_ptrs: set = set()
     monkeypatch.setattr(fp8mla.layout, "_on_host",
                         lambda t: t.untyped_storage().data_ptr() not in device_ptrs and on_host(t))
-    seen = {}
+    seen, keep = {}, []
     for page, ctx in ((64, 256), (64, 2048), (1, 256), (1, 2048)):
         cache = model.make_cache(-(-B * (ctx + 2 * page) // page), page, "fp8_e4m3")
         ids = [cache.add_sequence() for _ in range(B)]
@@ -207,6 +225,8 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
         r.use_cuda_graph = True                      # graph-mode attention buffers, no capture
         monkeypatch.setattr(r, "_capture", lambda g: None)
         r._bucket(B)
+        keep.append((cache, r))  # alive: no later host tensor reuses these addresses
+        device_ptrs.clear()
         device_ptrs |= {r.table.untyped_storage().data_ptr(), r._stage.untyped_storage().data_ptr()}
         device_ptrs |= {g["block_table"].untyped_storage().data_ptr() for g in r._graphs.values()}
         prefix = [ctx - 1] * B
@@ -214,15 +234,19 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
         with _OpCount() as c:
             st = r.begin_step(ids, prefix)
         st.cancel()
-        calls = _count_python_calls(lambda: r.begin_step(ids, prefix).cancel())
+        calls = _count_python_lines(lambda: r.begin_step(ids, prefix).cancel())
         launches = {k: v for k, v in c.ops.items() if k not in _NO_LAUNCH}
         seen[(page, ctx)] = (sum(c.ops.values()), launches, calls)
         assert r._graphs[B]["attn"].backend == "triton" and r._graphs[B]["attn"].layout.host is not None
         # one staged copy, the int32 page ids, one scatter, one gather, the plan's staged copy
         assert sum(launches.values()) <= 6, launches
         assert not {"_local_scalar_dense", "item"} & set(c.ops), c.ops  # nothing read back from the device
-    first = next(iter(seen.values()))
-    assert all(v == first for v in seen.values()), seen
+    for page in (64, 1):  # nothing grows with the context
+        assert seen[(page, 256)] == seen[(page, 2048)], seen
+    # page 1 against page 64: the same ops; a few more lines per sequence (each step takes a new page, and the
+    # cancel gives it back): O(batch), never O(pages)
+    assert seen[(1, 256)][:2] == seen[(64, 256)][:2], seen
+    assert 0 <= seen[(1, 256)][2] - seen[(64, 256)][2] <= 8 * B, seen
 
 
 @pytest.mark.gpu
@@ -247,3 +271,28 @@ def test_runner_begin_step_never_syncs():
             torch.cuda.set_sync_debug_mode("default")
         st.cancel()
         r.close()
+
+
+@pytest.mark.parametrize("backend", ["triton"] if "triton" in fp8mla.available_backends("cpu") else [])
+def test_eager_begin_step_python_work_does_not_grow_with_pages(backend):
+    """model.begin_step (no runner) at page 1: the same Python lines run for 256 and 4096 tokens per sequence (the
+    cache's page tables are copied as int32 arrays, the page ids never walked in Python), and the layout it plans
+    is the cache's (page ids, lengths, the largest page id)."""
+    from fp8mla.models import DeepseekMLAModel
+    model = DeepseekMLAModel("tiny", 1, dtype=torch.bfloat16, backend=backend, fused=False)
+    counts = []
+    for ctx in (256, 4096):
+        cache = model.make_cache(8 * (ctx + 4) + 9, 1, "fp8_e4m3")
+        cache.add_sequence()  # a first sequence, freed: the others' pages are not 0..n in order
+        ids = [cache.add_sequence() for _ in range(8)]
+        cache.reserve(ids, [ctx - 1 - 3 * i for i in range(8)])
+        cache.free(0)
+        model.begin_step(cache, ids, [1] * 8).cancel()
+        counts.append(_count_python_lines(lambda: model.begin_step(cache, ids, [1] * 8).cancel()))
+        st = model.begin_step(cache, ids, [1] * 8)
+        lay = st.paged.layout
+        want = [p for s in ids for p in cache.pages(s)]
+        assert lay.kv_indices.tolist() == want and lay.kv_lens == [cache.seq_len(s) for s in ids]
+        assert lay.max_page_id == max(want) and lay.host is not None
+        st.cancel()
+    assert counts[0] == counts[1], f"Python lines run by model.begin_step grew with the pages: {counts}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +98,18 @@ class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than a request needs. Nothing was allocated."""
 
 
+def _page_array(pages=()) -> array:
+    # Page ids as a C int32 array: appends are as cheap as a list's, and a batch's table is a memcpy of slices
+    # (plan_inputs / layout), never a Python loop over pages.
+    return array("i", pages)
+
+
+assert array("i").itemsize == 4, "page tables are int32 (array typecode 'i')"
+
+
 @dataclass
 class _Sequence:
-    pages: list = field(default_factory=list)
+    pages: array = field(default_factory=_page_array)
     length: int = 0          # tokens reserved, including the pending ones
     pending: int = 0         # tokens reserved by the last reserve(), written by append()
 
@@ -352,7 +362,7 @@ class PagedMLACache:
         src = self._seq(seq_id)
         new_id = self.add_sequence(new_id)
         dst = self._seqs[new_id]
-        dst.pages, dst.length = list(src.pages), src.length
+        dst.pages, dst.length = _page_array(src.pages), src.length
         for p in dst.pages:
             self._refs[p] += 1
         src.pending = 0  # its pending slots now lie in shared pages
@@ -448,12 +458,18 @@ class PagedMLACache:
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
         seqs = [self._seq(i) for i in ids]
-        kv_pages = [len(s.pages[: -(-s.length // self.page_size)]) for s in seqs]
+        ps = self.page_size
+        kv_pages, table = [], _page_array()
+        for s in seqs:  # O(batch) Python; the page ids are copied as array slices (memcpy)
+            n = min(len(s.pages), -(-s.length // ps))
+            kv_pages.append(n)
+            table += s.pages[:n]
         i32 = dict(dtype=torch.int32, device=self.device if _device is None else _device)
+        kv_indices = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         return dict(
             qo_indptr=torch.tensor([0] + list(itertools.accumulate(qo_lens)), **i32),
             kv_indptr=torch.tensor([0] + list(itertools.accumulate(kv_pages)), **i32),
-            kv_indices=torch.tensor([p for s, n in zip(seqs, kv_pages) for p in s.pages[:n]], **i32),
+            kv_indices=kv_indices.to(**i32),
             kv_len_arr=torch.tensor([s.length for s in seqs], **i32),
             head_dim_ckv=self.head_dim_ckv, head_dim_kpe=self.head_dim_kpe, page_size=self.page_size,
             kv_data_type=self.format.name,
@@ -465,8 +481,11 @@ class PagedMLACache:
         Arguments as :meth:`plan_inputs`; pass it to ``MLAPagedAttention.plan_layout``."""
         from .layout import PagedLayout
         args = self.plan_inputs(seq_ids, qo_lens, _device="cpu")
-        return PagedLayout.from_csr(args["qo_indptr"], args["kv_indptr"], args["kv_indices"], args["kv_len_arr"],
-                                    self.page_size, device=self.device)
+        idx = args["kv_indices"]
+        # The cache's page ids are valid by construction: the largest one is one vectorized max, not the layout's
+        # O(tokens) scan (what made a page-1 step cost O(context) on the host).
+        return PagedLayout.from_csr(args["qo_indptr"], args["kv_indptr"], idx, args["kv_len_arr"], self.page_size,
+                                    device=self.device, max_page_id=int(idx.max()) if idx.numel() else -1)
 
     def run_inputs(self, layer: int) -> dict:
         """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``: the caches and exactly one of

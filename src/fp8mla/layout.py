@@ -98,8 +98,11 @@ class PagedLayout:
     @classmethod
     def from_csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                  kv_len: torch.Tensor, page_size: int, *, device=None,
-                 len_name: str = "kv_len_arr") -> "PagedLayout":
+                 len_name: str = "kv_len_arr", max_page_id: int | None = None) -> "PagedLayout":
         """A layout from FlashInfer's arrays.
+
+        ``max_page_id``: the largest page id in ``kv_indices``, when the caller knows it (the cache, from its own
+        tables): the O(tokens) host scan of the page ids is skipped (the O(batch) length checks still run).
 
         ``qo_indptr`` and ``kv_indptr`` may be longer than B + 1 (slices of larger buffers, as FlashInfer
         allows): B = ``kv_len.numel()`` and only their first B + 1 entries are read. CPU tensors are checked
@@ -127,7 +130,9 @@ class PagedLayout:
             active = (qo_indptr[1:] - qo_indptr[:-1]) > 0
         if _on_host(kv_indptr) and _on_host(kv_len):  # lengths against pages: needs only these two
             kv_lens = cls._check_table(kv_indptr, kv_indices.numel(), kv_len, page_size, active, len_name)
-            if _on_host(kv_indices):
+            if max_page_id is not None:
+                max_page = max_page_id
+            elif _on_host(kv_indices):
                 max_page = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active)
         elif _on_host(kv_len):
             kv_lens = kv_len.tolist()
