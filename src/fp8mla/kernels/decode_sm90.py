@@ -25,8 +25,15 @@ launches (CUDA-graph safe).
 Tail tiles (kv_len not a multiple of 64): the consumer zeroes the stage's rows past kv_len in shared memory
 before using it (unused slots may hold NaN, and 0 x NaN in P.V would poison the output), then masks the scores.
 
-Supported here: H <= 16, qo_len 1, page size a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv 512 +
-k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
+Wide-heads variant (``WIDE``, H 17..128; ``head_config``): a CTA owns a head group of 2 x HPW heads (HPW = 16 for
+H <= 32, else 32) and BOTH consumers take every tile, each for its own HPW heads (S^T [64, HPW], O^T [512, HPW];
+at HPW 32 that is 128 fp32 registers), so there is no cross-consumer softmax state and no exchange; a stage is
+released after both consumers arrive. H > 64: NHG = ceil(H / 64) CTAs per schedule slot, adjacent in the grid, so
+the later reads of a tile should hit L2. Each consumer writes its own normalized partial (padded heads: zero Q
+rows, never written).
+
+Supported here: H <= 128, qo_len 1, pages of 16, 32 or a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv
+512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
 """
 from __future__ import annotations
 
