@@ -223,7 +223,7 @@ if gluon is not None:
         # x, unchanged, but opaque to the compiler's loop-invariant code motion (it depends on the item index):
         # at 128 O registers, index vectors and store addresses hoisted out of the item loop spill.
         return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $2, 0; add.s32 $0, $1, z; }", "=r,r,r",
-                                         [x, gl.full_like(x, 0) + it], dtype=gl.int32, is_pure=True, pack=1)
+                                         [x, gl.zeros_like(x) + it], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
     def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H,
