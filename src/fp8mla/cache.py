@@ -306,7 +306,11 @@ class PagedMLACache:
         for c in check:
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
                 raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
-        if len(set(map(_hashable, ids))) != len(ids):
+        try:
+            distinct = len(set(ids)) == len(ids)
+        except TypeError:
+            distinct = len(set(map(_hashable, ids))) == len(ids)  # raises, naming the unhashable id
+        if not distinct:
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         table = self._seqs
         seqs = [table[i] if i in table else self._seq(i) for i in ids]  # _seq: the error naming a missing id

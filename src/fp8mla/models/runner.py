@@ -126,7 +126,8 @@ class DecodeRunner:
 
     def _row(self, sid, prefix: int) -> int:
         """The sequence's block-table row, filled from the cache when the row does not hold its current pages."""
-        rec = self.cache._seq(sid)  # identity of the cache's record: a freed-and-re-added id is a new sequence
+        # identity of the cache's record: a freed-and-re-added id is a new sequence (_seq: the error for a bad id)
+        rec = self.cache._seqs.get(sid) or self.cache._seq(sid)
         ent = self._rows.get(sid)
         if ent is not None and ent[1] is rec and ent[2] == prefix:
             return ent[0]
