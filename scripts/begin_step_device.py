@@ -10,6 +10,7 @@ DeepSeek-V3 shape (128 heads), 2 layers, FP8 e4m3 cache filled with random laten
 - sync-free: one runner begin_step under torch.cuda.set_sync_debug_mode("error");
 - rel L2: the graph step's output against the eager step's (same cache, same token).
 Targets: begin (runner) <= 0.3 ms at B=64 page 64, <= 1 ms at B=64 ctx 8192 page 1.
+Env: REPS (30), BACKEND (auto; "triton" forces the host-scheduled Triton plan), DRY=1 (CPU plumbing check).
 Writes OUTDIR/begin_step.csv and OUTDIR/profile_*.txt (cProfile of 20 runner begin_steps, by cumulative time).
 """
 from __future__ import annotations
@@ -76,7 +77,9 @@ def main() -> int:
     dev = torch.device("cpu" if dry else "cuda")
     cfg = load_config("tiny" if dry else "dsv3")
     points = [(4, 64, 4), (4, 64, 1), (1, 32, 4)] if dry else POINTS
-    model = DeepseekMLAModel.random(cfg, num_layers=2, dtype=torch.float32 if dry else torch.bfloat16, device=dev)
+    backend = os.environ.get("BACKEND", "auto")  # auto: what serving gets (triton at H=128 unless gluon takes it)
+    model = DeepseekMLAModel.random(cfg, num_layers=2, dtype=torch.float32 if dry else torch.bfloat16, device=dev,
+                                    backend=backend)
     name = "CPU DRY RUN" if dry else torch.cuda.get_device_name(dev)
     print(f"{'tiny' if dry else 'dsv3'} shape, 2 layers, {cfg.num_heads} heads, FP8 e4m3 cache, {name}, "
           f"torch {torch.__version__}; model built in {time.time() - t0:.1f} s; reps {reps}", flush=True)
