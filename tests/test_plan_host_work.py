@@ -296,3 +296,25 @@ def test_eager_begin_step_python_work_does_not_grow_with_pages(backend):
         assert lay.max_page_id == max(want) and lay.host is not None
         st.cancel()
     assert counts[0] == counts[1], f"Python lines run by model.begin_step grew with the pages: {counts}"
+
+
+def test_block_table_decode_path_matches_general_path(monkeypatch):
+    """from_block_table over a device table with host lengths (the runner's path: O(batch) checks, one staged
+    copy) gives the general path's layout, and refuses a length past the row's pages the same way."""
+    g = torch.Generator().manual_seed(5)
+    B, W, ps = 7, 5, 3
+    bt = torch.randint(0, 50, (B, W), generator=g, dtype=torch.int32)
+    kv_len = torch.randint(0, W * ps + 1, (B,), generator=g, dtype=torch.int32)
+    kv_len[2] = 0
+    want = PagedLayout.from_block_table(bt, kv_len, ps)
+    real = fp8mla.layout._on_host
+    monkeypatch.setattr(fp8mla.layout, "_on_host", lambda t: t.data_ptr() != bt.data_ptr() and real(t))
+    got = PagedLayout.from_block_table(bt, kv_len, ps)
+    for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len"):
+        assert torch.equal(getattr(got, k), getattr(want, k)), k
+    assert got.qo_lens == want.qo_lens and got.kv_lens == want.kv_lens and got.max_page_id is None
+    assert all(torch.equal(got.host[k], want.host[k]) for k in ("qo_indptr", "kv_indptr", "kv_len"))
+    bad = kv_len.clone()
+    bad[4] = W * ps + 1
+    with pytest.raises(ValueError, match=r"^kv_len: request 4 .*block_table has 5 pages per row"):
+        PagedLayout.from_block_table(bt, bad, ps)
