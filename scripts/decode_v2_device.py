@@ -325,8 +325,13 @@ SHAPES = [(1, 32768), (8, 8192), (32, 4096), (128, 2048), (64, 8192)]
 TARGETS = {(1, 32768): 0.012, (8, 8192): 0.015, (32, 4096): 0.025, (128, 2048): 0.045, (64, 8192): 0.090}
 VARIANTS = {"ns4": dict(ns=4), "ns3": dict(ns=3), "ns2": dict(ns=2), "ns4_mt8": dict(ns=4, min_tiles=8),
             "mem_ns3": dict(ns=3, mode=1), "mem_ns4": dict(ns=4, mode=1),
-            "cmp_ns4": dict(ns=4, mode=2), "nomerge": dict(ns=4, merge=False), "mt8_nomerge": dict(min_tiles=8, merge=False),
+            "cmp_ns4": dict(ns=4, mode=2), "cmp_ns3": dict(ns=3, mode=2), "nomerge": dict(ns=4, merge=False), "mt8_nomerge": dict(min_tiles=8, merge=False),
             "ns4_mt16": dict(ns=4, min_tiles=16), "ns3_mt8": dict(ns=3, min_tiles=8)}
+
+
+def _probe(v):
+    """Timing probes (not results): mem_* = ring without compute, cmp_* = compute without HBM traffic."""
+    return v.startswith(("mem_", "cmp_"))
 
 
 def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64, targets=TARGETS):
@@ -380,7 +385,7 @@ def run_bench(variants, with_triton=True, shapes=SHAPES, H=16, page=64, targets=
     log(f"{'shape':16s} {'floor':>7s} {'target':>7s} " + " ".join(f"{v:>9s}" for v in cols) + "   best %floor")
     for r in table:
         vals = [r.get(v) for v in cols]
-        best = min([r[v] for v in variants if v in r] or [float("nan")])
+        best = min([r[v] for v in variants if v in r and not _probe(v)] or [float("nan")])
         log(f"{r['shape']:16s} {r['floor']:7.4f} {r['target'] or 0:7.3f} "
             + " ".join(f"{v:9.4f}" if v else f"{'-':>9s}" for v in vals) + f"   {100 * r['floor'] / best:5.1f}%")
     return table
@@ -562,11 +567,13 @@ def run_h128(variants, with_triton=True, shapes=H128_SHAPES, page=64):
         log(f"  {'PASS' if r else 'FAIL'}  {name}")
     log(f"CHECKS {'ALL PASS' if ok else 'SOME FAIL'} ({sum(r for _, r in results)}/{len(results)})")
     for r in table:
-        g = min([r[v] for v in variants if v in r] or [float("nan")])
+        g = min([r[v] for v in variants if v in r and not _probe(v)] or [float("nan")])
         tr = r.get("triton")
+        cmp_ = r.get("cmp_ns3")
         log(f"  {r['shape']:18s} floor {r['floor']:.4f}  gluon {g:.4f} ({100 * r['floor'] / g:4.1f}% floor)  "
             f"triton {tr if tr else float('nan'):.4f}  speedup {tr / g if tr else float('nan'):.2f}x  "
-            f"target {r['target'] or float('nan'):.3f}")
+            f"target {r['target'] or float('nan'):.3f}"
+            + (f"  compute-only probe {cmp_:.4f}" if cmp_ else ""))
     return ok
 
 
@@ -599,7 +606,7 @@ def main():
         if what in ("bench", "all") and ok:
             run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes, page=page)
         if what == "h128":
-            hv = variants if any(a.startswith("--variants=") for a in sys.argv) else ["ns3", "ns3_mt8"]
+            hv = variants if any(a.startswith("--variants=") for a in sys.argv) else ["ns3", "ns3_mt8", "cmp_ns3"]
             ok = run_h128(hv, with_triton="--no-triton" not in sys.argv, page=page)
     finally:
         if os.environ.get("OUT"):
