@@ -171,7 +171,7 @@ class PagedLayout:
         dev = block_table.device
         block_table = block_table.to(torch.int32).contiguous()  # no copy for vLLM's int32 table (row slices)
         if qo_indptr is None and _on_host(kv_len) and not _on_host(block_table) and not debug_checks():
-            return cls._decode_rows(block_table, kv_len, page_size, device)
+            return cls.decode_rows(block_table, kv_len.tolist(), page_size, device=device)
         # Row b starts at b * W. Built on the host when the lengths are there too: checked there in O(batch), and
         # staged with them in one copy (a device arange would be two launches).
         kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cpu" if _on_host(kv_len) else dev) * W
@@ -186,12 +186,16 @@ class PagedLayout:
             raise
 
     @classmethod
-    def _decode_rows(cls, block_table, kv_len, page_size: int, device) -> "PagedLayout":
-        """from_block_table's path for a device table with host lengths and one query per row (the decode runner,
-        every step): the index pointers are known by construction, so only the lengths are checked, in O(batch)
-        Python, and the three small arrays reach the device in one copy. Same layout as the general path."""
+    def decode_rows(cls, block_table: torch.Tensor, lens: list, page_size: int, *, device=None) -> "PagedLayout":
+        """:meth:`from_block_table` for an int32 device table with contiguous rows, host lengths (a list of ints)
+        and one query per row: the decode runner's path, every step. The index pointers are known by
+        construction, so only the lengths are checked, in O(batch) Python, and the three small arrays reach the
+        device in one copy. The same layout as the general path."""
+        if _on_host(block_table) or debug_checks():  # the page ids can be checked: the general path does
+            return cls.from_block_table(block_table, torch.tensor(lens, dtype=torch.int32), page_size, device=device)
         B, W = block_table.shape
-        lens = kv_len.tolist()
+        if len(lens) != B:
+            raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {len(lens)}")
         cap = W * page_size
         for b, n in enumerate(lens):
             if not 0 <= n <= cap:

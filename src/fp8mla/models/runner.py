@@ -230,7 +230,7 @@ class DecodeRunner:
         for sid, p in zip(ids, prefix):
             row, rec, _ = self._rows[sid]
             self._rows[sid] = (row, rec, p + 1)
-        kv_len = torch.tensor([p + 1 for p in prefix] + fill[: Bb - B], dtype=torch.int32)
+        kv_len = [p + 1 for p in prefix] + fill[: Bb - B]
         g = self._bucket(Bb)
         attn, st = g["attn"], g["step"]
         block_table = torch.index_select(self.table, 0, self._stage[2, :Bb], out=g["block_table"])
@@ -242,19 +242,19 @@ class DecodeRunner:
             self._capture(g)
         return st
 
-    def _plan_attention(self, attn: MLAPagedAttention, block_table: torch.Tensor, kv_len: torch.Tensor) -> None:
+    def _plan_attention(self, attn: MLAPagedAttention, block_table: torch.Tensor, kv_len: list) -> None:
         m, cache = self.model, self.cache
         H, cfg = m.num_local_heads, m.cfg
         if hasattr(attn, "plan_layout"):
             from ..layout import PagedLayout
-            lay = PagedLayout.from_block_table(block_table, kv_len, cache.page_size)
+            lay = PagedLayout.decode_rows(block_table, kv_len, cache.page_size)
             attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
                              cache.format.name)
             return
         Bb, W = block_table.shape
         i32 = dict(dtype=torch.int32, device=self.device)
         attn.plan(torch.arange(Bb + 1, **i32), torch.arange(Bb + 1, **i32) * W, block_table.view(-1),
-                  kv_len.to(self.device), H, cache.head_dim_ckv, cache.head_dim_kpe, cache.page_size, True,
+                  torch.tensor(kv_len, **i32), H, cache.head_dim_ckv, cache.head_dim_kpe, cache.page_size, True,
                   cfg.sm_scale, self.attn_dtype, cache.format.name)
 
     def _bucket(self, Bb: int) -> dict:
