@@ -2,7 +2,7 @@
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
-and 17..128 heads with the wide-heads variant once ``GLUON_WIDE_HEADS`` is on (head groups of 32 or 64, ``nhg``
+and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg``
 CTAs per schedule slot), one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
 scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the device from the layout (no host
 read, no sync); lengths are clamped to the pages each row lists.
@@ -26,14 +26,15 @@ from ..runtime import LN2, gluon_usable, num_sms
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 PAGE_MULTIPLE = 64
-# The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90) is
-# compiled and CPU-checked but has not run on a GPU yet. Off until the H200 check (scripts/decode_v2_device.py
-# h128) passes; FP8MLA_GLUON_WIDE=1 forces it on (the device script and its tests set it).
-GLUON_WIDE_HEADS = False
+# The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
+# since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
+# off (H > 16 then stays on the Triton kernel), =1 forces it on.
+GLUON_WIDE_HEADS = True
 
 
 def wide_heads_enabled() -> bool:
-    return GLUON_WIDE_HEADS or os.environ.get("FP8MLA_GLUON_WIDE", "") == "1"
+    env = os.environ.get("FP8MLA_GLUON_WIDE", "")
+    return env == "1" if env in ("0", "1") else GLUON_WIDE_HEADS
 
 
 def supports(spec, layout) -> tuple[bool, str]:
@@ -49,7 +50,7 @@ def supports(spec, layout) -> tuple[bool, str]:
     checks = [
         (1 <= spec.num_heads <= max_heads,
          f"num_heads {spec.num_heads} > {max_heads}" + ("" if wide else
-            " (the wide-heads variant, up to 128, is off until verified on a GPU: FP8MLA_GLUON_WIDE=1)")),
+            " (the wide-heads variant is off: FP8MLA_GLUON_WIDE=0)")),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
          f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
         (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
