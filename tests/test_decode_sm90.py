@@ -272,3 +272,80 @@ def test_wide_cuda_graph_capture_then_replan(wide):
     ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
     assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+def test_host_schedule_matches_device_schedule():
+    """The gluon plan's O(batch) host schedule (host lengths, CUDA-graph buffers: the decode runner's path) gives
+    the device schedule's lengths and work items: random lengths, rows without queries, empty rows, lengths past
+    their pages, a last row that lost pages, everything in one CTA, more CTAs than tiles, B = 1."""
+    from fp8mla.backends.gluon import _device_kv_len, schedule_host
+    from fp8mla.layout import PagedLayout
+    g = torch.Generator().manual_seed(13)
+    for trial in range(120):
+        B = [1, 2, 7, 64, int(torch.randint(1, 90, (1,), generator=g))][trial % 5]
+        ps = [16, 32, 64, 128, int(torch.randint(1, 70, (1,), generator=g))][trial % 5]
+        qo_lens = torch.randint(0, 2, (B,), generator=g) if trial % 4 == 1 else torch.ones(B, dtype=torch.long)
+        pages = torch.randint(0, [3, 40, 200][trial % 3], (B,), generator=g)
+        kv_len = (pages * ps - torch.randint(0, ps, (B,), generator=g)).clamp(min=0)
+        kv_len[torch.rand(B, generator=g) < 0.2] += ps * 3       # lengths past their pages: clamped
+        kv_len[torch.rand(B, generator=g) < 0.1] = 0
+        qo = torch.zeros(B + 1, dtype=torch.int32)
+        kv = torch.zeros(B + 1, dtype=torch.int32)
+        torch.cumsum(qo_lens, 0, out=qo[1:])
+        torch.cumsum(pages, 0, out=kv[1:])
+        num_indices = max(0, int(kv[-1]) - int(torch.randint(0, 3, (1,), generator=g)))
+        ctas = [1, 3, 66, 132, int(torch.randint(1, 200, (1,), generator=g))][(trial // 5) % 5]
+        min_tiles = [1, 4, 16][trial % 3]
+        lay = PagedLayout(qo, kv, torch.zeros(num_indices, dtype=torch.int32), kv_len.to(torch.int32), ps,
+                          torch.device("cpu"))
+        L = _device_kv_len(lay)
+        dev = k.schedule_device(L, ctas, min_tiles)
+        host = schedule_host(dict(qo_indptr=qo, kv_indptr=kv, kv_len=kv_len.to(torch.int32)), ps,
+                             num_indices=num_indices, num_ctas=ctas, min_tiles=min_tiles)
+        n = int(dev["m_ptr"][-1])
+        assert host["kv_len"] == L.tolist() and host["batch_size"] == [B], trial
+        assert host["qo_indptr"] == qo.tolist() and host["kv_indptr"] == kv.tolist(), trial
+        for key in ("cta_ptr", "m_ptr"):
+            assert host[key] == dev[key].tolist(), (trial, key)
+        for key in ("item_req", "item_t0", "item_t1"):
+            assert host[key] == dev[key][:n].tolist(), (trial, key)
+            assert not dev[key][n:].any(), (trial, key)  # the device pads with 0, as the host staging does
+        assert dev["m_list"].tolist() == list(range(ctas + B))
+        # and it is a real schedule: every tile of every request exactly once, in order
+        tiles = [-(-x // k.TILE) for x in host["kv_len"]]
+        for b in range(B):
+            spans = [(host["item_t0"][i], host["item_t1"][i]) for i in range(host["m_ptr"][b], host["m_ptr"][b + 1])]
+            assert spans and spans[0][0] == 0 and spans[-1][1] == tiles[b], (trial, b)
+            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), (trial, b)
+
+
+def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch):
+    """gluon.build in CUDA-graph mode (on CPU tensors, the kernel never launched): a layout with host lengths
+    (host schedule, one staged copy) and the same layout as device-only tables (device schedule) leave the same
+    values in every array the kernel reads, across re-plans of different batches into the same buffers."""
+    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    spec = AttentionSpec(128, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
+                         torch.device("cpu"), True)
+    g = torch.Generator().manual_seed(3)
+    opts = dict(max_batch_size=16, max_kv_indices=4096)
+    st_host, st_dev = {}, {}
+    for lens in ([97, 1, 514, 0, 4096], [8192] * 16, [1], [300, 17, 64, 65, 63]):
+        B = len(lens)
+        W = max(1, -(-max(lens) // 64))
+        bt = torch.randint(0, 500, (B, W), generator=g, dtype=torch.int32)
+        kv_len = torch.tensor(lens, dtype=torch.int32)
+        host_lay = PagedLayout.from_block_table(bt, kv_len, 64)
+        assert host_lay.host is not None
+        dev_lay = PagedLayout(host_lay.qo_indptr, host_lay.kv_indptr, host_lay.kv_indices, host_lay.kv_len, 64,
+                              torch.device("cpu"), host_lay.qo_lens)
+        ph = gb.build(host_lay, spec, opts, st_host)
+        pd = gb.build(dev_lay, spec, opts, st_dev)
+        assert (ph.grid, ph.grid_batch) == (pd.grid, pd.grid_batch)
+        n = int(pd.t["m_ptr"][B])
+        for key, m in (("qo_indptr", B + 1), ("kv_indptr", B + 1), ("kv_len", B), ("kv_indices", bt.numel()),
+                       ("cta_ptr", pd.grid // 2 + 1), ("item_req", n), ("item_t0", n), ("item_t1", n),
+                       ("m_ptr", B + 1), ("m_list", n), ("batch_size", 1)):
+            assert torch.equal(ph.t[key][:m], pd.t[key][:m]), (lens, key)

@@ -4,8 +4,10 @@
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
 and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg``
 CTAs per schedule slot), one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
-scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the device from the layout (no host
-read, no sync); lengths are clamped to the pages each row lists.
+scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the layout has host
+lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one copy: the
+decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped to the
+pages each row lists either way.
 
 ``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
 device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
@@ -98,10 +100,13 @@ class GluonPlan:
 
 def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     from ..kernels import decode_sm90 as k
-    ok, why = supports(spec, layout)
+    ok, why = _supports_cached(spec, layout, state)
     if not ok:
         raise ValueError(f"backend 'gluon': {why}")
-    opts = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
+    opts = state.get("opts")
+    if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
+        opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
+        state["opts_from"] = options
     device = spec.device
     n_sm = num_sms(device)
     B = layout.batch_size
@@ -115,12 +120,18 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads)
-    mp, mc = k.merge_blocks(64)  # fixed: the schedule is made on the device, its longest merge is not known here
-    # Lengths clamped to the pages each row lists (a device-only table can never make the kernel read past them)
-    # and zeroed for rows without queries (engines pad those with any length).
-    from .triton import safe_kv_len
-    kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
-    kv_len = torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
+    mp, mc = k.merge_blocks(64)  # fixed: the schedule may be made on the device, its longest merge not known here
+    if spec.use_cuda_graph:
+        buf = state.get("graph")
+        if buf is None:
+            buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
+        buf.check(B, layout.kv_indices.numel(), rows)
+        if layout.host is not None:  # host lengths: schedule on the host, stage everything in one copy
+            h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+                              num_ctas=slots, min_tiles=min_tiles)
+            t = buf.load_host(h, layout.kv_indices)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
+    kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
@@ -130,17 +141,87 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t)
-    buf = state.get("graph")
-    if buf is None:
-        buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
-    buf.check(B, layout.kv_indices.numel(), rows)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
 
 
+def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
+    """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format, the
+    wide-heads switch) run once per spec; the per-layout one (one query per request) every plan."""
+    key = (spec, wide_heads_enabled())
+    if state.get("supported") != key:
+        ok, why = supports(spec, layout)
+        if not ok:
+            return ok, why
+        state["supported"] = key
+        return True, ""
+    if layout.qo_lens is None:
+        return False, "qo_indptr is device-only (one query per request must be known on the host)"
+    if layout.qo_lens.count(1) != len(layout.qo_lens):
+        return False, "a request has qo_len != 1 (multi-token decode is not written yet)"
+    return True, ""
+
+
+def _device_kv_len(layout) -> torch.Tensor:
+    """Lengths clamped to the pages each row lists (a device-only table can never make the kernel read past them)
+    and zeroed for rows without queries (engines pad those with any length), on the device."""
+    from .triton import safe_kv_len
+    kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
+    return torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
+
+
+def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int) -> dict:
+    """``decode_sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
+    (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
+    work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
+    ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
+    qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
+    B = len(lens)
+    from ..kernels.decode_sm90 import TILE as tile
+    L, starts, T = [], [], 0
+    for b in range(B):  # safe_kv_len, rows without queries zeroed, and each request's first global tile
+        n = lens[b]
+        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
+        n = n if n <= cap else cap
+        n = n if n > 0 and qo[b + 1] > qo[b] else 0
+        L.append(n)
+        starts.append(T)
+        T += (n + tile - 1) // tile
+    G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
+    # CTA c owns global tiles [c*T//G, (c+1)*T//G); the last c with c*T//G <= s is ((s+1)*G - 1)//T (< G)
+    req, t0s, t1s, m_ptr, cta_of = [], [], [], [0], []
+    for b in range(B):
+        s = starts[b]
+        e = s + (L[b] + tile - 1) // tile
+        if T:
+            c0 = min(((s + 1) * G - 1) // T, G - 1)
+            c1 = min((e * G - 1) // T if e > 0 else 0, G - 1)   # the CTA of tile e - 1 (of tile 0 when e == 0)
+            c1 = c1 if c1 > c0 else c0
+        else:
+            c0 = c1 = 0
+        for c in range(c0, c1 + 1):
+            lo = c * T // G
+            hi = (c + 1) * T // G
+            a = (lo if lo > s else s) - s
+            z = (hi if hi < e else e) - s
+            req.append(b)
+            t0s.append(a)
+            t1s.append(z if z > a else a)
+            cta_of.append(c)
+        m_ptr.append(len(req))
+    cta_ptr, i, n_items = [], 0, len(req)
+    for c in range(num_ctas + 1):   # cta_ptr[c] = items of CTAs before c
+        while i < n_items and cta_of[i] < c:
+            i += 1
+        cta_ptr.append(i)
+    return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, cta_ptr=cta_ptr, item_req=req, item_t0=t0s, item_t1=t1s,
+                m_ptr=m_ptr, batch_size=[B])
+
+
 class _GraphBuffers:
-    """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates."""
+    """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates. The small int32
+    arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
 
     def __init__(self, opts, n_sm, device, external: dict, rows: int):
         from ..kernels import decode_sm90 as k
@@ -151,14 +232,18 @@ class _GraphBuffers:
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        self.buf = dict(qo_indptr=torch.zeros(mb + 1, **i32), kv_indptr=torch.zeros(mb + 1, **i32),
-                        kv_indices=torch.zeros(self.max_kv_indices, **i32), kv_len=torch.zeros(mb, **i32),
-                        cta_ptr=torch.zeros(n_sm + 1, **i32), item_req=torch.zeros(mi, **i32),
-                        item_t0=torch.zeros(mi, **i32), item_t1=torch.zeros(mi, **i32),
-                        m_ptr=torch.zeros(mb + 1, **i32), m_list=torch.zeros(mi, **i32),
-                        batch_size=torch.zeros(1, **i32),
+        # the arrays schedule_host fills, in its order (m_list, the identity, stays outside: written once)
+        self.sizes = dict(qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, cta_ptr=n_sm + 1, item_req=mi,
+                          item_t0=mi, item_t1=mi, m_ptr=mb + 1, batch_size=1)
+        self.flat = torch.zeros(sum(self.sizes.values()), **i32)
+        self.buf, o = {}, 0
+        for key, n in self.sizes.items():
+            self.buf[key] = self.flat[o: o + n]
+            o += n
+        self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
                         part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
                         part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
+        self._pads = {key: [0] * n for key, n in self.sizes.items()}  # zero tails, reused every plan
         # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
         # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
@@ -175,6 +260,19 @@ class _GraphBuffers:
             if got > cap:
                 raise ValueError(f"plan: {what} {got} does not fit the gluon backend's CUDA-graph buffers ({cap}); "
                                  "construct MLAPagedAttention with a larger max_batch_size / max_kv_indices")
+
+    def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
+        """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (zero-padded to
+        each capacity, as the device schedule pads its items), and the page ids from ``kv_indices`` (none when
+        planned from the buffer itself)."""
+        flat = []
+        for key, n in self.sizes.items():
+            v = arrays[key]
+            flat += v
+            flat += self._pads[key][len(v):]
+        h = torch.tensor(flat, dtype=torch.int32)
+        self.flat.copy_(h.pin_memory() if self.flat.is_cuda else h, non_blocking=True)
+        return self.load(dict(kv_indices=kv_indices))
 
     def load(self, tensors: dict) -> dict:
         for key, v in tensors.items():
