@@ -206,8 +206,12 @@ class MLAPagedAttention:
         requested = self._backend
         if requested == "auto" and not triton_dims:
             requested = "torch"  # the kernels need power-of-two dims >= 16 (rope-free MLA runs on torch)
-        name = choose_backend(requested, spec.device,
-                              supports_gluon=lambda: backends.supports_gluon(spec, layout, opts))
+        verdict = []  # the gluon check's answer, when asked: build() need not repeat it for this layout
+
+        def supports_gluon():
+            verdict.append(backends.supports_gluon(spec, layout, opts))
+            return verdict[-1]
+        name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"
@@ -215,6 +219,8 @@ class MLAPagedAttention:
         state = self._state.setdefault(name, {})
         if spec.use_cuda_graph:
             state["external"] = self._external
+        if name == "gluon" and verdict and verdict[-1][0]:
+            state["supported_layout"] = (spec, layout)
         return name, backends.build(name, layout, spec, opts, state)
 
     # -- run ------------------------------------------------------------------------------------------------

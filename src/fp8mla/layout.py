@@ -18,6 +18,7 @@ Host work is O(batch) Python plus vectorized torch ops; nothing here loops over 
 from __future__ import annotations
 
 import os
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,16 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def host_ints(values: list, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
+    """A 1-D int32/int64 host tensor of a list of ints, pinned when ``pin`` (to stage it for an asynchronous
+    host -> device copy). Through ``array``: ~3x faster than ``torch.tensor(list)`` (which converts int by int),
+    and this runs on every decode step's plan."""
+    if not values:
+        return torch.zeros(0, dtype=dtype, pin_memory=pin)
+    t = torch.frombuffer(array("i" if dtype == torch.int32 else "q", values), dtype=dtype)
+    return t.pin_memory() if pin else t
 
 
 def debug_checks() -> bool:
@@ -197,17 +208,17 @@ class PagedLayout:
         if len(lens) != B:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {len(lens)}")
         cap = W * page_size
-        for b, n in enumerate(lens):
+        for b, n in enumerate(lens if lens and not 0 <= min(lens) <= max(lens) <= cap else ()):  # names the first
             if not 0 <= n <= cap:
                 raise ValueError(f"kv_len: request {b} has kv_len {n}, expected 0 <= kv_len <= its {W} pages x "
                                  f"page_size {page_size} = {cap} (block_table has {W} pages per row)")
         device = torch.device(device) if device is not None else block_table.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        packed = torch.tensor(list(range(B + 1)) + list(range(0, (B + 1) * W, W) if W else [0] * (B + 1)) + lens,
-                              dtype=torch.int32)
+        packed = host_ints(list(range(B + 1)) + list(range(0, (B + 1) * W, W) if W else [0] * (B + 1)) + lens,
+                           pin=device.type == "cuda")
         host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:])
-        d = to_device(packed, device)
+        d = packed.to(device, non_blocking=True) if device.type == "cuda" else packed
         return cls(d[: B + 1], d[B + 1: 2 * B + 2], block_table.view(-1).to(device, non_blocking=True),
                    d[2 * B + 2:], page_size, device, [1] * B, lens, None, host)
 

@@ -18,6 +18,7 @@ re-plan.
 from __future__ import annotations
 
 import os
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,12 @@ def supports(spec, layout) -> tuple[bool, str]:
         return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
     wide = wide_heads_enabled()
     max_heads = k.MAX_WIDE_HEADS if wide else k.HP
+    if (1 <= spec.num_heads <= max_heads and spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK
+            and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0) and fmt.is_fp8
+            and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group"
+            and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
+            and layout.qo_lens.count(1) == len(layout.qo_lens)):
+        return True, ""  # every plan asks: the messages below are formatted only when one fails
     checks = [
         (1 <= spec.num_heads <= max_heads,
          f"num_heads {spec.num_heads} > {max_heads}" + ("" if wide else
@@ -149,6 +156,9 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
     """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format, the
     wide-heads switch) run once per spec; the per-layout one (one query per request) every plan."""
+    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
+    if checked is not None and checked[0] is spec and checked[1] is layout:
+        return True, ""
     key = (spec, wide_heads_enabled())
     if state.get("supported") != key:
         ok, why = supports(spec, layout)
@@ -176,47 +186,60 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
+    from ..kernels.decode_sm90 import TILE
     qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
     B = len(lens)
-    from ..kernels.decode_sm90 import TILE as tile
-    L, starts, T = [], [], 0
-    for b in range(B):  # safe_kv_len, rows without queries zeroed, and each request's first global tile
+    L, ntiles = [], []
+    for b in range(B):  # safe_kv_len, with rows without queries zeroed
         n = lens[b]
         cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
-        n = n if n <= cap else cap
-        n = n if n > 0 and qo[b + 1] > qo[b] else 0
+        if n > cap:
+            n = cap
+        if n < 0 or qo[b + 1] <= qo[b]:
+            n = 0
         L.append(n)
-        starts.append(T)
-        T += (n + tile - 1) // tile
+        ntiles.append((n + TILE - 1) // TILE)
+    T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
-    # CTA c owns global tiles [c*T//G, (c+1)*T//G); the last c with c*T//G <= s is ((s+1)*G - 1)//T (< G)
-    req, t0s, t1s, m_ptr, cta_of = [], [], [], [0], []
+    Gm = G - 1
+    # CTA c owns global tiles [c*T//G, (c+1)*T//G); the last CTA c with c*T//G <= s is ((s+1)*G - 1)//T
+    req, t0s, t1s, m_ptr = [], [], [], [0]
+    per_cta = [0] * (num_ctas + 1)   # items per CTA (+1: cta_ptr below is their running sum)
+    s = 0
     for b in range(B):
-        s = starts[b]
-        e = s + (L[b] + tile - 1) // tile
+        e = s + ntiles[b]
         if T:
-            c0 = min(((s + 1) * G - 1) // T, G - 1)
-            c1 = min((e * G - 1) // T if e > 0 else 0, G - 1)   # the CTA of tile e - 1 (of tile 0 when e == 0)
-            c1 = c1 if c1 > c0 else c0
+            c0 = ((s + 1) * G - 1) // T
+            c1 = (e * G - 1) // T if e > s else c0   # the CTA of tile e - 1; an empty request: one item in c0
+            if c0 > Gm:
+                c0 = Gm
+            if c1 > Gm:
+                c1 = Gm
         else:
             c0 = c1 = 0
-        for c in range(c0, c1 + 1):
-            lo = c * T // G
-            hi = (c + 1) * T // G
-            a = (lo if lo > s else s) - s
+        if c0 == c1:   # the request lies in one CTA (or is empty): one item
+            lo = c0 * T // G
+            hi = (c0 + 1) * T // G
+            a = lo - s if lo > s else 0
             z = (hi if hi < e else e) - s
             req.append(b)
             t0s.append(a)
             t1s.append(z if z > a else a)
-            cta_of.append(c)
+            per_cta[c0 + 1] += 1
+        else:          # first CTA from tile 0, middle CTAs whole, last CTA to the end (the ranges are non-empty)
+            req += [b] * (c1 - c0 + 1)
+            t0s.append(0)
+            for c in range(c0 + 1, c1 + 1):
+                x = c * T // G - s
+                t1s.append(x)
+                t0s.append(x)
+                per_cta[c + 1] += 1
+            t1s.append(e - s)
+            per_cta[c0 + 1] += 1
         m_ptr.append(len(req))
-    cta_ptr, i, n_items = [], 0, len(req)
-    for c in range(num_ctas + 1):   # cta_ptr[c] = items of CTAs before c
-        while i < n_items and cta_of[i] < c:
-            i += 1
-        cta_ptr.append(i)
-    return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, cta_ptr=cta_ptr, item_req=req, item_t0=t0s, item_t1=t1s,
-                m_ptr=m_ptr, batch_size=[B])
+        s = e
+    return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, cta_ptr=list(accumulate(per_cta)), item_req=req,
+                item_t0=t0s, item_t1=t1s, m_ptr=m_ptr, batch_size=[B])
 
 
 class _GraphBuffers:
@@ -270,8 +293,9 @@ class _GraphBuffers:
             v = arrays[key]
             flat += v
             flat += self._pads[key][len(v):]
-        h = torch.tensor(flat, dtype=torch.int32)
-        self.flat.copy_(h.pin_memory() if self.flat.is_cuda else h, non_blocking=True)
+        # pinned (the caching host allocator keeps it until the copy ran); host_ints: ~3x faster than torch.tensor
+        from ..layout import host_ints
+        self.flat.copy_(host_ints(flat, pin=self.flat.is_cuda), non_blocking=True)
         return self.load(dict(kv_indices=kv_indices))
 
     def load(self, tensors: dict) -> dict:

@@ -26,6 +26,7 @@ import torch
 
 from ..attention import MLAPagedAttention
 from ..cache import PagedMLACache
+from ..layout import PagedLayout, host_ints
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
@@ -217,19 +218,25 @@ class DecodeRunner:
         staged arrays, the new pages into the block table (one scatter), the bucket's rows of the table gathered
         into the attention's own page-id buffer, and the attention's plan (host-scheduled: one more copy)."""
         ps, W, MB = self.cache.page_size, self.width, self.max_batch
-        rows = [self._row(s, p) for s, p in zip(ids, prefix)]
+        # Each sequence's row (filled when it does not hold its pages), marked as holding the new token's page
+        # too (begin_step's failure path rewinds the marks): one pass, the common case inline.
+        rows, seqs, tracked = [], self.cache._seqs, self._rows
+        for sid, p in zip(ids, prefix):
+            rec, ent = seqs.get(sid), tracked.get(sid)
+            if ent is None or rec is None or ent[1] is not rec or ent[2] != p:
+                self._row(sid, p)
+                ent = tracked[sid]
+            rows.append(ent[0])
+            tracked[sid] = (ent[0], ent[1], p + 1)
         fill = [0] * (MB - B)
         rows_all = rows + [self.pad_row] * (MB - B)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared).
-        host = torch.tensor(prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
-                            + [r * W + p // ps for r, p in zip(rows, prefix)] + fill
-                            + [s // ps for s in slots] + fill, dtype=torch.int64)
-        self._stage.view(-1).copy_(host.pin_memory() if self._stage.is_cuda else host, non_blocking=True)
+        host = host_ints(prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
+                         + [r * W + p // ps for r, p in zip(rows, prefix)] + fill
+                         + [s // ps for s in slots] + fill, torch.int64, pin=self._stage.is_cuda)
+        self._stage.view(-1).copy_(host, non_blocking=True)
         self.table.view(-1).index_put_((self._stage[3, :B],), self._stage[4, :B].to(torch.int32))
-        for sid, p in zip(ids, prefix):
-            row, rec, _ = self._rows[sid]
-            self._rows[sid] = (row, rec, p + 1)
         kv_len = [p + 1 for p in prefix] + fill[: Bb - B]
         g = self._bucket(Bb)
         attn, st = g["attn"], g["step"]
@@ -246,7 +253,6 @@ class DecodeRunner:
         m, cache = self.model, self.cache
         H, cfg = m.num_local_heads, m.cfg
         if hasattr(attn, "plan_layout"):
-            from ..layout import PagedLayout
             lay = PagedLayout.decode_rows(block_table, kv_len, cache.page_size)
             attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
                              cache.format.name)
