@@ -8,7 +8,8 @@ DeepSeek-V3 shape (128 heads), 2 layers, FP8 e4m3 cache filled with random laten
 - begin (eager): model.begin_step host ms (the non-runner path), median;
 - ops: torch ops one runner begin_step dispatches / those that launch on the GPU (copies, scatter, gather...);
 - sync-free: one runner begin_step under torch.cuda.set_sync_debug_mode("error");
-- rel L2: the graph step's output against the eager step's (same cache, same token).
+- rel L2: the graph step's output against the eager step's (same cache, same token);
+- attention: the backend that planned the runner's step (gluon / triton), "forced" when the point forces it.
 Targets: begin (runner) <= 0.3 ms at B=64 page 64, <= 1 ms at B=64 ctx 8192 page 1.
 Env: REPS (30), BACKEND (auto; "triton" forces the host-scheduled Triton plan), DRY=1 (CPU plumbing check).
 Writes OUTDIR/begin_step.csv and OUTDIR/profile_*.txt (cProfile of 20 runner begin_steps, by cumulative time).
@@ -30,9 +31,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fp8mla.models import DeepseekMLAModel, load_config  # noqa: E402
 from fp8mla.models.runner import DecodeRunner  # noqa: E402
 
-POINTS = [(64, 8192, 64), (64, 8192, 1), (1, 4096, 64)]
+# (B, ctx, page, backend): None = the model's (BACKEND, default auto: gluon on the H200 at 128 heads FP8 page 64,
+# triton at page 1); the forced-triton point beside the auto one compares the two plans' host work.
+POINTS = [(64, 8192, 64, None), (64, 8192, 64, "triton"), (64, 8192, 1, None), (1, 4096, 64, None)]
 NO_LAUNCH = {"slice", "select", "view", "lift_fresh", "alias", "as_strided", "detach", "unsqueeze", "expand"}
-KEY_FUNCS = ("reserve_slots", "_row", "_plan", "from_block_table", "_decode_rows", "plan_layout", "build",
+KEY_FUNCS = ("reserve_slots", "_row", "_plan", "from_block_table", "decode_rows", "plan_layout", "build",
              "schedule_host", "load_host")
 
 
@@ -76,7 +79,7 @@ def main() -> int:
     t0 = time.time()
     dev = torch.device("cpu" if dry else "cuda")
     cfg = load_config("tiny" if dry else "dsv3")
-    points = [(4, 64, 4), (4, 64, 1), (1, 32, 4)] if dry else POINTS
+    points = [(4, 64, 4, None), (4, 64, 4, "triton"), (4, 64, 1, None), (1, 32, 4, None)] if dry else POINTS
     backend = os.environ.get("BACKEND", "auto")  # auto: what serving gets (triton at H=128 unless gluon takes it)
     model = DeepseekMLAModel.random(cfg, num_layers=2, dtype=torch.float32 if dry else torch.bfloat16, device=dev,
                                     backend=backend)
@@ -87,7 +90,8 @@ def main() -> int:
            f"{'sync-free':>9} {'graph vs eager rel L2':>21}  attention")
     print(hdr, flush=True)
     rows, ok = [], True
-    for B, ctx, page in points:
+    for B, ctx, page, force in points:
+        model.backend = force or backend  # the runner's and the eager step's plans (a plain attribute)
         cache = model.make_cache(-(-B * (ctx + 2 * page) // page), page, "fp8_e4m3")
         ids = [cache.add_sequence() for _ in range(B)]
         slots = cache.reserve(ids, ctx - 1)
@@ -99,7 +103,7 @@ def main() -> int:
                             torch.randn(s.numel(), cfg.qk_rope_head_dim, generator=g, device=dev))
         x = torch.randn(B, cfg.hidden_size, generator=g, device=dev).to(model.dtype)
         prefix = [ctx - 1] * B
-        r = dict(B=B, ctx=ctx, page=page)
+        r = dict(B=B, ctx=ctx, page=page, requested=model.backend)
         r["begin_eager_ms"] = median_ms(lambda: model.begin_step(cache, ids, [1] * B),
                                         min(reps, 10) if page == 1 else reps)
         st = model.begin_step(cache, ids, [1] * B)
@@ -118,7 +122,7 @@ def main() -> int:
             sio = io.StringIO()
             stats = pstats.Stats(pr, stream=sio)
             stats.sort_stats("cumulative").print_stats(40)
-            with open(os.path.join(out, f"profile_B{B}_ctx{ctx}_page{page}.txt"), "w") as f:
+            with open(os.path.join(out, f"profile_B{B}_ctx{ctx}_page{page}_{model.backend}.txt"), "w") as f:
                 f.write(sio.getvalue())
             per = {fn[2]: v[3] / 20 * 1e3 for fn, v in stats.stats.items() if fn[2] in KEY_FUNCS}
             r["profile_ms"] = " ".join(f"{k}={per[k]:.3f}" for k in KEY_FUNCS if k in per)
@@ -147,7 +151,7 @@ def main() -> int:
         ok &= r["rel_l2"] < 1e-2 and r["sync_free"] == "yes"
         print(f"{B:>3} {ctx:>5} {page:>4} {r['begin_ms']:>15.3f} {r['begin_eager_ms']:>14.3f} "
               f"{r['ops']:>4}/{r['launches']:<5} {r['sync_free'][:9]:>9} {r['rel_l2']:>21.1e}  "
-              f"{r['backend']}{'' if r['graph'] else ' (no graph!)'}", flush=True)
+              f"{r['backend']}{' (forced)' if force else ''}{'' if r['graph'] else ' (no graph!)'}", flush=True)
         print(f"      launches: {r['launch_ops']}; cProfile per call (ms, inflated): {r['profile_ms']}", flush=True)
         rows.append(r)
         for i in ids:
@@ -159,8 +163,9 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
-    print(f"targets: B=64 page 64 <= 0.3 ms: {rows[0]['begin_ms']:.3f}; B=64 ctx 8192 page 1 <= 1 ms: "
-          f"{rows[1]['begin_ms']:.3f}; peak GPU memory "
+    model.backend = backend
+    print(f"targets: B=64 page 64 <= 0.3 ms: {rows[0]['begin_ms']:.3f} ({rows[0]['backend']}; triton "
+          f"{rows[1]['begin_ms']:.3f}); B=64 ctx 8192 page 1 <= 1 ms: {rows[2]['begin_ms']:.3f}; peak GPU memory "
           f"{0 if dry else torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; "
           f"{time.time() - t0:.0f} s; checks {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1

@@ -61,7 +61,7 @@ class DecodeRunner:
         max_batch: the largest decode batch run in a graph (larger ones run eagerly).
         max_context: the longest sequence (tokens) a graph step may read; sets the block table's width
             (default: the whole pool).
-        use_cuda_graph: capture graphs (default: on a CUDA device with the Triton backend); False runs the same
+        use_cuda_graph: capture graphs (default: on a CUDA device, any backend but torch); False runs the same
             padded, pre-planned step eagerly (what the CPU tests check).
     """
 
@@ -79,7 +79,7 @@ class DecodeRunner:
         self.max_context = max_context
         self.width = -(-max_context // ps)
         if use_cuda_graph is None:
-            use_cuda_graph = dev.type == "cuda" and model.backend in ("auto", "triton")
+            use_cuda_graph = dev.type == "cuda" and model.backend in ("auto", "triton", "gluon")
         if use_cuda_graph and dev.type != "cuda":
             raise ValueError(f"use_cuda_graph: CUDA graphs need a CUDA device, the cache is on {dev}")
         self.use_cuda_graph = bool(use_cuda_graph)
