@@ -318,3 +318,35 @@ def test_block_table_decode_path_matches_general_path(monkeypatch):
     bad[4] = W * ps + 1
     with pytest.raises(ValueError, match=r"^kv_len: request 4 .*block_table has 5 pages per row"):
         PagedLayout.from_block_table(bt, bad, ps)
+
+
+def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
+    """PagedLayout.decode_rows (the runner's device table + host lengths) hands the backends its arrays as checked
+    lists (``host["lists"]``): the triton and gluon host schedules then skip their clamping pass, and give the
+    same arrays as from the host tensors alone, and as the device schedules (empty rows, full rows, B = 1)."""
+    from fp8mla.backends import gluon as gb, triton as tb
+    from fp8mla.kernels import decode_sm90 as k
+    g = torch.Generator().manual_seed(17)
+    for trial in range(40):
+        B, W, ps = [1, 3, 64, 17][trial % 4], int(torch.randint(1, 9, (1,), generator=g)), [1, 16, 64, 5][trial % 4]
+        bt = torch.randint(0, 1000, (B, W), generator=g, dtype=torch.int32)
+        lens = torch.randint(0, W * ps + 1, (B,), generator=g).tolist()
+        lens[0] = [0, W * ps][trial % 2]
+        monkeypatch.setattr(fp8mla.layout, "_on_host", lambda t, bt=bt: t.data_ptr() != bt.data_ptr())
+        lay = PagedLayout.decode_rows(bt, list(lens), ps)
+        monkeypatch.undo()
+        assert lay.host.get("lists") is not None
+        plain = {key: lay.host[key] for key in ("qo_indptr", "kv_indptr", "kv_len")}
+        n = bt.numel()
+        kw = dict(num_indices=n, target=int(torch.randint(1, 300, (1,), generator=g)), block_n=64, min_chunk=256)
+        fast = tb.schedule_host(lay.host, ps, **kw)
+        assert fast == tb.schedule_host(plain, ps, **kw), trial
+        dev = tb.schedule(lay.qo_indptr, lay.kv_indptr, lay.kv_len, ps, max_items=kw["target"] + B, **kw)
+        m = int(dev["num_items"])
+        assert fast["item_end"] == dev["item_end"][:m].tolist() and fast["kv_len"] == dev["kv_len"].tolist()
+        gk = dict(num_indices=n, num_ctas=[1, 5, 66][trial % 3], min_tiles=[1, 4][trial % 2])
+        fast = gb.schedule_host(lay.host, ps, **gk)
+        assert fast == gb.schedule_host(plain, ps, **gk), trial
+        d = k.schedule_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"])
+        m = int(d["m_ptr"][-1])
+        assert fast["cta_ptr"] == d["cta_ptr"].tolist() and fast["item_t1"] == d["item_t1"][:m].tolist(), trial

@@ -51,6 +51,19 @@ def host_ints(values: list, dtype=torch.int32, pin: bool = False) -> torch.Tenso
     return t.pin_memory() if pin else t
 
 
+def stage_ints(segments, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
+    """``[(list of ints, capacity), ...]`` -> one flat host tensor, each list zero-padded to its capacity (the
+    layout of a backend's flat graph buffer), pinned when ``pin``. The padding is copied as bytes, not ints."""
+    code = "i" if dtype == torch.int32 else "q"
+    flat, zeros = array(code), array(code, bytes(8 * max((cap for _, cap in segments), default=0)))
+    for vals, cap in segments:
+        flat += array(code, vals)  # (faster than flat.extend(vals))
+        if cap > len(vals):
+            flat += zeros[: cap - len(vals)]
+    t = torch.frombuffer(flat, dtype=dtype) if len(flat) else torch.zeros(0, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
 def debug_checks() -> bool:
     """``FP8MLA_CHECK=1``: check device-only page tables too, at the price of a device-to-host sync."""
     return os.environ.get("FP8MLA_CHECK") == "1"
@@ -215,9 +228,12 @@ class PagedLayout:
         device = torch.device(device) if device is not None else block_table.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        packed = host_ints(list(range(B + 1)) + list(range(0, (B + 1) * W, W) if W else [0] * (B + 1)) + lens,
-                           pin=device.type == "cuda")
-        host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:])
+        qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W)) if W else [0] * (B + 1)
+        packed = host_ints(qo + kvp + lens, pin=device.type == "cuda")
+        # "lists": the same arrays as lists, lengths checked against their rows, one query per row: the backends'
+        # host schedules skip their clamping pass (and the tolist) for these
+        host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:],
+                    lists=(qo, kvp, lens))
         d = packed.to(device, non_blocking=True) if device.type == "cuda" else packed
         return cls(d[: B + 1], d[B + 1: 2 * B + 2], block_table.view(-1).to(device, non_blocking=True),
                    d[2 * B + 2:], page_size, device, [1] * B, lens, None, host)

@@ -187,18 +187,14 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     from ..kernels.decode_sm90 import TILE
-    qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
-    B = len(lens)
-    L, ntiles = [], []
-    for b in range(B):  # safe_kv_len, with rows without queries zeroed
-        n = lens[b]
-        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
-        if n > cap:
-            n = cap
-        if n < 0 or qo[b + 1] <= qo[b]:
-            n = 0
-        L.append(n)
-        ntiles.append((n + TILE - 1) // TILE)
+    fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
+    if fast is not None and fast[1][-1] <= num_indices:
+        qo, kvp, L = fast
+        B = len(L)
+        ntiles = [(n + TILE - 1) // TILE for n in L]
+    else:
+        qo, kvp, L, ntiles = _clamped(host, page_size, num_indices, TILE)
+        B = len(L)
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
@@ -242,6 +238,23 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
                 item_t0=t0s, item_t1=t1s, m_ptr=m_ptr, batch_size=[B])
 
 
+def _clamped(host: dict, page_size: int, num_indices: int, tile: int):
+    """(qo_indptr, kv_indptr, lengths, tiles per request) as lists: ``safe_kv_len`` with rows without queries
+    zeroed, from the layout's host arrays."""
+    qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
+    L, ntiles = [], []
+    for b in range(len(lens)):
+        n = lens[b]
+        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
+        if n > cap:
+            n = cap
+        if n < 0 or qo[b + 1] <= qo[b]:
+            n = 0
+        L.append(n)
+        ntiles.append((n + tile - 1) // tile)
+    return qo, kvp, L, ntiles
+
+
 class _GraphBuffers:
     """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates. The small int32
     arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
@@ -266,7 +279,6 @@ class _GraphBuffers:
         self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
                         part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
                         part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
-        self._pads = {key: [0] * n for key, n in self.sizes.items()}  # zero tails, reused every plan
         # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
         # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
@@ -288,14 +300,9 @@ class _GraphBuffers:
         """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (zero-padded to
         each capacity, as the device schedule pads its items), and the page ids from ``kv_indices`` (none when
         planned from the buffer itself)."""
-        flat = []
-        for key, n in self.sizes.items():
-            v = arrays[key]
-            flat += v
-            flat += self._pads[key][len(v):]
-        # pinned (the caching host allocator keeps it until the copy ran); host_ints: ~3x faster than torch.tensor
-        from ..layout import host_ints
-        self.flat.copy_(host_ints(flat, pin=self.flat.is_cuda), non_blocking=True)
+        from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
+        self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
+                        non_blocking=True)
         return self.load(dict(kv_indices=kv_indices))
 
     def load(self, tensors: dict) -> dict:

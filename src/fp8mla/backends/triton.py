@@ -123,19 +123,14 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
     """:func:`schedule` on the host, in O(batch) Python, from the layout's host arrays (``PagedLayout.host``):
     the same work items (its first ``num_items`` entries; the kernels read no further), as lists of ints.
     It costs no device op: the plan stages these with its other arrays in one host -> device copy."""
-    qo, kvp, lens = (host[k].tolist() for k in ("qo_indptr", "kv_indptr", "kv_len"))
-    B = len(lens)
-    L, active, total = [], [], 0
-    for b in range(B):  # safe_kv_len and the active rows (one pass: this runs every decode step)
-        n = lens[b]
-        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
-        n = n if n <= cap else cap
-        n = n if n > 0 else 0
-        L.append(n)
-        a = qo[b + 1] > qo[b]
-        active.append(a)
-        if a:
-            total += n
+    fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
+    if fast is not None and fast[1][-1] <= num_indices:
+        qo, kvp, L = fast
+        B = len(L)
+        active, total = [True] * B, sum(L)
+    else:
+        qo, kvp, L, active, total = _clamped(host, page_size, num_indices)
+        B = len(L)
     chunk = max(-(-total // target), min_chunk)
     chunk = -(-chunk // block_n) * block_n
     split, req, start, end, part = [0], [], [], [], []
@@ -167,6 +162,24 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
         split.append(n_items)
     return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
                 split_indptr=split, num_items=[split[-1]], kv_len=L, batch_size=[B])
+
+
+def _clamped(host: dict, page_size: int, num_indices: int):
+    """(qo_indptr, kv_indptr, lengths, active rows, tokens of active rows): ``safe_kv_len`` and the rows with
+    queries, from the layout's host arrays (one pass: this runs every decode step)."""
+    qo, kvp, lens = (host[k].tolist() for k in ("qo_indptr", "kv_indptr", "kv_len"))
+    L, active, total = [], [], 0
+    for b in range(len(lens)):
+        n = lens[b]
+        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
+        n = n if n <= cap else cap
+        n = n if n > 0 else 0
+        L.append(n)
+        a = qo[b + 1] > qo[b]
+        active.append(a)
+        if a:
+            total += n
+    return qo, kvp, L, active, total
 
 
 def _kv_mode(spec) -> int:
@@ -345,14 +358,9 @@ class _GraphBuffers:
     def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
         """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (plus one per
         external small buffer), and the page ids from ``kv_indices`` (none when planned from the buffer itself)."""
-        flat = []
-        for k, n in self.sizes.items():
-            v = arrays[k]
-            flat += v
-            flat += [0] * (n - len(v))
-        # pinned (the caching host allocator keeps it until the copy ran); host_ints: ~3x faster than torch.tensor
-        from ..layout import host_ints
-        self.flat.copy_(host_ints(flat, pin=self.flat.is_cuda), non_blocking=True)
+        from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
+        self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
+                        non_blocking=True)
         o = 0
         for k, n in self.sizes.items():
             if k in self.external:
