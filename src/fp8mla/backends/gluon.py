@@ -269,8 +269,10 @@ class _GraphBuffers:
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
         # the arrays schedule_host fills, in its order (m_list, the identity, stays outside: written once)
-        self.sizes = dict(qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, cta_ptr=n_sm + 1, item_req=mi,
-                          item_t0=mi, item_t1=mi, m_ptr=mb + 1, batch_size=1)
+        # (each rounded up to 4 entries: every view starts 16-byte aligned, as separate allocations did)
+        self.sizes = {key: -(-n // 4) * 4 for key, n in dict(
+            qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi, item_t1=mi,
+            m_ptr=mb + 1, batch_size=1).items()}
         self.flat = torch.zeros(sum(self.sizes.values()), **i32)
         self.buf, o = {}, 0
         for key, n in self.sizes.items():
