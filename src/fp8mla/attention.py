@@ -211,7 +211,17 @@ class MLAPagedAttention:
         def supports_gluon():
             verdict.append(backends.supports_gluon(spec, layout, opts))
             return verdict[-1]
-        name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
+        # CUDA-graph wrappers re-plan every step with the same spec: the choice (which asks the device's
+        # capability, a few microseconds each) is kept for the spec and whether every request has one query,
+        # the only layout fact a backend's support depends on
+        qo = layout.qo_lens
+        key = (requested, spec, qo is not None and qo.count(1) == len(qo))
+        kept = getattr(self, "_choice", None)
+        if spec.use_cuda_graph and kept is not None and kept[0] == key:
+            name = kept[1]
+        else:
+            name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
+            self._choice = (key, name)
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"

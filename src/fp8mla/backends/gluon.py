@@ -115,7 +115,8 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
         state["opts_from"] = options
     device = spec.device
-    n_sm = num_sms(device)
+    buf = state.get("graph") if spec.use_cuda_graph else None
+    n_sm = buf.n_sm if buf is not None else num_sms(device)  # (the device's properties: a few us per ask)
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
     ns = int(opts["num_stages"])
@@ -129,7 +130,6 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     rows = k.padded_heads(spec.num_heads)
     mp, mc = k.merge_blocks(64)  # fixed: the schedule may be made on the device, its longest merge not known here
     if spec.use_cuda_graph:
-        buf = state.get("graph")
         if buf is None:
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
         buf.check(B, layout.kv_indices.numel(), rows)
