@@ -22,11 +22,13 @@ A step that fails after reserving its slots gives them back (nothing leaks).
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from ..attention import MLAPagedAttention
 from ..cache import PagedMLACache
-from ..layout import PagedLayout, host_ints
+from ..layout import PagedLayout
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
@@ -95,6 +97,9 @@ class DecodeRunner:
         # slots (both read by the graph), block-table rows, and each new token's (table entry, page id).
         self._stage = torch.zeros(5, B, **i64)
         self.pos, self.slots = self._stage[0], self._stage[1]
+        # Row 4 holds the new tokens' page ids as int32 (2 per int64 entry, staged as bytes): the scatter into the
+        # int32 table reads them as they are, no cast launched.
+        self._pages32 = self._stage[4].view(torch.int32)
         self.slots.fill_(self.pad_slot)
         # Block table: a row of page ids per sequence the runner tracks, a row of zeros for padding and a scratch
         # row that eager steps write the tokens of untracked sequences into.
@@ -232,11 +237,12 @@ class DecodeRunner:
         rows_all = rows + [self.pad_row] * (MB - B)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared).
-        host = host_ints(prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
-                         + [r * W + p // ps for r, p in zip(rows, prefix)] + fill
-                         + [s // ps for s in slots] + fill, torch.int64, pin=self._stage.is_cuda)
-        self._stage.view(-1).copy_(host, non_blocking=True)
-        self.table.view(-1).index_put_((self._stage[3, :B],), self._stage[4, :B].to(torch.int32))
+        host = array("q", prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
+                     + [r * W + p // ps for r, p in zip(rows, prefix)] + fill)
+        host.frombytes(array("i", [s // ps for s in slots] + [0] * (2 * MB - B)).tobytes())  # row 4: int32 pairs
+        host = torch.frombuffer(host, dtype=torch.int64)
+        self._stage.view(-1).copy_(host.pin_memory() if self._stage.is_cuda else host, non_blocking=True)
+        self.table.view(-1).index_put_((self._stage[3, :B],), self._pages32[:B])
         kv_len = [p + 1 for p in prefix] + fill[: Bb - B]
         g = self._bucket(Bb)
         attn, st = g["attn"], g["step"]
