@@ -6,6 +6,9 @@ same run (and the Triton kernel when the package imports). One script, one devic
     python scripts/decode_v2_device.py all              # both; prints a compact table last
     python scripts/decode_v2_device.py h128             # the wide-heads variant (17..128 heads): checks + timings
                                                         # against the Triton kernel (FP8MLA_GLUON_WIDE=1 inside)
+    python scripts/decode_v2_device.py page1            # page size 1 (cp.async producer): checks + page 1 vs page
+                                                        # 64 timings on the same values (FP8MLA_GLUON_PAGE1=1
+                                                        # inside); <= ~90 s
 
 The kernel module is loaded from its file, so this runs even while other parts of the package are mid-edit.
 Writes $OUT/decode_v2.json when $OUT is set.
@@ -44,9 +47,10 @@ def log(*a):
 # inputs and reference
 # ------------------------------------------------------------------------------------------------------------
 def make_case(kv_lens, H, page, *, seed=0, q_dtype=torch.bfloat16, ckv_scale=1.0, kpe_scale=1.0, value=1.0,
-              nan_pool=True, spare=3):
+              nan_pool=True, spare=3, extra=0):
+    """``extra``: pages listed after each request's last needed page (NaN in a NaN pool; kv_len ignores them)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    per = [-(-L // page) for L in kv_lens]
+    per = [-(-L // page) + extra for L in kv_lens]
     P = sum(per) + spare
     perm = torch.randperm(P, generator=g)
     kv_indices, kv_indptr, s = [], [0], 0
@@ -577,6 +581,216 @@ def run_h128(variants, with_triton=True, shapes=H128_SHAPES, page=64):
     return ok
 
 
+# ------------------------------------------------------------------------------------------------------------
+# page1: page size 1 (SGLang's default; the kernel's cp.async producer), against page 64 on the same values
+# ------------------------------------------------------------------------------------------------------------
+def to_page1(c, *, seed=0, past=0, spare=5):
+    """Case ``c`` (any page size) as a page-1 case holding the same tokens: every pool row of ``c`` moved to a
+    shuffled slot of a fresh pool whose other slots are NaN (``spare`` of them never listed); each request lists
+    its rows in order, plus ``past`` more of its page's rows after kv_len (NaN in a NaN pool). Same queries."""
+    page = c["page"]
+    rows = c["pool"].shape[0] * page
+    g = torch.Generator(device="cpu").manual_seed(seed + 99)
+    slots = torch.randperm(rows + spare, generator=g).to(DEV)
+    pool1 = torch.empty(rows + spare, 1, DC + DK, dtype=F8, device=DEV)
+    pool1.view(torch.uint8).fill_(0x7F)   # e4m3fn NaN
+    pool1[slots[:rows], 0] = c["pool"].reshape(rows, DC + DK)
+    ind, ptr = c["kv_indices"].long(), c["kv_indptr"].tolist()
+    lists = []
+    ar = torch.arange(page, device=DEV)
+    for b, L in enumerate(c["kv_lens"]):
+        pg = ind[ptr[b]:ptr[b + 1]]
+        r = (pg[:, None] * page + ar[None, :]).reshape(-1)[:L + past]
+        lists.append(slots[r])
+    i32 = dict(dtype=torch.int32, device=DEV)
+    indptr = [0]
+    for x in lists:
+        indptr.append(indptr[-1] + x.numel())
+    return dict(c, pool=pool1, ckv=pool1[..., :DC], kpe=pool1[..., DC:], page=1,
+                kv_indptr=torch.tensor(indptr, **i32), kv_indices=torch.cat(lists).to(torch.int32))
+
+
+def _page1_api_checks():
+    """Through MLAPagedAttention (FP8MLA_GLUON_PAGE1=1): auto picks gluon at page 1 (H16, H128); CUDA-graph replay
+    after a re-plan at page 1 (H128); bit-identical replays; poisoned outputs."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    import fp8mla
+    from fp8mla.reference import mla_reference
+    from fp8mla.testing import make_paged_batch
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+    def auto_pick(H):
+        def fn():
+            b = make_paged_batch([700, 1, 64, 0, 1500], [1] * 5, H, 1, "fp8_e4m3", device=DEV, seed=60 + H,
+                                 extra_pages=1)
+            attn = fp8mla.MLAPagedAttention(backend="auto")
+            attn.plan(**b.plan_args)
+            out = torch.full((5, H, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+            lse = torch.full((5, H), float("nan"), device=DEV)
+            attn.run(**b.run_args, out=out, lse=lse, return_lse=True)
+            torch.cuda.synchronize()
+            ro, rl = b.reference()
+            fin = torch.isfinite(rl)
+            e, le = rel(out, ro), float((lse[fin] - rl[fin]).abs().max())
+            name = attn._plan.backend
+            ok = name == "gluon" and e <= 3e-3 and le <= 5e-3 and not torch.isnan(out).any()
+            log(f"CHECK {'PASS' if ok else 'FAIL'} {f'API H{H} p1 auto -> ' + name:34s} relL2 {e:.2e} lse {le:.1e}")
+            return ok
+        return fn
+
+    def graph_replan():
+        H = 128
+        attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+        b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 1, "fp8_e4m3", device=DEV, seed=71, spare_pages=64)
+        attn.plan(**b1.plan_args)
+        q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+        out = torch.empty_like(q_nope)
+        lse = torch.empty(3, H, device=DEV)
+        kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        e1 = rel(out, b1.reference()[0])
+        a = dict(b1.plan_args)   # same pool, other lengths, a shuffled subset of the used slots
+        sub = a["kv_indices"][torch.randperm(a["kv_indices"].numel(), device=DEV)[:2906]]
+        a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEV)
+        a["kv_indptr"] = torch.tensor([0, 2900, 2905, 2906], dtype=torch.int32, device=DEV)
+        a["kv_indices"] = sub
+        attn.plan(**a)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                               a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+        e2 = rel(out[:2], ref[:2])
+        o1 = out.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        same = torch.equal(o1, out)
+        empty_ok = bool((out[2] == 0).all())
+        ok = e1 <= 3e-3 and e2 <= 3e-3 and same and empty_ok
+        log(f"CHECK {'PASS' if ok else 'FAIL'} {'API H128 p1 graph replay re-plan':34s} relL2 {e1:.2e} / "
+            f"{e2:.2e} replay-identical {same} empty {empty_ok}")
+        return ok
+
+    return [("API H16 p1 auto picks gluon", auto_pick(16)), ("API H128 p1 auto picks gluon", auto_pick(128)),
+            ("API H128 p1 graph replay after re-plan", graph_replan)]
+
+
+def _page1_bad_ids():
+    """Page ids outside [0, num_pages) are never read (their rows are zero-filled, as TMA does for page 16): no
+    fault, the request with good ids exact, the other finite."""
+    c = make_case([100, 70], 16, 1, seed=81)
+    ind = c["kv_indices"].clone()
+    a, b = c["kv_indptr"].tolist()[1:3]
+    P = c["pool"].shape[0]
+    ind[a:a + 10] = -7
+    ind[a + 10:b] = P + 100000
+    c["kv_indices"] = ind
+    p = Plan(c)
+    p.out.fill_(float("nan"))
+    p.run()
+    torch.cuda.synchronize()
+    ro, _ = reference(dict(c, kv_lens=[100, 0]), nreq=1)
+    e = float((p.out[:1].double() - ro).norm() / ro.norm())
+    fin = bool(torch.isfinite(p.out[1]).all())
+    ok = e <= 3e-3 and fin
+    log(f"CHECK {'PASS' if ok else 'FAIL'} {'H16 p1 page ids out of range':34s} relL2 {e:.2e} other finite {fin}")
+    return ok
+
+
+PAGE1_SHAPES = [(16, 64, 8192), (16, 8, 8192), (128, 64, 8192), (128, 1, 32768)]
+
+
+def run_page1(reps=30):
+    os.environ["FP8MLA_GLUON_PAGE1"] = "1"
+    os.environ["FP8MLA_GLUON_WIDE"] = "1"
+    checks_deadline = float(os.environ.get("DECODE_V2_CHECKS_DEADLINE", "45"))
+    bench_deadline = float(os.environ.get("DECODE_V2_DEADLINE", "75"))
+    _WATCH["limit"] = float(os.environ.get("DECODE_V2_HANG_S", "40"))   # per step (compiles included)
+    _watchdog()
+    odd = [0, 1, 63, 64, 65, 1000]
+    checks = [
+        ("H16 p1 odd lens, NaN slots", lambda: check_case(
+            "H16 p1 odd lens, NaN slots", make_case(odd, 16, 1, seed=51, extra=1))),
+        ("H128 p1 odd lens, NaN slots", lambda: check_case(
+            "H128 p1 odd lens, NaN slots", make_case(odd, 128, 1, seed=52, extra=1))),
+        ("H16 p1 from p64 rows, 7 CTAs", lambda: check_case(
+            "H16 p1 from p64 rows, 7 CTAs", to_page1(make_case(odd + [97, 514, 4096, 130], 16, 64, seed=53),
+                                                     seed=53, past=1), num_ctas=7)),
+        ("H128 p1 from p64 rows", lambda: check_case(
+            "H128 p1 from p64 rows", to_page1(make_case(odd + [3001], 128, 64, seed=54), seed=54, past=1))),
+        ("H128 p1 B1 L32768 (many splits)", lambda: check_case(
+            "H128 p1 B1 L32768 (many splits)", make_case([32768], 128, 1, seed=55))),
+        ("H16 p1 B4 L8192 ns2", lambda: check_case(
+            "H16 p1 B4 L8192 ns2", make_case([8192] * 4, 16, 1, seed=56), ns=2)),
+        ("H16 p1 all empty", lambda: check_case("H16 p1 all empty", make_case([0, 0], 16, 1, seed=57))),
+    ]
+    try:
+        checks += _page1_api_checks()
+    except Exception as e:  # noqa: BLE001
+        log(f"  API checks unavailable: {type(e).__name__}: {str(e)[:200]}")
+    results = []
+    for name, fn in checks:
+        if time.time() - T_START > checks_deadline:
+            log(f"CHECK SKIP {name} (past {checks_deadline:.0f} s of the run)")
+            results.append((name + " (skipped)", False))
+            continue
+        results.append((name, _guarded(name, fn)))
+    # -- page 1 vs page 64, same values (the page-1 pool: the page-64 rows in shuffled slots, exactly L listed) --
+    flush = Flush()
+    table = []
+    for H, B, L in PAGE1_SHAPES:
+        if time.time() - T_START > bench_deadline:
+            log(f"  skipped H{H} B{B} L{L}: past {bench_deadline:.0f} s of the run")
+            continue
+        name = f"H{H} B{B} L{L}"
+        _WATCH.update(name="bench " + name, since=time.time())
+        try:
+            c64 = make_case([L] * B, H, 64, seed=B + H, nan_pool=False, spare=8)
+            c1 = to_page1(c64, seed=B)
+            ref_o, _ = reference(c64, nreq=min(B, 2))
+            row = dict(shape=name, floor=B * L * (DC + DK) / 4.2e12 * 1e3)
+            for tag, c in (("p64", c64), ("p1", c1)):
+                p = Plan(c)
+                p.run()
+                torch.cuda.synchronize()
+                row[tag + "_err"] = float((p.out[:2].double() - ref_o).norm() / ref_o.norm())
+                row[tag] = graph_ms(p.run, flush, reps=reps)
+                del p
+            row["ratio"] = row["p1"] / row["p64"]
+            log(f"  {name:16s} p64 {row['p64']:.4f} ms  p1 {row['p1']:.4f} ms  p1/p64 {row['ratio']:.3f}  "
+                f"err {row['p64_err']:.1e} / {row['p1_err']:.1e}")
+            table.append(row)
+            RESULTS["bench"].append(row)
+            del c64, c1
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: {type(e).__name__}: {str(e)[:300]}")
+    _WATCH["name"] = None
+    # last: ids out of range (a fault here would poison the context, so after the timings)
+    results.append(("H16 p1 page ids out of range", _guarded("H16 p1 page ids out of range", _page1_bad_ids)))
+    ok = all(r for _, r in results)
+    log("")
+    log("== page1 summary ==")
+    for name, r in results:
+        log(f"  {'PASS' if r else 'FAIL'}  {name}")
+    log(f"CHECKS {'ALL PASS' if ok else 'SOME FAIL'} ({sum(r for _, r in results)}/{len(results)})")
+    for r in table:
+        within = r["ratio"] <= 1.15
+        log(f"  {r['shape']:16s} page64 {r['p64']:.4f}  page1 {r['p1']:.4f} ms  p1/p64 {r['ratio']:.3f} "
+            f"({'within' if within else 'OVER'} 15%)  floor {r['floor']:.4f}  err p1 {r['p1_err']:.1e}")
+    log(f"run time {time.time() - T_START:.0f} s")
+    return ok
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     import triton
@@ -605,6 +819,8 @@ def main():
             hgmma_probe()
         if what in ("bench", "all") and ok:
             run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes, page=page)
+        if what == "page1":
+            ok = run_page1()
         if what == "h128":
             hv = variants if any(a.startswith("--variants=") for a in sys.argv) else ["ns3", "ns3_mt8", "cmp_ns3"]
             ok = run_h128(hv, with_triton="--no-triton" not in sys.argv, page=page)

@@ -349,3 +349,157 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
                        ("cta_ptr", pd.grid // 2 + 1), ("item_req", n), ("item_t0", n), ("item_t1", n),
                        ("m_ptr", B + 1), ("m_list", n), ("batch_size", 1)):
             assert torch.equal(ph.t[key][:m], pd.t[key][:m]), (lens, key)
+
+
+# -- page size 1 (SGLang's default): rows copied with cp.async (behind gluon.GLUON_PAGE1 until its H200 check) ----
+@pytest.fixture
+def page1(monkeypatch):
+    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
+    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
+
+
+def test_page1_is_behind_its_switch(monkeypatch):
+    """supports() refuses page 1 unless GLUON_PAGE1 or FP8MLA_GLUON_PAGE1=1 (=0 refuses even when switched on),
+    and says how to turn it on; page 64 is unaffected."""
+    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    if k.gluon is None:
+        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.delenv("FP8MLA_GLUON_PAGE1", raising=False)
+    for page in (1, 64):
+        spec = AttentionSpec(16, 512, 64, page, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
+                             torch.device("cpu"))
+        lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
+                                           torch.tensor([130], dtype=torch.int32), page)
+        for switch, env, want in ((False, None, page == 64), (True, None, True), (False, "1", True),
+                                  (True, "0", page == 64)):
+            monkeypatch.setattr(gb, "GLUON_PAGE1", switch)
+            if env is None:
+                monkeypatch.delenv("FP8MLA_GLUON_PAGE1", raising=False)
+            else:
+                monkeypatch.setenv("FP8MLA_GLUON_PAGE1", env)
+            ok, why = gb.supports(spec, lay)
+            assert ok == want, (page, switch, env, why)
+            if not ok:
+                assert "FP8MLA_GLUON_PAGE1" in why, why
+
+
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_page1_compiles_to_16_byte_cp_async(heads):
+    # 18 x 16-byte cp.async per thread and tile (4 boxes x 4 + k_pe 2), one cp.async mbarrier arrival (.noinc),
+    # no wgmma serialization; the page-1 producer's spills (24 registers: item-loop state, ~1 reload per tile)
+    # stay small. Compiled in a child process, as above.
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        sass = os.path.join(d, "k.sass")
+        code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=1, ns=3, heads=%d, "
+                "sass_path=%r); print('REPORT', json.dumps(r))" % (heads, sass))
+        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+        assert res.returncode == 0 and line, res.stderr[-3000:]
+        r = json.loads(line[-1][len("REPORT "):])
+        text = open(sass).read()
+    assert not r["serialized_wgmma"], r["ptxas"]
+    copies = re.findall(r"LDGSTS\.E\.BYPASS\.128 ", text)
+    assert len(copies) == 18, len(copies)
+    assert len(re.findall(r"ARRIVES\.LDGSTSBAR", text)) == 1
+    assert sum(st for st, _ in r["spills"]) <= (64 if heads <= 32 else 128), r["spills"]
+    assert r["smem"] <= k.SMEM_LIMIT
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_page1_odd_lengths_nan_slots(page1, H):
+    # extra_pages=1: a NaN slot listed after each request's last token; spare slots are NaN too
+    b = make_paged_batch([0, 1, 63, 64, 65, 1000, 3001], [1] * 7, H, 1, "fp8_e4m3", device=DEVICE, seed=H + 1,
+                         extra_pages=1)
+    attn, out, lse = run_case(b)
+    assert attn._plan.backend == "gluon"
+    check(b, out, lse)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_page1_splits_bit_identical(page1, H):
+    b = make_paged_batch([9000, 1, 4097], [1] * 3, H, 1, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
+                         seed=H + 2, ckv_scale=0.05, kpe_scale=3.0)
+    attn, out, lse = run_case(b, min_chunk=64)
+    check(b, out, lse, lse_tol=2e-4)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+def test_page1_equals_page64_on_the_same_tokens(page1):
+    # the same token values laid out as page-64 pages and as shuffled single slots: both kernels agree to rounding
+    b = make_paged_batch([700, 65, 3000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=21)
+    _, o64, l64 = run_case(b)
+    a = dict(b.plan_args)
+    P = b.pool.shape[0]
+    slots = torch.randperm(P * 64, device=DEVICE)           # pool row r -> slot slots[r]
+    pool1 = torch.full((P * 64, 1, b.pool.shape[-1]), float("nan"), dtype=b.pool.dtype, device=DEVICE)
+    pool1[slots, 0] = b.pool.reshape(P * 64, -1)
+    rows = []
+    for i, L in enumerate(a["kv_len_arr"].tolist()):
+        pages = a["kv_indices"][a["kv_indptr"][i]:a["kv_indptr"][i + 1]].long()
+        rows.append(slots[(pages[:, None] * 64 + torch.arange(64, device=DEVICE)).reshape(-1)[:L]])
+    a["kv_indices"] = torch.cat(rows).to(torch.int32)
+    a["kv_indptr"] = torch.tensor([0] + torch.tensor([len(r) for r in rows]).cumsum(0).tolist(),
+                                  dtype=torch.int32, device=DEVICE)
+    a["page_size"] = 1
+    attn = fp8mla.MLAPagedAttention(backend="gluon")
+    attn.plan(**a)
+    o1 = torch.full_like(o64, float("nan"))
+    l1 = torch.full_like(l64, float("nan"))
+    r = dict(b.run_args, ckv_cache=pool1[..., :512], kpe_cache=pool1[..., 512:])
+    attn.run(**r, out=o1, lse=l1, return_lse=True)
+    assert_close(o1, o64, 1e-3, "page 1 vs page 64")
+    assert torch.allclose(l1, l64, atol=1e-4, rtol=0)
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_page1_cuda_graph_capture_then_replan(page1, H):
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 1, "fp8_e4m3", device=DEVICE, seed=13 + H,
+                          spare_pages=64)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = dict(b1.plan_args)   # same pool, other lengths and slot lists (a shuffled subset of the used slots)
+    pages = a["kv_indices"]
+    sub = pages[torch.randperm(pages.numel(), device=DEVICE)[:2906]]
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 2900, 2905, 2906], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = sub
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")

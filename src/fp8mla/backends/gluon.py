@@ -33,6 +33,14 @@ PAGE_MULTIPLE = 64
 # since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
 # off (H > 16 then stays on the Triton kernel), =1 forces it on.
 GLUON_WIDE_HEADS = True
+# Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): off until its H200
+# check (scripts/decode_v2_device.py page1) passes; FP8MLA_GLUON_PAGE1=1 forces it on, =0 off.
+GLUON_PAGE1 = False
+
+
+def page1_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_PAGE1", "")
+    return env == "1" if env in ("0", "1") else GLUON_PAGE1
 
 
 def wide_heads_enabled() -> bool:
@@ -51,7 +59,8 @@ def supports(spec, layout) -> tuple[bool, str]:
     wide = wide_heads_enabled()
     max_heads = k.MAX_WIDE_HEADS if wide else k.HP
     if (1 <= spec.num_heads <= max_heads and spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK
-            and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0) and fmt.is_fp8
+            and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0
+                 or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
             and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group"
             and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
             and layout.qo_lens.count(1) == len(layout.qo_lens)):
@@ -62,8 +71,9 @@ def supports(spec, layout) -> tuple[bool, str]:
             " (the wide-heads variant is off: FP8MLA_GLUON_WIDE=0)")),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
          f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
-        (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
-         f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64 (page 1 needs cp.async, not written)"),
+        (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0 or (spec.page_size == 1 and page1_enabled()),
+         f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64" + (
+             " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=1 turns it on)" if spec.page_size == 1 else "")),
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group",
          f"kv format {fmt.name}: only FP8 e4m3 with per-tensor scales"),
         (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),

@@ -45,7 +45,11 @@ try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, fence_async_shared,
                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     GLUON_IMPORT_ERROR = None
+    # page 1 (cp.async): triton 3.6 names the copy async_copy_global_to_shared; later versions async_load (same
+    # arguments; there the old name still exists but raises)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     # triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # ... and shared_memory_descriptor._reinterpret became reinterpret
@@ -163,9 +167,73 @@ if gluon is not None:
         _cta_barrier()
 
     @gluon.jit
-    def _producer(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr,
-                  WIDE: gl.constexpr):
+    def _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr, kv_len,
+                        cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG: gl.constexpr,
+                        NS: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr):
+        # Page 1 (SGLang's default): a tile's 64 rows are 64 arbitrary pool rows (page id = row), too small for TMA
+        # boxes. Each of the 128 producer threads copies half of one row with 16-byte cp.async (2 threads per row,
+        # 4 x 16 B of each 128-column box, 2 x 16 B of k_pe) into the same swizzled stages the TMA path fills, then
+        # arrives on the stage's ready barrier when its copies land (cp.async.mbarrier.arrive.noinc; the barrier
+        # counts 128 arrivals at PAGE 1, one expect-tx arrival otherwise). Rows past kv_len and page ids outside
+        # [0, num_rows) are never read: their copies are masked, which writes zeros (as TMA zero-fills out-of-range
+        # rows). The next tile's 64 page ids are loaded before this tile's copies are issued, so their latency
+        # hides behind the empty-wait and the issue (one id register per thread, 2 live: the producer has 24).
+        cpl: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+        rr = gl.arange(0, 64, layout=gl.SliceLayout(1, cpl))
+        ccol = gl.arange(0, 128, layout=gl.SliceLayout(0, cpl))
+        pcol = gl.arange(0, 64, layout=gl.SliceLayout(0, cpl))
+        pid = gl.program_id(0)
+        if WIDE:
+            slot = pid // NHG
+        else:
+            slot = pid
+        i0 = gl.load(cta_ptr + slot)
+        i1 = gl.load(cta_ptr + slot + 1)
+        g = 0
+        for it in range(i0, i1):
+            b = gl.load(item_req + it)
+            t0 = gl.load(item_t0 + it)
+            t1 = gl.load(item_t1 + it)
+            pbase = gl.load(kv_indptr + b)
+            L = gl.load(kv_len + b)
+            tok = t0 * 64 + rr
+            nxt = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t0 < t1), other=-1)
+            for t in range(t0, t1):
+                ids = nxt
+                tok = (t + 1) * 64 + rr
+                nxt = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 1 < t1), other=-1)
+                s = g % NS
+                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
+                bar = ready.index(s)
+                if MODE != 2:   # MODE 2 (timing probe): consumers compute on whatever the stage holds
+                    ok = ((ids >= 0) & (ids < num_rows))[:, None]
+                    row = ids.to(gl.int64)
+                    krow = ckv_ptr + row * stride_kv_row
+                    for c in gl.static_range(4):
+                        _cp_async(kbuf.index(s * 4 + c), krow[:, None] + (c * 128 + ccol)[None, :], mask=ok,
+                                  eviction_policy="evict_first")
+                    _cp_async(pbuf.index(s), (kpe_ptr + row * stride_kpe_row)[:, None] + pcol[None, :], mask=ok,
+                              eviction_policy="evict_first")
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                g += 1
+
+    @gluon.jit
+    def _producer(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                  kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty,
+                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr):
+        # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA
+        if PAGE == 1:
+            _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
+                            kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS, MODE,
+                            WIDE)
+        else:
+            _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                          kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)
+
+    @gluon.jit
+    def _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                      kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
+                      MODE: gl.constexpr, WIDE: gl.constexpr):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
         # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
@@ -504,7 +572,8 @@ if gluon is not None:
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE)
 
     @gluon.jit
-    def mla_decode_sm90_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
+    def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
+                               q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
                                cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
                                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
@@ -530,8 +599,9 @@ if gluon is not None:
         xml = gl.allocate_shared_memory(gl.float32, [2 * HPW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ECNT: gl.constexpr = 2 if WIDE else 1     # WIDE: a stage is free once both consumers are done with it
+        RCNT: gl.constexpr = 128 if PAGE == 1 else 1   # page 1: one cp.async arrival per producer thread
         for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=RCNT)
             mbarrier.init(empty.index(i), count=ECNT)
         mbarrier.init(xbar.index(0), count=1)
         mbarrier.init(xbar.index(1), count=1)
@@ -546,7 +616,8 @@ if gluon is not None:
         ns_t = zero + NS
         mode_t = zero + MODE
         gl.warp_specialize([
-            (_producer, (kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                          kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
             (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
@@ -732,8 +803,10 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     if po.shape[1] < padded_heads(num_heads) or pl.shape[1] < padded_heads(num_heads):
         raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads)} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
+    # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
     mla_decode_sm90_kernel[(grid,)](
-        kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
+        kv_desc, kpe_desc, kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0],
+        q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
@@ -752,6 +825,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
 KERNEL_SIGNATURE = {
     "kv_desc": "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)>",
     "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "ckv_ptr": "*fp8e4nv", "kpe_ptr": "*fp8e4nv", "stride_kv_row": "i32", "stride_kpe_row": "i32",
+    "num_rows": "i32",
     "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
     "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
     "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
@@ -793,7 +868,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
+                                or n in ("stride_kv_row", "stride_kpe_row")})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
