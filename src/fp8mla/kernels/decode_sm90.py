@@ -171,14 +171,17 @@ if gluon is not None:
                         cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG: gl.constexpr,
                         NS: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr):
         # Page 1 (SGLang's default): a tile's 64 rows are 64 arbitrary pool rows (page id = row), too small for TMA
-        # boxes. Each of the 128 producer threads copies half of one row with 16-byte cp.async (2 threads per row,
-        # 4 x 16 B of each 128-column box, 2 x 16 B of k_pe) into the same swizzled stages the TMA path fills, then
+        # boxes. The 128 producer threads copy with 16-byte cp.async, 4 threads per row (a warp instruction covers 8
+        # rows x 64 B: half the cache lines per instruction of 2 threads per row), rows r and r + 32 per thread
+        # (same swizzle phase: one shared-memory offset per column), 4 copies per 128-column box and 2 of k_pe
+        # (18 per thread and tile), into the same swizzled stages the TMA path fills, then
         # arrives on the stage's ready barrier when its copies land (cp.async.mbarrier.arrive.noinc; the barrier
         # counts 128 arrivals at PAGE 1, one expect-tx arrival otherwise). Rows past kv_len and page ids outside
         # [0, num_rows) are never read: their copies are masked, which writes zeros (as TMA zero-fills out-of-range
         # rows). The next tile's 64 page ids are loaded before this tile's copies are issued, so their latency
-        # hides behind the empty-wait and the issue (one id register per thread, 2 live: the producer has 24).
-        cpl: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+        # hides behind the empty-wait and the issue (the producer has 24 registers: its item-loop state spills,
+        # a few reloads per tile).
+        cpl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rr = gl.arange(0, 64, layout=gl.SliceLayout(1, cpl))
         ccol = gl.arange(0, 128, layout=gl.SliceLayout(0, cpl))
         pcol = gl.arange(0, 64, layout=gl.SliceLayout(0, cpl))
