@@ -594,7 +594,7 @@ def to_page1(c, *, seed=0, past=0, spare=5):
     slots = torch.randperm(rows + spare, generator=g).to(DEV)
     pool1 = torch.empty(rows + spare, 1, DC + DK, dtype=F8, device=DEV)
     pool1.view(torch.uint8).fill_(0x7F)   # e4m3fn NaN
-    pool1[slots[:rows], 0] = c["pool"].reshape(rows, DC + DK)
+    pool1.view(torch.uint8)[slots[:rows], 0] = c["pool"].view(torch.uint8).reshape(rows, DC + DK)
     ind, ptr = c["kv_indices"].long(), c["kv_indptr"].tolist()
     lists = []
     ar = torch.arange(page, device=DEV)
@@ -712,8 +712,8 @@ PAGE1_SHAPES = [(16, 64, 8192), (16, 8, 8192), (128, 64, 8192), (128, 1, 32768)]
 def run_page1(reps=30):
     os.environ["FP8MLA_GLUON_PAGE1"] = "1"
     os.environ["FP8MLA_GLUON_WIDE"] = "1"
-    checks_deadline = float(os.environ.get("DECODE_V2_CHECKS_DEADLINE", "45"))
-    bench_deadline = float(os.environ.get("DECODE_V2_DEADLINE", "75"))
+    checks_deadline = float(os.environ.get("DECODE_V2_CHECKS_DEADLINE", "50"))
+    bench_deadline = float(os.environ.get("DECODE_V2_DEADLINE", "72"))
     _WATCH["limit"] = float(os.environ.get("DECODE_V2_HANG_S", "40"))   # per step (compiles included)
     _watchdog()
     odd = [0, 1, 63, 64, 65, 1000]

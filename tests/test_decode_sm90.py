@@ -450,8 +450,9 @@ def test_page1_equals_page64_on_the_same_tokens(page1):
     a = dict(b.plan_args)
     P = b.pool.shape[0]
     slots = torch.randperm(P * 64, device=DEVICE)           # pool row r -> slot slots[r]
-    pool1 = torch.full((P * 64, 1, b.pool.shape[-1]), float("nan"), dtype=b.pool.dtype, device=DEVICE)
-    pool1[slots, 0] = b.pool.reshape(P * 64, -1)
+    pool1 = torch.empty((P * 64, 1, b.pool.shape[-1]), dtype=b.pool.dtype, device=DEVICE)
+    pool1.view(torch.uint8).fill_(0x7F)                     # e4m3fn NaN (scatters go through byte views)
+    pool1.view(torch.uint8)[slots, 0] = b.pool.view(torch.uint8).reshape(P * 64, -1)
     rows = []
     for i, L in enumerate(a["kv_len_arr"].tolist()):
         pages = a["kv_indices"][a["kv_indptr"][i]:a["kv_indptr"][i + 1]].long()
