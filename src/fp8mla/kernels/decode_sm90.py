@@ -891,7 +891,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     if sass_path:
         open(sass_path, "w").write(sass)
     ops = collections.Counter()
-    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+    # (addresses have 4 or more hex digits: the kernel is past 0x10000 bytes, so {4} alone missed the 2nd consumer)
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
         ops[m.group(1)] += 1
     spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
     return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
