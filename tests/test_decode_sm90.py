@@ -8,6 +8,8 @@ CPU: the split schedule (pure Python) and a compile-only check of the kernel for
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -505,3 +507,45 @@ def test_page1_cuda_graph_capture_then_replan(page1, H):
     ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
     assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+@pytest.mark.parametrize("block_p", [2, 4, 64])
+def test_merge_any_block_p_matches_float64(block_p):
+    """The partials' merge (a plain Triton kernel: the interpreter runs it on the CPU) is correct whatever BLOCK_P
+    the plan picked (the adapter sizes it to the longest list it knows; a later re-plan under a captured graph may
+    have longer lists): lists of 1..9 partials, empty partials (lse -inf), a request whose partials are all empty."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(block_p)
+    H, C, B = 3, k.DC, 5
+    counts = [2, 9, 1, 5, 3]                     # request 2: one item, written by the decode kernel (skipped)
+    m_ptr = [0]
+    for c in counts:
+        m_ptr.append(m_ptr[-1] + c)
+    n = m_ptr[-1]
+    perm = torch.randperm(n, generator=g)         # partials in any order of the part buffers
+    lse_p = torch.randn(n, H, generator=g, dtype=torch.float64) * 4
+    lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf    # request 4: all empty
+    lse_p[perm[m_ptr[1]], 1] = -math.inf          # one empty partial inside a long list
+    o_p = torch.randn(n, H, C, generator=g, dtype=torch.float64)
+    out = torch.full((B, H, C), math.nan, dtype=torch.float32, device=dev)
+    lse = torch.full((B, H), math.nan, dtype=torch.float32, device=dev)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    bp, bc = block_p, 128
+    k._merge_parts_kernel[(B, H, C // bc)](
+        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(list(range(B + 1))), i32(m_ptr),
+        i32(perm.tolist()), i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * H, C, H,
+        BLOCK_P=bp, BLOCK_C=bc, num_warps=4)
+    for b, c in enumerate(counts):
+        if c < 2:
+            assert torch.isnan(out[b]).all(), "a single-item request is the decode kernel's to write"
+            continue
+        idx = perm[m_ptr[b]:m_ptr[b + 1]]
+        lp, op = lse_p[idx], o_p[idx]                 # [c, H], [c, H, C]
+        m = lp.max(0).values
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w = torch.exp2(lp - m)
+        ws = w.sum(0)
+        ref_o = torch.where(ws[:, None] > 0, (w[..., None] * op).sum(0) / ws.clamp_min(1e-300)[:, None], 0.0)
+        ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
+        torch.testing.assert_close(out[b].double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)

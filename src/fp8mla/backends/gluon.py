@@ -138,14 +138,21 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads)
-    mp, mc = k.merge_blocks(64)  # fixed: the schedule may be made on the device, its longest merge not known here
+    # The merge's BLOCK_P: a request's longest list of partials when the host knows it (any value is correct, the
+    # merge loops; a BLOCK_P far above the real count costs masked work: 64 took 192 us at H128 B64 L8k, 2 parts
+    # per request, where BLOCK_P 2 takes ~18 us, H200 2026-11-30); 64 when the schedule is made on the device.
+    h = None
+    if layout.host is not None:
+        h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+                          num_ctas=slots, min_tiles=min_tiles)
+        mp, mc = k.merge_blocks(max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1)
+    else:
+        mp, mc = k.merge_blocks(64)
     if spec.use_cuda_graph:
         if buf is None:
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
         buf.check(B, layout.kv_indices.numel(), rows)
-        if layout.host is not None:  # host lengths: schedule on the host, stage everything in one copy
-            h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                              num_ctas=slots, min_tiles=min_tiles)
+        if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
             return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
     kv_len = _device_kv_len(layout)
