@@ -1,13 +1,13 @@
 """The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.decode_sm90``).
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
-refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16),
-and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg``
-CTAs per schedule slot), one query token per request, page size 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor
-scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the layout has host
-lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one copy: the
-decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped to the
-pages each row lists either way.
+refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16)
+and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
+per schedule slot), one query token per request, page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
+16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64, bf16/fp16
+queries. The split schedule is made on the host when the layout has host lengths and the plan uses CUDA-graph
+buffers (``schedule_host``, O(batch) Python, staged in one copy: the decode runner's path), else on the device
+from the layout (no host read, no sync); lengths are clamped to the pages each row lists either way.
 
 ``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
 device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
@@ -33,9 +33,9 @@ PAGE_MULTIPLE = 64
 # since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
 # off (H > 16 then stays on the Triton kernel), =1 forces it on.
 GLUON_WIDE_HEADS = True
-# Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): off until its H200
-# check (scripts/decode_v2_device.py page1) passes; FP8MLA_GLUON_PAGE1=1 forces it on, =0 off.
-GLUON_PAGE1 = False
+# Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): on since its H200
+# check (scripts/decode_v2_device.py page1: 11/11 checks, 2026-11-30); FP8MLA_GLUON_PAGE1=0 turns it off, =1 on.
+GLUON_PAGE1 = True
 
 
 def page1_enabled() -> bool:
@@ -73,7 +73,7 @@ def supports(spec, layout) -> tuple[bool, str]:
          f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
         (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0 or (spec.page_size == 1 and page1_enabled()),
          f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64" + (
-             " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=1 turns it on)" if spec.page_size == 1 else "")),
+             " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=0)" if spec.page_size == 1 else "")),
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group",
          f"kv format {fmt.name}: only FP8 e4m3 with per-tensor scales"),
         (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),
