@@ -32,8 +32,12 @@ released after both consumers arrive. H > 64: NHG = ceil(H / 64) CTAs per schedu
 the later reads of a tile should hit L2. Each consumer writes its own normalized partial (padded heads: zero Q
 rows, never written).
 
-Supported here: H <= 128, qo_len 1, pages of 16, 32 or a multiple of 64, FP8 e4m3 with per-tensor scales, c_kv
-512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
+Page size 1 (``_producer_page1``): the producer copies each tile's 64 arbitrary pool rows with 16-byte cp.async
+into the same swizzled stages the TMA boxes fill (the consumers are unchanged) and each producer thread arrives on
+the stage's ``ready`` barrier (128 arrivals at page 1, one expect-tx arrival otherwise).
+
+Supported here: H <= 128, qo_len 1, pages of 1, 16, 32 or a multiple of 64, FP8 e4m3 with per-tensor scales,
+c_kv 512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
 """
 from __future__ import annotations
 
