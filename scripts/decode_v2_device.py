@@ -9,6 +9,9 @@ same run (and the Triton kernel when the package imports). One script, one devic
     python scripts/decode_v2_device.py page1            # page size 1 (cp.async producer): checks + page 1 vs page
                                                         # 64 timings on the same values (FP8MLA_GLUON_PAGE1=1
                                                         # inside); <= ~90 s
+    python scripts/decode_v2_device.py mtp              # multi-token decode (qo_len 2..8, FP8MLA_GLUON_MTP=1
+                                                        # inside): checks against float64 + timings against the
+                                                        # Triton kernel (H16 qo 2/4, H128 qo 2, B64 L8k); <= ~90 s
 
 The kernel module is loaded from its file, so this runs even while other parts of the package are mid-edit.
 Writes $OUT/decode_v2.json when $OUT is set.
@@ -791,6 +794,207 @@ def run_page1(reps=30):
     return ok
 
 
+# ------------------------------------------------------------------------------------------------------------
+# multi-token decode (MTP / speculative): rows = (query token, head) pairs on the wide variant
+# ------------------------------------------------------------------------------------------------------------
+def mtp_case(kv_lens, qo_lens, H, page, *, seed=0, causal=True, nan_pool=True, extra=0, q_dtype=torch.bfloat16,
+             ckv_scale=1.0, kpe_scale=1.0):
+    """``make_case`` (device-side values, NaN pools) with qo_lens[b] query tokens per request."""
+    c = make_case(kv_lens, H, page, seed=seed, nan_pool=nan_pool, extra=extra, q_dtype=q_dtype, ckv_scale=ckv_scale,
+                  kpe_scale=kpe_scale)
+    n = sum(qo_lens)
+    gd = torch.Generator(device=DEV).manual_seed(seed + 7)
+    qo = [0]
+    for q in qo_lens:
+        qo.append(qo[-1] + q)
+    c.update(qo_indptr=torch.tensor(qo, dtype=torch.int32, device=DEV), qo_lens=list(qo_lens), causal=causal,
+             q_nope=torch.randn(n, H, DC, device=DEV, generator=gd).to(q_dtype),
+             q_pe=torch.randn(n, H, DK, device=DEV, generator=gd).to(q_dtype))
+    return c
+
+
+def mtp_attn(c, backend, **opts):
+    """An MLAPagedAttention planned on case ``c``; returns (attn, run(), out, lse) with poisoned outputs."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from fp8mla.attention import MLAPagedAttention
+    a = MLAPagedAttention(backend=backend, **opts)
+    a.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["H"], DC, DK, c["page"], c["causal"],
+           c["sm_scale"], c["q_nope"].dtype, "fp8_e4m3")
+    n = c["q_nope"].shape[0]
+    out = torch.full((n, c["H"], DC), float("nan"), dtype=c["q_nope"].dtype, device=DEV)
+    lse = torch.full((n, c["H"]), float("nan"), dtype=torch.float32, device=DEV)
+    sc = c["scales"].tolist()
+
+    def run():
+        a.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse, ckv_scale=sc[0], kpe_scale=sc[1])
+    return a, run, out, lse
+
+
+def mtp_compare(name, c, out, lse, extra=""):
+    from fp8mla.reference import mla_reference
+    sc = c["scales"].tolist()
+    ro, rl = mla_reference(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], c["qo_indptr"], c["kv_indptr"],
+                           c["kv_indices"], c["kv_len"], sm_scale=c["sm_scale"], causal=c["causal"],
+                           ckv_scale=sc[0], kpe_scale=sc[1])
+    o, l2 = out.double(), lse.double()
+    nan = int(torch.isnan(o).sum() + torch.isnan(l2).sum())
+    empty = rl == float("-inf")                      # rows that see no token (kv_len 0, causal kv_len < qo_len)
+    empty_ok = bool((o[empty] == 0).all() and (l2[empty] == float("-inf")).all())
+    fin = ~empty
+    rel = float((o[fin] - ro[fin]).norm() / ro[fin].norm().clamp_min(1e-30)) if fin.any() else 0.0
+    le = float((l2[fin] - rl[fin]).abs().max()) if fin.any() else 0.0
+    ok = nan == 0 and empty_ok and rel <= 3e-3 and le <= 5e-3
+    log(f"CHECK {'PASS' if ok else 'FAIL'} {name:44s} relL2 {rel:.2e} lse {le:.1e} nan {nan} "
+        f"empty rows {int(empty.sum())} ok {empty_ok} {extra}")
+    RESULTS["checks"].append(dict(name=name, ok=ok, rel_l2=rel, lse_max_abs=le, nan=nan, empty_ok=empty_ok))
+    return ok
+
+
+def mtp_check(name, c, backend="gluon", rerun=False, **opts):
+    a, run, out, lse = mtp_attn(c, backend, **opts)
+    if a._plan.backend != "gluon":
+        log(f"CHECK FAIL {name:44s} planned on {a._plan.backend}, not gluon")
+        return False
+    run()
+    torch.cuda.synchronize()
+    same = True
+    if rerun:
+        o1, l1 = out.clone(), lse.clone()
+        out.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        same = torch.equal(o1, out) and torch.equal(l1, lse)
+    return mtp_compare(name, c, out, lse, f"rerun-identical {same}" if rerun else "") and same
+
+
+def _mtp_graph_replan(H, qo):
+    """Captured at max qo_len ``qo``; replayed after a re-plan with other lengths, pages and a shorter qo split."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from fp8mla.attention import MLAPagedAttention
+    c = mtp_case([100, 3000, 17], [qo, 1, qo], H, 64, seed=60 + H, extra=0)
+    n = 2 * qo + 1
+    attn = MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    out = torch.empty(n, H, DC, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(n, H, device=DEV)
+
+    def plan(cc):
+        attn.plan(cc["qo_indptr"], cc["kv_indptr"], cc["kv_indices"], cc["kv_len"], H, DC, DK, 64, True,
+                  cc["sm_scale"], torch.bfloat16, "fp8_e4m3")
+
+    def run():
+        attn.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse, ckv_scale=1.0, kpe_scale=1.0)
+    plan(c)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ok1 = mtp_compare(f"H{H} qo{qo} graph: first replay", c, out, lse)
+    pages = c["kv_indices"]
+    c2 = dict(c, qo_indptr=torch.tensor([0, 1, 1 + qo, n], dtype=torch.int32, device=DEV),
+              kv_len=torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEV),
+              kv_indptr=torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEV),
+              kv_indices=torch.cat([pages[2:48], pages[:1]]), kv_lens=[2900, 5, 0])
+    plan(c2)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return ok1 and mtp_compare(f"H{H} qo{qo} graph: replay after re-plan", c2, out, lse)
+
+
+MTP_SHAPES = [(16, 2, 64, 8192), (16, 4, 64, 8192), (128, 2, 64, 8192)]   # H, qo, B, L
+
+
+def run_mtp(reps=30):
+    os.environ["FP8MLA_GLUON_MTP"] = "1"
+    os.environ["FP8MLA_GLUON_WIDE"] = "1"
+    os.environ["FP8MLA_GLUON_PAGE1"] = "1"
+    checks_deadline = float(os.environ.get("DECODE_V2_CHECKS_DEADLINE", "50"))
+    bench_deadline = float(os.environ.get("DECODE_V2_DEADLINE", "75"))
+    _WATCH["limit"] = float(os.environ.get("DECODE_V2_HANG_S", "40"))   # per step (compiles included)
+    _watchdog()
+    odd = [0, 1, 2, 63, 64, 65, 129, 514, 3001]          # kv_len 0, 1 and 2 < qo_len: causally empty rows
+    q16 = [2, 3, 1, 4, 2, 8, 5, 2, 7]
+    q128 = [2, 3, 1, 4, 2, 3, 4, 2, 1]
+    checks = [
+        ("H16 p64 mixed qo<=8 causal, NaN pages", lambda: mtp_check(
+            "H16 p64 mixed qo<=8 causal, NaN pages", mtp_case(odd, q16, 16, 64, seed=71, extra=1))),
+        ("H16 p64 mixed qo<=8 non-causal", lambda: mtp_check(
+            "H16 p64 mixed qo<=8 non-causal", mtp_case(odd, q16, 16, 64, seed=72, causal=False, extra=1))),
+        ("H128 p64 mixed qo<=4 causal, NaN pages", lambda: mtp_check(
+            "H128 p64 mixed qo<=4 causal, NaN pages", mtp_case(odd, q128, 128, 64, seed=73, extra=1))),
+        ("H128 p1 qo<=4 non-causal, NaN slots", lambda: mtp_check(
+            "H128 p1 qo<=4 non-causal, NaN slots", mtp_case(odd, q128, 128, 1, seed=74, causal=False, extra=1))),
+        ("H16 p1 qo<=8 causal", lambda: mtp_check(
+            "H16 p1 qo<=8 causal", mtp_case(odd, q16, 16, 1, seed=75, extra=1))),
+        ("H16 qo4 B1 L20000 splits fp16 scales, rerun", lambda: mtp_check(
+            "H16 qo4 B1 L20000 splits fp16 scales, rerun",
+            mtp_case([20000, 3], [4, 4], 16, 64, seed=76, q_dtype=torch.float16, ckv_scale=0.05, kpe_scale=3.0),
+            rerun=True, min_chunk=64)),
+        ("H128 qo2 B3 splits, rerun", lambda: mtp_check(
+            "H128 qo2 B3 splits, rerun", mtp_case([9000, 1, 4097], [2, 2, 1], 128, 64, seed=77), rerun=True,
+            min_chunk=64)),
+        ("H8 qo8 (64 rows) p16", lambda: mtp_check(
+            "H8 qo8 (64 rows) p16", mtp_case([1, 15, 17, 700], [8, 3, 8, 6], 8, 16, seed=78, extra=1))),
+        ("H16 qo4 graph replay after re-plan", lambda: _mtp_graph_replan(16, 4)),
+        ("H128 qo2 graph replay after re-plan", lambda: _mtp_graph_replan(128, 2)),
+    ]
+    results = []
+    for name, fn in checks:
+        if time.time() - T_START > checks_deadline:
+            log(f"CHECK SKIP {name} (past {checks_deadline:.0f} s of the run)")
+            results.append((name + " (skipped)", False))
+            continue
+        results.append((name, _guarded(name, fn)))
+    # -- timings: gluon MTP vs the Triton kernel, same values, CUDA-graph replay, L2 flushed ---------------------
+    flush = Flush()
+    table = []
+    for H, qo, B, L in MTP_SHAPES:
+        if time.time() - T_START > bench_deadline:
+            log(f"  skipped H{H} qo{qo} B{B} L{L}: past {bench_deadline:.0f} s of the run")
+            continue
+        name = f"H{H} qo{qo} B{B} L{L}"
+        _WATCH.update(name="bench " + name, since=time.time())
+        try:
+            c = mtp_case([L] * B, [qo] * B, H, 64, seed=B + H + qo, nan_pool=False, spare=8)
+            row = dict(shape=name, floor=B * L * (DC + DK) / 4.2e12 * 1e3)
+            outs = {}
+            for tag in ("gluon", "triton"):
+                a, run, out, _ = mtp_attn(c, tag)
+                if a._plan.backend != tag:
+                    raise RuntimeError(f"{tag} requested, planned on {a._plan.backend}")
+                run()
+                torch.cuda.synchronize()
+                row[tag] = graph_ms(run, flush, reps=reps)
+                outs[tag] = out[: 2 * qo].double()
+                del a
+            row["err_vs_triton"] = float((outs["gluon"] - outs["triton"]).norm() / outs["triton"].norm())
+            row["speedup"] = row["triton"] / row["gluon"]
+            log(f"  {name:20s} gluon {row['gluon']:.4f} ms  triton {row['triton']:.4f} ms  x{row['speedup']:.2f}  "
+                f"floor {row['floor']:.4f}  gluon vs triton {row['err_vs_triton']:.1e}")
+            table.append(row)
+            RESULTS["bench"].append(row)
+            del c
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: {type(e).__name__}: {str(e)[:300]}")
+    _WATCH["name"] = None
+    ok = all(r for _, r in results)
+    log("")
+    log("== mtp summary ==")
+    for name, r in results:
+        log(f"  {'PASS' if r else 'FAIL'}  {name}")
+    log(f"CHECKS {'ALL PASS' if ok else 'SOME FAIL'} ({sum(r for _, r in results)}/{len(results)})")
+    for r in table:
+        log(f"  {r['shape']:20s} gluon {r['gluon']:.4f}  triton {r['triton']:.4f} ms  x{r['speedup']:.2f}  "
+            f"floor {r['floor']:.4f}")
+    log(f"run time {time.time() - T_START:.0f} s")
+    return ok
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     import triton
@@ -821,6 +1025,8 @@ def main():
             run_bench(variants, with_triton="--no-triton" not in sys.argv, shapes=shapes, page=page)
         if what == "page1":
             ok = run_page1()
+        if what == "mtp":
+            ok = run_mtp()
         if what == "h128":
             hv = variants if any(a.startswith("--variants=") for a in sys.argv) else ["ns3", "ns3_mt8", "cmp_ns3"]
             ok = run_h128(hv, with_triton="--no-triton" not in sys.argv, page=page)

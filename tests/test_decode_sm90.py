@@ -152,8 +152,10 @@ def test_auto_picks_gluon_and_falls_back():
     assert attn.backend_name == "gluon" if hasattr(attn, "backend_name") else True
     check(b, out, lse)
     from fp8mla.backends import gluon as gb
-    refused = [([100], [2], 16, 64, "fp8_e4m3"), ([100], [1], 16, 8, "fp8_e4m3"),
-               ([100], [1], 16, 64, "fp8_e4m3_group"), ([100], [1], 16, 64, "bf16")]
+    refused = [([100], [1], 16, 8, "fp8_e4m3"), ([100], [1], 16, 64, "fp8_e4m3_group"),
+               ([100], [1], 16, 64, "bf16")]
+    if not gb.mtp_enabled():   # multi-token decode goes to the Triton kernel until its switch is on
+        refused.append(([100], [2], 16, 64, "fp8_e4m3"))
     if not gb.wide_heads_enabled():   # H128 goes to the Triton kernel until the wide variant is switched on
         refused.append(([100], [1], 128, 64, "fp8_e4m3"))
     for kv_lens, qo, H, page, fmt in refused:
@@ -549,3 +551,292 @@ def test_merge_any_block_p_matches_float64(block_p):
         ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
         torch.testing.assert_close(out[b].double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[b].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+# -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant,
+# off by default (backends.gluon.GLUON_MTP) until its H200 check; FP8MLA_GLUON_MTP=1 here --------------------------
+@pytest.fixture
+def mtp(monkeypatch):
+    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
+    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
+
+
+def test_mtp_config_and_row_mapping():
+    assert k.mtp_config(16, 2) == (16, 1, True) and k.mtp_config(8, 4) == (16, 1, True)
+    assert k.mtp_config(16, 4) == (32, 1, True) and k.mtp_config(16, 8) == (32, 2, True)
+    assert k.mtp_config(128, 2) == (32, 4, True) and k.mtp_config(128, 4) == (32, 8, True)
+    assert k.mtp_config(1, 2) == (16, 1, True) and k.mtp_config(20, 3) == (32, 1, True)   # 60 rows
+    assert k.row_config(128, 1) == k.head_config(128) and k.row_config(16, 1) == (16, 1, False)
+    assert [k.padded_heads(16, q) for q in (1, 2, 3, 4, 8)] == [16, 32, 64, 64, 128]
+    assert k.padded_heads(128, 4) == 512 and k.padded_heads(100, 5) == 512
+    for H, q in ((16, 9), (128, 5), (16, 1), (0, 2), (65, 8)):
+        with pytest.raises(ValueError, match="max_qo"):
+            k.mtp_config(H, q)
+    # row r of a request: token r // H, head r % H; every (token, head) of qo_len x H exactly once, in the first
+    # qo_len * H rows (the rest of the max_qo * H rows is padding); the merge kernel uses the same mapping
+    for H, qo in ((16, 3), (128, 2), (5, 7)):
+        pairs = [k.mtp_row(r, H) for r in range(qo * H)]
+        assert sorted(pairs) == [(i, h) for i in range(qo) for h in range(H)]
+    # causal: token i of qo_len q sees positions <= L - q + i (none when negative); the last token sees all L
+    assert [k.mtp_visible(10, 3, i, True) for i in range(3)] == [8, 9, 10]
+    assert [k.mtp_visible(1, 3, i, True) for i in range(3)] == [0, 0, 1]
+    assert [k.mtp_visible(0, 2, i, True) for i in range(2)] == [0, 0]
+    assert [k.mtp_visible(10, 3, i, False) for i in range(3)] == [10, 10, 10]
+    # every variant fits shared memory at the default 3 stages
+    for H, q in ((16, 2), (16, 8), (128, 4)):
+        hpw, _, wide = k.mtp_config(H, q)
+        assert k.smem_bytes(3, hpw, wide) <= k.SMEM_LIMIT
+
+
+def _emulate_mtp(s, v, qo, L, items, causal):
+    """float64 emulation of the kernel's per-item online softmax for one request's rows: scores s [rows, L], values
+    v [L, C]; per item the tile loop with the row limit (``lim``: causal ``min(L - qo + i + 1, L)``), the
+    "max -inf -> subtract 0" rule, the zeroed empty rows, then the log-sum-exp merge of the items' partials."""
+    rows, H = s.shape[0], s.shape[0] // qo
+    lim = torch.tensor([min(L - qo + r // H + 1, L) if causal else L for r in range(rows)], dtype=torch.float64)
+    parts = []
+    for t0, t1 in items:
+        m = torch.full((rows,), -math.inf, dtype=torch.float64)
+        l = torch.zeros(rows, dtype=torch.float64)
+        o = torch.zeros(rows, v.shape[1], dtype=torch.float64)
+        for t in range(t0, t1):
+            pos = t * 64 + torch.arange(64)
+            st = torch.full((rows, 64), -math.inf, dtype=torch.float64)
+            ok = pos < L
+            st[:, ok] = s[:, pos[ok]]
+            st = torch.where(pos[None, :].double() < lim[:, None], st, -math.inf)
+            m_new = torch.maximum(m, st.max(1).values)
+            m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
+            alpha = torch.exp2(m - m_sub)
+            p = torch.exp2(st - m_sub[:, None])
+            vt = torch.zeros(64, v.shape[1], dtype=torch.float64)
+            vt[ok] = v[pos[ok]]
+            o = o * alpha[:, None] + p @ vt
+            l = l * alpha + p.sum(1)
+            m = m_new
+        seen = l > 0
+        o = torch.where(seen[:, None], o / torch.where(seen, l, 1.0)[:, None], 0.0)
+        lse = torch.where(seen, torch.where(m == -math.inf, 0.0, m) + torch.log2(torch.where(seen, l, 1.0)), -math.inf)
+        parts.append((o, lse))
+    lse_all = torch.stack([p[1] for p in parts])
+    mx = lse_all.max(0).values
+    mx = torch.where(mx == -math.inf, 0.0, mx)
+    w = torch.exp2(lse_all - mx)
+    ws = w.sum(0)
+    o = sum(w[i][:, None] * parts[i][0] for i in range(len(parts)))
+    return torch.where(ws[:, None] > 0, o / torch.where(ws > 0, ws, 1.0)[:, None], 0.0), \
+        torch.where(ws > 0, mx + torch.log2(torch.where(ws > 0, ws, 1.0)), -math.inf)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mtp_tile_masking_and_splits_match_float64(causal):
+    """The kernel's MTP rules on the host in float64 (the tile-level row limits, the empty-row and split handling,
+    the merge) against plain masked softmax, over the schedule's real item cuts: kv_len < qo_len, a row limit on
+    a tile boundary, items that start past a row's last visible token (max -inf for the whole item)."""
+    g = torch.Generator().manual_seed(7 + causal)
+    H, C = 3, 4
+    for L, qo, ctas in ((1, 3, 1), (2, 4, 1), (64, 2, 1), (65, 2, 2), (129, 8, 3), (640, 5, 10), (200, 4, 4)):
+        _, _, items, _, _ = k.schedule([L], ctas, 1)
+        cuts = [(t0, t1) for _, t0, t1 in items]
+        s = torch.randn(qo * H, L, generator=g, dtype=torch.float64) * 3
+        v = torch.randn(L, C, generator=g, dtype=torch.float64)
+        o, lse = _emulate_mtp(s, v, qo, L, cuts, causal)
+        for r in range(qo * H):
+            i, _ = k.mtp_row(r, H)
+            n = k.mtp_visible(L, qo, i, causal)
+            if n == 0:
+                assert (o[r] == 0).all() and lse[r] == -math.inf, (L, qo, r)
+                continue
+            p = torch.softmax(s[r, :n] * math.log(2), 0)
+            torch.testing.assert_close(o[r], p @ v[:n], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[r], torch.logsumexp(s[r, :n] * math.log(2), 0) / math.log(2),
+                                       rtol=1e-10, atol=1e-10)
+
+
+def test_mtp_merge_maps_rows_to_tokens_and_heads():
+    """The partials' merge with multi-token requests: row r of request b goes to (qo_indptr[b] + r // H, r % H),
+    rows >= qo_len * H of the max_qo * H grid rows are skipped (they would land on the next request's tokens)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    H, C = 3, k.DC
+    qo_lens, counts = [2, 1, 4, 3], [2, 3, 2, 1]        # request 3: one item, the decode kernel's to write
+    max_qo, B = max(qo_lens), len(qo_lens)
+    qo_ptr = [0]
+    for q in qo_lens:
+        qo_ptr.append(qo_ptr[-1] + q)
+    m_ptr = [0]
+    for c in counts:
+        m_ptr.append(m_ptr[-1] + c)
+    n, rows = m_ptr[-1], max_qo * H
+    lse_p = torch.randn(n, rows, generator=g, dtype=torch.float64) * 3
+    o_p = torch.randn(n, rows, C, generator=g, dtype=torch.float64)
+    out = torch.full((qo_ptr[-1], H, C), math.nan, dtype=torch.float32, device=dev)
+    lse = torch.full((qo_ptr[-1], H), math.nan, dtype=torch.float32, device=dev)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    k._merge_parts_kernel[(B, rows, C // 128)](
+        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(qo_ptr), i32(m_ptr), i32(list(range(n))),
+        i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * rows, C, rows,
+        BLOCK_P=2, BLOCK_C=128, num_warps=4)
+    for b in range(B):
+        for r in range(qo_lens[b] * H):
+            i, h = k.mtp_row(r, H)
+            tok = qo_ptr[b] + i
+            if counts[b] < 2:
+                assert torch.isnan(out[tok, h]).all()
+                continue
+            lp, op = lse_p[m_ptr[b]:m_ptr[b + 1], r], o_p[m_ptr[b]:m_ptr[b + 1], r]
+            w = torch.exp2(lp - lp.max())
+            torch.testing.assert_close(out[tok, h].double().cpu(), (w[:, None] * op).sum(0) / w.sum(),
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[tok, h].double().cpu(), lp.max() + torch.log2(w.sum()),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_is_behind_its_switch(monkeypatch):
+    """supports() refuses qo_len != 1 unless GLUON_MTP or FP8MLA_GLUON_MTP=1 (=0 refuses even when switched on) and
+    says how to turn it on; switched on it takes qo_len 1..8 with max qo_len x H <= 512, and refuses the rest by
+    name; one query per request is unaffected."""
+    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    if k.gluon is None:
+        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
+
+    def layout(qo_lens):
+        qo = torch.tensor([0] + [sum(qo_lens[: b + 1]) for b in range(len(qo_lens))], dtype=torch.int32)
+        B = len(qo_lens)
+        return PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * 3,
+                                    torch.arange(3 * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
+                                    64)
+
+    def spec(H):
+        return AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
+                             torch.device("cpu"))
+    for qo_lens, H in (([1, 1], 16), ([2, 1, 3], 16), ([8], 16), ([4, 2], 128)):
+        for switch, env, want in ((False, None, max(qo_lens) == 1), (True, None, True), (False, "1", True),
+                                  (True, "0", max(qo_lens) == 1)):
+            monkeypatch.setattr(gb, "GLUON_MTP", switch)
+            if env is None:
+                monkeypatch.delenv("FP8MLA_GLUON_MTP", raising=False)
+            else:
+                monkeypatch.setenv("FP8MLA_GLUON_MTP", env)
+            ok, why = gb.supports(spec(H), layout(qo_lens))
+            assert ok == want, (qo_lens, H, switch, env, why)
+            if not ok:
+                assert "FP8MLA_GLUON_MTP=1" in why, why
+    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
+    for qo_lens, H in (([9], 16), ([5, 1], 128), ([2, 0], 16), ([6], 100)):
+        ok, why = gb.supports(spec(H), layout(qo_lens))
+        assert not ok and "qo_len" in why, (qo_lens, H, why)
+    assert gb.supports(spec(100), layout([5, 1]))[0]          # 500 rows
+
+
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.parametrize("heads,qo,causal", [(16, 4, True), (128, 2, False)])
+def test_mtp_compiles_for_sm90a(heads, qo, causal):
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=64, ns=3, heads=%d, "
+            "max_qo=%d, causal=%s); print('REPORT', json.dumps(r))" % (heads, qo, causal))
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+    assert res.returncode == 0 and line, res.stderr[-3000:]
+    r = json.loads(line[-1][len("REPORT "):])
+    assert not r["serialized_wgmma"], r["ptxas"]
+    assert sum(st for st, _ in r["spills"]) <= 256, r["spills"]     # the wide variant's own budget (see above)
+    assert sum(v for op, v in r["ops"].items() if op.startswith("HGMMA")) >= 36 + 32, r["ops"]
+    assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]
+    assert r["smem"] <= k.SMEM_LIMIT
+
+
+@gpu
+@pytest.mark.parametrize("H,qo_lens", [(16, [2, 3, 1, 4, 2, 8, 5, 2, 7]), (128, [2, 3, 1, 4, 2, 3, 4, 2, 1]),
+                                        (1, [8, 2, 1, 3, 4, 5, 6, 7, 8]), (20, [3] * 9)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page", [1, 64])
+def test_mtp_odd_lengths_nan_pools(mtp, monkeypatch, H, qo_lens, causal, page):
+    """Mixed qo_len per request, kv_len 0 and kv_len < qo_len (causally empty rows: 0 and -inf), odd lengths over
+    NaN-poisoned shuffled pools (NaN pages listed past kv_len too), page 1 (cp.async) and 64 (TMA)."""
+    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
+    lens = [0, 1, 2, 63, 64, 65, 129, 514, 3001]
+    b = make_paged_batch(lens, qo_lens, H, page, "fp8_e4m3", device=DEVICE, seed=H + page + causal,
+                         causal=causal, extra_pages=1)
+    attn, out, lse = run_case(b)
+    assert attn._plan.backend == "gluon"
+    check(b, out, lse)
+    assert (out[: qo_lens[0]] == 0).all() and (lse[: qo_lens[0]] == float("-inf")).all()
+
+
+@gpu
+@pytest.mark.parametrize("H,qo", [(16, 4), (128, 2)])
+@pytest.mark.parametrize("min_chunk", [64, 4096])
+def test_mtp_many_splits_and_bit_identical_reruns(mtp, H, qo, min_chunk):
+    b = make_paged_batch([20000, 1, 4097, 3], [qo, 1, qo, qo], H, 64, "fp8_e4m3", q_dtype=torch.float16,
+                         device=DEVICE, seed=9, ckv_scale=0.05, kpe_scale=3.0)
+    attn, out, lse = run_case(b, min_chunk=min_chunk)
+    check(b, out, lse, lse_tol=2e-4)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows(mtp):
+    b = make_paged_batch([300, 65], [2, 4], 16, 64, "fp8_e4m3", device=DEVICE, seed=5)
+    attn, out, lse = run_case(b, backend="auto")
+    assert attn._plan.backend == "gluon"
+    check(b, out, lse)
+    b = make_paged_batch([300, 65], [5, 1], 128, 64, "fp8_e4m3", device=DEVICE, seed=6)
+    attn, out, lse = run_case(b, backend="auto")                   # 640 rows: the Triton kernel
+    assert attn._plan.backend != "gluon"
+    check(b, out, lse, lse_tol=5e-3)
+    with pytest.raises(ValueError, match="gluon"):
+        run_case(b, backend="gluon")
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_mtp_cuda_graph_capture_then_replan(mtp, H):
+    """Captured with max qo_len 2 (H128) / 4 (H16); replayed after a re-plan with other lengths, pages and shorter
+    queries (the kernel reads each request's qo_len on the device); a longer max qo_len is refused by name."""
+    qo = 2 if H == 128 else 4
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    b1 = make_paged_batch([100, 3000, 17], [qo, 1, qo], H, 64, "fp8_e4m3", device=DEVICE, seed=13, spare_pages=60)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    n = q_nope.shape[0]
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(n, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = dict(b1.plan_args)   # same pool and query rows, other lengths, page lists and qo split
+    pages = a["kv_indices"]
+    a["qo_indptr"] = torch.tensor([0, 1, 1 + qo, n], dtype=torch.int32, device=DEVICE)
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")
+    a["qo_indptr"] = torch.tensor([0, 1, 2, n], dtype=torch.int32, device=DEVICE)   # n - 2 > qo: longer
+    with pytest.raises(ValueError, match="qo_len"):
+        attn.plan(**a)

@@ -3,7 +3,8 @@
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16)
 and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
-per schedule slot), one query token per request, page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
+per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, off: rows = (query token, head)
+pairs, max qo_len x H <= 512), page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64, bf16/fp16
 queries. The split schedule is made on the host when the layout has host lengths and the plan uses CUDA-graph
 buffers (``schedule_host``, O(batch) Python, staged in one copy: the decode runner's path), else on the device
@@ -36,11 +37,38 @@ GLUON_WIDE_HEADS = True
 # Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): on since its H200
 # check (scripts/decode_v2_device.py page1: 11/11 checks, 2026-11-30); FP8MLA_GLUON_PAGE1=0 turns it off, =1 on.
 GLUON_PAGE1 = True
+# Multi-token decode (MTP / speculative, qo_len 2..8 with max_qo x H <= 512: rows = (query token, head) pairs on
+# the wide variant, see decode_sm90.mtp_config): OFF until its H200 check (scripts/decode_v2_device.py mtp);
+# FP8MLA_GLUON_MTP=1 turns it on, =0 off. Off: plans with qo_len != 1 stay on the Triton kernel.
+GLUON_MTP = False
 
 
 def page1_enabled() -> bool:
     env = os.environ.get("FP8MLA_GLUON_PAGE1", "")
     return env == "1" if env in ("0", "1") else GLUON_PAGE1
+
+
+def mtp_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_MTP", "")
+    return env == "1" if env in ("0", "1") else GLUON_MTP
+
+
+def _qo_refusal(spec, qo_lens) -> str:
+    """Why the query lengths are refused ("" when taken): one query per request always; 1..8 with the MTP switch
+    on and max_qo x H within the kernel's 512 rows."""
+    from ..kernels import decode_sm90 as k
+    if qo_lens is None:
+        return "qo_indptr is device-only (one query per request must be known on the host)"
+    if qo_lens.count(1) == len(qo_lens):
+        return ""
+    if not mtp_enabled():
+        return ("a request has qo_len != 1 (multi-token decode is off: FP8MLA_GLUON_MTP=1 turns it on for "
+                f"qo_len 1..{k.MAX_MTP_QO} with max qo_len x num_heads <= {k.MAX_MTP_ROWS})")
+    lo, hi = min(qo_lens), max(qo_lens)
+    if lo < 1 or hi > k.MAX_MTP_QO or hi * spec.num_heads > k.MAX_MTP_ROWS:
+        return (f"qo_len {lo}..{hi} at {spec.num_heads} heads: multi-token decode takes qo_len 1..{k.MAX_MTP_QO} "
+                f"with max qo_len x num_heads <= {k.MAX_MTP_ROWS}")
+    return ""
 
 
 def wide_heads_enabled() -> bool:
@@ -63,7 +91,7 @@ def supports(spec, layout) -> tuple[bool, str]:
                  or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
             and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group"
             and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
-            and layout.qo_lens.count(1) == len(layout.qo_lens)):
+            and not _qo_refusal(spec, layout.qo_lens)):
         return True, ""  # every plan asks: the messages below are formatted only when one fails
     checks = [
         (1 <= spec.num_heads <= max_heads,
@@ -82,9 +110,8 @@ def supports(spec, layout) -> tuple[bool, str]:
     for ok, why in checks:
         if not ok:
             return False, why
-    if any(q != 1 for q in layout.qo_lens):
-        return False, "a request has qo_len != 1 (multi-token decode is not written yet)"
-    return True, ""
+    why = _qo_refusal(spec, layout.qo_lens)
+    return not why, why
 
 
 @dataclass
@@ -96,6 +123,7 @@ class GluonPlan:
     merge_c: int
     ns: int
     t: dict
+    max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
@@ -108,9 +136,10 @@ class GluonPlan:
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
         k.launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
-                 grid_batch=self.grid_batch, max_rows=self.spec.num_heads, num_heads=self.spec.num_heads,
-                 sm_scale=self.spec.sm_scale, page_size=self.spec.page_size, ns=self.ns, merge_p=self.merge_p,
-                 merge_c=self.merge_c)
+                 grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
+                 num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
+                 ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
+                 causal=self.spec.causal)
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -130,14 +159,15 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
     ns = int(opts["num_stages"])
-    hpw, nhg, wide = k.head_config(spec.num_heads)
+    max_qo = plan_max_qo(layout, spec, state)
+    hpw, nhg, wide = k.row_config(spec.num_heads, max_qo)
     smem = k.smem_bytes(ns, hpw, wide)
     if ns < 2 or smem > k.SMEM_LIMIT:
         raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{'3' if wide else '4'} stages at "
                          f"{spec.num_heads} heads; {ns} stages need {smem} B of shared memory, above {k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
-    rows = k.padded_heads(spec.num_heads)
+    rows = k.padded_heads(spec.num_heads, max_qo)
     # The merge's BLOCK_P: a request's longest list of partials when the host knows it (any value is correct, the
     # merge loops; a BLOCK_P far above the real count costs masked work: 64 took 192 us at H128 B64 L8k, 2 parts
     # per request, where BLOCK_P 2 takes ~18 us, H200 2026-11-30); 64 when the schedule is made on the device.
@@ -154,7 +184,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -164,10 +194,26 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo)
+
+
+def plan_max_qo(layout, spec, state: dict) -> int:
+    """The kernel variant's query tokens per request: 1, or the layout's max qo_len (multi-token decode). With
+    CUDA graphs the launch grid and the variant are captured, so the wrapper's first plan fixes them: a later plan
+    may have shorter queries (the kernel reads each request's qo_len on the device), never longer, and a wrapper
+    first planned with one query per request stays there."""
+    max_qo = max(1, layout.max_qo_len or 1)
+    if not spec.use_cuda_graph:
+        return max_qo
+    fixed = state.setdefault("graph_max_qo", max_qo)
+    if max_qo > fixed:
+        raise ValueError(f"plan: max qo_len {max_qo} exceeds the {fixed} this CUDA-graph wrapper's gluon kernel was "
+                         "first planned (and captured) with; plan the longest qo_len first or use one wrapper per "
+                         "qo_len")
+    return fixed
 
 
 def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
@@ -176,18 +222,15 @@ def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
     checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
     if checked is not None and checked[0] is spec and checked[1] is layout:
         return True, ""
-    key = (spec, wide_heads_enabled())
+    key = (spec, wide_heads_enabled(), mtp_enabled())
     if state.get("supported") != key:
         ok, why = supports(spec, layout)
         if not ok:
             return ok, why
         state["supported"] = key
         return True, ""
-    if layout.qo_lens is None:
-        return False, "qo_indptr is device-only (one query per request must be known on the host)"
-    if layout.qo_lens.count(1) != len(layout.qo_lens):
-        return False, "a request has qo_len != 1 (multi-token decode is not written yet)"
-    return True, ""
+    why = _qo_refusal(spec, layout.qo_lens)
+    return not why, why
 
 
 def _device_kv_len(layout) -> torch.Tensor:

@@ -36,8 +36,21 @@ Page size 1 (``_producer_page1``): the producer copies each tile's 64 arbitrary 
 into the same swizzled stages the TMA boxes fill (the consumers are unchanged) and each producer thread arrives on
 the stage's ``ready`` barrier (128 arrivals at page 1, one expect-tx arrival otherwise).
 
-Supported here: H <= 128, qo_len 1, pages of 1, 16, 32 or a multiple of 64, FP8 e4m3 with per-tensor scales,
-c_kv 512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back to the Triton kernel.
+Multi-token decode (``MTP`` constexpr, 1 causal / 2 not; MTP / speculative, qo_len 1..8, ``mtp_config``): the
+(query token, head) pairs of a request are rows, "virtual heads" Hv = max_qo x H <= 512, on the wide variant: row
+r is token r // H, head r % H (Q from q[qo_indptr[b] + r // H, r % H]; out/lse and the merge likewise; the
+partials are indexed by row); rows >= qo_len x H of a request are padding (zero Q, never written). The request's
+qo_len is read from qo_indptr on the device. Causal (aligned to the end, as the Triton kernel): token i sees kv
+positions < lim = min(L - qo_len + i + 1, L), a per-row limit that replaces the tail mask; a row may see nothing of
+a tile, an item or the whole request (kv_len < qo_len), so the softmax subtracts 0 where the running max is -inf
+(alpha and P exactly 0, not NaN) and an empty row's output is written as 0 by a select. NaN: slots past kv_len are
+zeroed as for one query; a NaN stored in a token of the request that a row causally does not see still meets
+P = 0 in the P.V MMA (0 x NaN = NaN) and makes that row NaN, as in the Triton kernel (a NaN in a used token is bad
+input; the rows that see it are NaN either way). MTP = 0 compiles the one-query kernels unchanged (same SASS).
+
+Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
+FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back
+to the Triton kernel.
 """
 from __future__ import annotations
 
@@ -94,10 +107,42 @@ def head_config(num_heads: int) -> tuple[int, int, bool]:
     return hpw, -(-num_heads // (2 * hpw)), True
 
 
-def padded_heads(num_heads: int) -> int:
+MAX_MTP_QO = 8       # multi-token decode: query tokens per request
+MAX_MTP_ROWS = 512   # virtual heads max_qo * H (H16 up to qo 8, H128 up to qo 4)
+
+
+def mtp_config(num_heads: int, max_qo: int) -> tuple[int, int, bool]:
+    """(hpw, nhg, wide) of multi-token decode (max_qo >= 2): rows r = query token r // H, head r % H of a request
+    ("virtual heads" Hv = max_qo * H) on the wide variant: 16 rows per consumer for Hv <= 32, else 32, and
+    ceil(Hv / (2 hpw)) row-group CTAs per schedule slot."""
+    if num_heads < 1 or max_qo < 2 or max_qo > MAX_MTP_QO or max_qo * num_heads > MAX_MTP_ROWS:
+        raise ValueError(f"num_heads, max_qo: expected 2 <= max_qo <= {MAX_MTP_QO} and max_qo * num_heads <= "
+                         f"{MAX_MTP_ROWS}, got num_heads {num_heads}, max_qo {max_qo}")
+    hv = max_qo * num_heads
+    hpw = 16 if hv <= 32 else 32
+    return hpw, -(-hv // (2 * hpw)), True
+
+
+def row_config(num_heads: int, max_qo: int = 1) -> tuple[int, int, bool]:
+    """``head_config`` for one query token per request, ``mtp_config`` for more."""
+    return head_config(num_heads) if max_qo <= 1 else mtp_config(num_heads, max_qo)
+
+
+def padded_heads(num_heads: int, max_qo: int = 1) -> int:
     """Rows per work item of the partial buffers (part_o [items, rows, 512], part_lse [items, rows])."""
-    hpw, nhg, wide = head_config(num_heads)
+    hpw, nhg, wide = row_config(num_heads, max_qo)
     return 2 * hpw * nhg if wide else HP
+
+
+def mtp_row(r: int, num_heads: int) -> tuple[int, int]:
+    """(query token, head) of row r of a request in multi-token decode (the kernel's and the merge's mapping)."""
+    return r // num_heads, r % num_heads
+
+
+def mtp_visible(kv_len: int, qo_len: int, i: int, causal: bool) -> int:
+    """kv positions [0, n) that query token i of a request sees: causal aligns the queries to the end
+    (token i sees positions <= kv_len - qo_len + i, none when that is negative), else all kv_len."""
+    return max(0, min(kv_len, kv_len - qo_len + i + 1)) if causal else kv_len
 
 
 if gluon is not None:
@@ -303,7 +348,7 @@ if gluon is not None:
     @gluon.jit
     def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H,
                     mma: gl.constexpr, HPW: gl.constexpr, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
-                    stride_o_h, stride_lse_t):
+                    stride_o_h, stride_lse_t, nrows, MTP: gl.constexpr):
         # One consumer's normalized (o, lse base 2) for heads h0 + hcol: the final out/lse when the item is the
         # whole request, else the item's fp32 partial (the merge kernel combines a request's partials).
         # An empty state (l = 0) writes o = 0, lse = -inf.
@@ -315,10 +360,32 @@ if gluon is not None:
         inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
         lse = gl.where(seen, m_use + gl.log2(l_safe), float("-inf"))
         heads = hcol + h0
-        out_mask = (heads[None, :] < H) & (dim_m[:, None] >= 0)
+        if MTP:
+            # rows r = token i * H + head; an empty row (l = 0) may hold 0 x NaN from a causally hidden token:
+            # written as 0 by a select, not by the multiply
+            seen2 = seen[None, :]
+            o0 = gl.where(seen2, o0, 0.0)
+            o1 = gl.where(seen2, o1, 0.0)
+            o2 = gl.where(seen2, o2, 0.0)
+            o3 = gl.where(seen2, o3, 0.0)
+            o4 = gl.where(seen2, o4, 0.0)
+            o5 = gl.where(seen2, o5, 0.0)
+            o6 = gl.where(seen2, o6, 0.0)
+            o7 = gl.where(seen2, o7, 0.0)
+            row_ok = heads < nrows
+            otok = qtok + heads // H
+            ohead = heads % H
+        else:
+            row_ok = heads < H
+            otok = qtok
+            ohead = heads
+        out_mask = row_ok[None, :] & (dim_m[:, None] >= 0)
         if (t0 == 0) & (t1 == (L + 63) // 64):
             ty = out.dtype.element_ty
-            ob = out + qtok * stride_o_t + heads[None, :] * stride_o_h + dim_m[:, None]
+            if MTP:
+                ob = out + otok[None, :] * stride_o_t + ohead[None, :] * stride_o_h + dim_m[:, None]
+            else:
+                ob = out + qtok * stride_o_t + heads[None, :] * stride_o_h + dim_m[:, None]
             gl.store(ob + 0 * 64, (o0 * inv).to(ty), mask=out_mask)
             gl.store(ob + 1 * 64, (o1 * inv).to(ty), mask=out_mask)
             gl.store(ob + 2 * 64, (o2 * inv).to(ty), mask=out_mask)
@@ -327,7 +394,7 @@ if gluon is not None:
             gl.store(ob + 5 * 64, (o5 * inv).to(ty), mask=out_mask)
             gl.store(ob + 6 * 64, (o6 * inv).to(ty), mask=out_mask)
             gl.store(ob + 7 * 64, (o7 * inv).to(ty), mask=out_mask)
-            gl.store(lse_out + qtok * stride_lse_t + heads, lse, mask=heads < H)
+            gl.store(lse_out + otok * stride_lse_t + ohead, lse, mask=row_ok)
         else:
             pidx = it.to(gl.int64)
             base = part_o + pidx * stride_po_i + heads[None, :] * stride_po_r + dim_m[:, None]
@@ -339,14 +406,14 @@ if gluon is not None:
             gl.store(base + 5 * 64, o5 * inv, mask=out_mask)
             gl.store(base + 6 * 64, o6 * inv, mask=out_mask)
             gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
-            gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=heads < H)
+            gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=row_ok)
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                   part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
+                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -398,8 +465,18 @@ if gluon is not None:
             if WIDE:   # per-item index vectors: hoisted out of the item loop they spill (see _per_item)
                 hq = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(1, blk)), it) + h0
                 h_ok = hq < H
-            qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
-            qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
+            if MTP:
+                # multi-token decode: "heads" are rows r = token i * H + head (virtual heads; always WIDE); rows
+                # >= qo_len * H of this request are padding (zero Q, never written)
+                qo = gl.load(qo_indptr + b + 1) - gl.load(qo_indptr + b)
+                nrows = qo * H
+                h_ok = hq < nrows
+                qn_row = q_nope + (qtok + hq // H) * stride_qn_t + (hq % H) * stride_qn_h
+                qp_row = q_pe + (qtok + hq // H) * stride_qp_t + (hq % H) * stride_qp_h
+            else:
+                nrows = H
+                qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
+                qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
             amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
             for c in gl.static_range(4):
                 x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
@@ -469,10 +546,29 @@ if gluon is not None:
                     sT = warpgroup_mma_wait(0, deps=(sT,))
                     # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
                     sT = sT * row_scale[None, :]
-                    sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                    if MTP == 1:
+                        if (t0 + j + 1) * 64 > L - qo + 1:
+                            # a tile that some row does not see whole. Causal, aligned to the end: token i sees kv
+                            # positions < min(L - qo + i + 1, L) (padding rows: L), which also masks the rows past
+                            # kv_len. Computed here, not per item: a per-row vector live across the tile loop
+                            # spills at 128 O registers.
+                            hrow = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), gg) + h0
+                            lim = gl.minimum(L - qo + hrow // H + 1, L) - (t0 + j) * 64
+                            sT = gl.where(tok_r[:, None] < lim[None, :], sT, float("-inf"))
+                        else:   # every row sees the whole tile (valid = 64 here)
+                            sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                    else:
+                        sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
                     m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(sT - m_new[None, :])
+                    if MTP == 1:
+                        # a row can see no token of a tile (or of a whole item) so far: max -inf. Subtract 0 then,
+                        # so alpha and P are exactly 0, not NaN (-inf - -inf)
+                        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+                        alpha = gl.exp2(m_i - m_sub)
+                        p = gl.exp2(sT - m_sub[None, :])
+                    else:
+                        alpha = gl.exp2(m_i - m_new)
+                        p = gl.exp2(sT - m_new[None, :])
                     if WIDE:
                         l_i = l_i * alpha + gl.sum(p, axis=0)
                     else:
@@ -513,7 +609,7 @@ if gluon is not None:
                 m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                 _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
-                            stride_o_t, stride_o_h, stride_lse_t)
+                            stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
             else:
                 l_i = gl.sum(l_acc, axis=0)
                 if cid == 1:
@@ -553,7 +649,7 @@ if gluon is not None:
                     mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
                     _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
-                                stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)
+                                stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
             g += n
 
     @gluon.jit
@@ -561,22 +657,22 @@ if gluon is not None:
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr):
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -585,7 +681,8 @@ if gluon is not None:
                                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
-                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1):
+                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
+                               MTP: gl.constexpr = 0):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -630,12 +727,12 @@ if gluon is not None:
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE)),
+                          HPW, WIDE, MTP)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE)),
+                          HPW, WIDE, MTP)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -797,18 +894,22 @@ def kv_descriptors(ckv_cache, kpe_cache):
 
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
-           merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True):
+           merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
+           causal: bool = True):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
-    variant) it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots."""
+    variant) it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots. ``max_qo`` >= 2: the
+    multi-token variant (``mtp_config``; each request's qo_len is read from qo_indptr on the device, up to
+    max_qo; ``causal`` aligns its queries to the end); ``max_rows`` is then max_qo x num_heads."""
     LOG2E = 1.4426950408889634
-    hpw, nhg, wide = head_config(num_heads)
+    hpw, nhg, wide = row_config(num_heads, max_qo)
+    mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
     po, pl = t["part_o"], t["part_lse"]
-    if po.shape[1] < padded_heads(num_heads) or pl.shape[1] < padded_heads(num_heads):
-        raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads)} head rows per item, got "
+    if po.shape[1] < padded_heads(num_heads, max_qo) or pl.shape[1] < padded_heads(num_heads, max_qo):
+        raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads, max_qo)} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
     # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
     mla_decode_sm90_kernel[(grid,)](
@@ -817,7 +918,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        HPW=hpw, WIDE=wide, NHG=nhg, num_warps=4)
+        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), num_warps=4)
     if not merge:
         return
     _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
@@ -841,7 +942,7 @@ KERNEL_SIGNATURE = {
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
     "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
-    "WIDE": "constexpr", "NHG": "constexpr"}
+    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -851,11 +952,12 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
-                   heads: int = 16, aligned_ints: bool = False) -> dict:
+                   heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
-    contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case."""
+    contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
+    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not."""
     import collections
     import os
     import re
@@ -871,8 +973,9 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
-    hpw, nhg, wide = head_config(heads)
+    hpw, nhg, wide = row_config(heads, max_qo)
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
+    consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
