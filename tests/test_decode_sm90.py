@@ -2,7 +2,8 @@
 
 GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65, 97, 514) over NaN-poisoned,
 shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
-splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse.
+splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse; multi-token decode
+(qo_len 2..8, behind FP8MLA_GLUON_MTP) with mixed qo per request, kv_len < qo_len, causal and not.
 CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
 (skipped when Gluon does not import; the kernel compiles with triton 3.6, the device's, and 3.9).
 """
@@ -840,3 +841,23 @@ def test_mtp_cuda_graph_capture_then_replan(mtp, H):
     a["qo_indptr"] = torch.tensor([0, 1, 2, n], dtype=torch.int32, device=DEVICE)   # n - 2 > qo: longer
     with pytest.raises(ValueError, match="qo_len"):
         attn.plan(**a)
+
+
+def test_mtp_graph_wrapper_keeps_its_first_variant():
+    """With CUDA graphs the launch grid and the kernel variant are captured: the first plan's max qo_len fixes them,
+    a later plan with shorter queries keeps that variant (the kernel reads each qo_len on the device), a longer one
+    raises by name; without graphs every plan takes its own max qo_len."""
+    from types import SimpleNamespace
+    from fp8mla.backends import gluon as gb
+    lay = lambda *q: SimpleNamespace(max_qo_len=max(q))   # noqa: E731
+    graph, plain = SimpleNamespace(use_cuda_graph=True), SimpleNamespace(use_cuda_graph=False)
+    state = {}
+    assert gb.plan_max_qo(lay(4, 1), graph, state) == 4
+    assert gb.plan_max_qo(lay(2, 1), graph, state) == 4 and gb.plan_max_qo(lay(1), graph, state) == 4
+    with pytest.raises(ValueError, match="qo_len 5"):
+        gb.plan_max_qo(lay(5), graph, state)
+    state = {}
+    assert gb.plan_max_qo(lay(1), graph, state) == 1
+    with pytest.raises(ValueError, match="qo_len 2"):
+        gb.plan_max_qo(lay(2), graph, state)
+    assert [gb.plan_max_qo(lay(q), plain, {}) for q in (1, 3, 8)] == [1, 3, 8]

@@ -41,7 +41,9 @@ Multi-token decode (``MTP`` constexpr, 1 causal / 2 not; MTP / speculative, qo_l
 r is token r // H, head r % H (Q from q[qo_indptr[b] + r // H, r % H]; out/lse and the merge likewise; the
 partials are indexed by row); rows >= qo_len x H of a request are padding (zero Q, never written). The request's
 qo_len is read from qo_indptr on the device. Causal (aligned to the end, as the Triton kernel): token i sees kv
-positions < lim = min(L - qo_len + i + 1, L), a per-row limit that replaces the tail mask; a row may see nothing of
+positions < lim = min(L - qo_len + i + 1, L), a per-row limit that replaces the tail mask in the tiles some row
+does not see whole (the last one or two of a request; computed there, not kept across the loop); a row may see
+nothing of
 a tile, an item or the whole request (kv_len < qo_len), so the softmax subtracts 0 where the running max is -inf
 (alpha and P exactly 0, not NaN) and an empty row's output is written as 0 by a select. NaN: slots past kv_len are
 zeroed as for one query; a NaN stored in a token of the request that a row causally does not see still meets
