@@ -449,7 +449,7 @@ def _api_checks():
     sys.path.insert(0, os.path.join(ROOT, "src"))
     import fp8mla
     from fp8mla.reference import mla_reference
-    from fp8mla.testing import make_paged_batch
+    from fp8mla.testing import capture_then_replay, make_paged_batch
 
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -480,14 +480,7 @@ def _api_checks():
         out = torch.empty_like(q_nope)
         lse = torch.empty(3, H, device=DEV)
         kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
         e1 = rel(out, b1.reference()[0])
         a = dict(b1.plan_args)
         pages = a["kv_indices"]
@@ -619,7 +612,7 @@ def _page1_api_checks():
     sys.path.insert(0, os.path.join(ROOT, "src"))
     import fp8mla
     from fp8mla.reference import mla_reference
-    from fp8mla.testing import make_paged_batch
+    from fp8mla.testing import capture_then_replay, make_paged_batch
 
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -652,14 +645,7 @@ def _page1_api_checks():
         out = torch.empty_like(q_nope)
         lse = torch.empty(3, H, device=DEV)
         kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
         e1 = rel(out, b1.reference()[0])
         a = dict(b1.plan_args)   # same pool, other lengths, a shuffled subset of the used slots
         sub = a["kv_indices"][torch.randperm(a["kv_indices"].numel(), device=DEV)[:2906]]
@@ -871,6 +857,7 @@ def _mtp_graph_replan(H, qo):
     """Captured at max qo_len ``qo``; replayed after a re-plan with other lengths, pages and a shorter qo split."""
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from fp8mla.attention import MLAPagedAttention
+    from fp8mla.testing import capture_then_replay
     c = mtp_case([100, 3000, 17], [qo, 1, qo], H, 64, seed=60 + H, extra=0)
     n = 2 * qo + 1
     attn = MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
@@ -884,14 +871,7 @@ def _mtp_graph_replan(H, qo):
     def run():
         attn.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse, ckv_scale=1.0, kpe_scale=1.0)
     plan(c)
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(run, out)
     ok1 = mtp_compare(f"H{H} qo{qo} graph: first replay", c, out, lse)
     pages = c["kv_indices"]
     c2 = dict(c, qo_indptr=torch.tensor([0, 1, 1 + qo, n], dtype=torch.int32, device=DEV),

@@ -16,7 +16,7 @@ import torch
 
 import fp8mla
 from fp8mla.kernels import decode_sm90 as k
-from fp8mla.testing import assert_close, make_paged_batch
+from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
@@ -177,14 +177,7 @@ def test_cuda_graph_capture_then_replan():
     out = torch.empty_like(q_nope)
     lse = torch.empty(3, H, device=DEVICE)
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
     a = dict(b1.plan_args)   # same pool, other lengths and page lists
     pages = a["kv_indices"]
@@ -255,14 +248,7 @@ def test_wide_cuda_graph_capture_then_replan(wide):
     out = torch.empty_like(q_nope)
     lse = torch.empty(3, H, device=DEVICE)
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
     a = dict(b1.plan_args)
     pages = a["kv_indices"]
@@ -487,14 +473,7 @@ def test_page1_cuda_graph_capture_then_replan(page1, H):
     out = torch.empty_like(q_nope)
     lse = torch.empty(3, H, device=DEVICE)
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
     a = dict(b1.plan_args)   # same pool, other lengths and slot lists (a shuffled subset of the used slots)
     pages = a["kv_indices"]
@@ -815,14 +794,7 @@ def test_mtp_cuda_graph_capture_then_replan(mtp, H):
     out = torch.empty_like(q_nope)
     lse = torch.empty(n, H, device=DEVICE)
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
     a = dict(b1.plan_args)   # same pool and query rows, other lengths, page lists and qo split
     pages = a["kv_indices"]

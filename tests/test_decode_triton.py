@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.testing import assert_close, make_paged_batch
+from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in fp8mla.available_backends(DEVICE),
@@ -140,14 +140,7 @@ def test_cuda_graph_capture_then_replan():
     lse = torch.empty(3, H, device=DEVICE)
     pool = b1.pool
     kw = dict(ckv_cache=pool[..., :512], kpe_cache=pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, out=out, lse=lse, **kw)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     ref_o, _ = b1.reference()
     assert_close(out, ref_o, 3e-3, "first replay")
     # Re-plan the same pool with other lengths (and other page lists), replay the captured graph.

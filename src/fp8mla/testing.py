@@ -144,3 +144,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel_l2: float, what: str 
     c = compare(out, ref)
     assert c.ok(rel_l2), f"{what}: {c} (limit rel_l2 {rel_l2:.1e})"
     return c
+
+
+def capture_then_replay(run, out: torch.Tensor):
+    """The CUDA-graph check of a planned attention (GPU only): ``run()`` once with plain launches (compiles),
+    captured in a CUDA graph, ``out`` poisoned with NaN, the graph replayed and synchronized. Returns the graph, to
+    replay again after a re-plan into the same buffers."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
