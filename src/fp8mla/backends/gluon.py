@@ -41,6 +41,15 @@ GLUON_PAGE1 = True
 # the wide variant, see decode_sm90.mtp_config): OFF until its H200 check (scripts/decode_v2_device.py mtp);
 # FP8MLA_GLUON_MTP=1 turns it on, =0 off. Off: plans with qo_len != 1 stay on the Triton kernel.
 GLUON_MTP = False
+# The dims-split variant at 33..128 heads (decode_sm90_split: the consumers alternate QK + softmax by tile and
+# split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF until its H200 check
+# (scripts/decode_split_device.py); FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
+GLUON_SPLIT_DIMS = False
+
+
+def split_dims_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_SPLIT", "")
+    return env == "1" if env in ("0", "1") else GLUON_SPLIT_DIMS
 
 
 def page1_enabled() -> bool:
@@ -135,7 +144,11 @@ class GluonPlan:
                 raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
-        k.launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
+        launch = k.launch
+        if self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
+            from ..kernels import decode_sm90_split
+            launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
+        launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
                  grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
                  ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
