@@ -1,0 +1,204 @@
+"""The dims-split sm_90 decode kernel (``decode_sm90_split``, behind ``GLUON_SPLIT_DIMS`` / FP8MLA_GLUON_SPLIT).
+
+CPU: the compile for sm_90a with triton's ptxas (no C7512 wgmma serialization, spills bounded, HGMMA per tile,
+no byte-wise shared loads), the switch (the gluon plan launches the split kernel only when on, one query per
+request, H > 32), the refusals (heads, stages, MTP, partial rows).
+GPU (sm_90 with Gluon; skipped here): float64 reference over NaN-poisoned shuffled pools with odd lengths, padded
+head groups, pages 1/16/64, many splits with bit-identical reruns, poisoned outputs, CUDA-graph replay after a
+re-plan; each asserts the split kernel actually ran.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fp8mla
+from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import decode_sm90_split as ks
+from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
+
+ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
+gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
+DEVICE = "cuda" if ON_SM90 else "cpu"
+
+
+# -- CPU --------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.parametrize("page", [64, 1])
+def test_compiles_for_sm90a(page):
+    # In a child process: the CPU suite may run under TRITON_INTERPRET=1, where gluon.jit cannot compile.
+    code = ("import json, fp8mla.kernels.decode_sm90_split as k; r = k.compile_report(page=%d, heads=128); "
+            "print('REPORT', json.dumps(r))" % page)
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+    assert res.returncode == 0 and line, res.stderr[-3000:]
+    r = json.loads(line[-1][len("REPORT "):])
+    assert not r["serialized_wgmma"], r["ptxas"]
+    # triton 3.9 (this box): 0 spills, STL/LDL only at the warp-specialize boundary (see the kernel log)
+    assert sum(st for st, _ in r["spills"]) <= 64, r["spills"]
+    hgmma = sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))
+    # per consumer: QK 36 (m64n64k16) + P.V 16 at three call sites (the other's tile, its own, the trailing one)
+    assert hgmma == 2 * (36 + 3 * 16), r["ops"]
+    assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]
+    assert r["smem"] <= k.SMEM_LIMIT
+
+
+def test_head_groups_and_shared_memory():
+    assert [ks.nhg(h) for h in (33, 64, 65, 100, 128)] == [1, 1, 2, 2, 2]
+    assert all(ks.padded_heads(h) == k.padded_heads(h) for h in range(33, 129))   # the wide plan's partial rows
+    for bad in (0, 16, 32, 129):
+        with pytest.raises(ValueError, match="num_heads"):
+            ks.nhg(bad)
+    assert ks.smem_bytes(3) <= k.SMEM_LIMIT < ks.smem_bytes(4)
+
+
+def _t(rows=128, items=4):
+    i32 = dict(dtype=torch.int32)
+    return dict(part_o=torch.empty(items, rows, 512), part_lse=torch.empty(items, rows), qo_indptr=torch.zeros(2, **i32))
+
+
+def test_launch_refuses_before_launching():
+    kw = dict(grid=4, grid_batch=1, num_heads=128, sm_scale=0.1, page_size=64)
+    q = torch.empty(1, 128, 512)
+    with pytest.raises(ValueError, match="max_qo"):
+        ks.launch(None, None, q, q, None, _t(), q, None, **kw, max_qo=2)
+    with pytest.raises(ValueError, match="num_heads"):
+        ks.launch(None, None, q, q, None, _t(), q, None, **dict(kw, num_heads=16))
+    with pytest.raises(ValueError, match="grid"):
+        ks.launch(None, None, q, q, None, _t(), q, None, **dict(kw, grid=3))
+    with pytest.raises(ValueError, match="ns"):
+        ks.launch(None, None, q, q, None, _t(), q, None, **kw, ns=4)
+    with pytest.raises(ValueError, match="part_o"):
+        ks.launch(None, None, q, q, None, _t(rows=64), q, None, **kw)
+
+
+@pytest.mark.parametrize("switch,env,H,max_qo,want", [
+    (False, None, 128, 1, "wide"), (True, None, 128, 1, "split"), (False, "1", 128, 1, "split"),
+    (True, "0", 128, 1, "wide"), (False, "1", 64, 1, "split"), (False, "1", 33, 1, "split"),
+    (False, "1", 32, 1, "wide"), (False, "1", 16, 1, "wide"), (False, "1", 64, 2, "wide")])
+def test_switch_routes_the_launch(monkeypatch, switch, env, H, max_qo, want):
+    """GluonPlan.run launches the split kernel only with the switch on (GLUON_SPLIT_DIMS or
+    FP8MLA_GLUON_SPLIT=1; =0 wins), one query per request and H > 32; the same arguments either way."""
+    from fp8mla.backends import gluon as gb
+    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", switch)
+    if env is None:
+        monkeypatch.delenv("FP8MLA_GLUON_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("FP8MLA_GLUON_SPLIT", env)
+    calls = []
+    monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(("wide", kw)))
+    monkeypatch.setattr(ks, "launch", lambda *a, **kw: calls.append(("split", kw)))
+    spec = SimpleNamespace(num_heads=H, sm_scale=0.1, page_size=64, causal=True)
+    plan = gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo)
+    pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
+    plan.run(None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
+    assert [c[0] for c in calls] == [want]
+    assert calls[0][1]["num_heads"] == H and calls[0][1]["grid"] == 132 and calls[0][1]["ns"] == 3
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def split(monkeypatch):
+    """The switch on, and a count of the split kernel's launches (the backend looks ks.launch up per run)."""
+    monkeypatch.setenv("FP8MLA_GLUON_SPLIT", "1")
+    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
+    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
+    n = {"launches": 0}
+    real = ks.launch
+
+    def counted(*a, **kw):
+        n["launches"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ks, "launch", counted)
+    return n
+
+
+def run_case(batch, backend="gluon", **opts):
+    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
+    attn.plan(**batch.plan_args)
+    n, H, Dc = batch.run_args["q_nope"].shape
+    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
+    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
+    return attn, out, lse
+
+
+def check(batch, out, lse, tol=3e-3, lse_tol=1e-4):
+    ref_o, ref_lse = batch.reference()
+    assert_close(out, ref_o, tol, "out")
+    assert_close(lse, ref_lse, lse_tol, "lse")
+
+
+@gpu
+@pytest.mark.parametrize("H", [40, 64, 100, 128])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_split_odd_lengths_nan_pools(split, H, page):
+    b = make_paged_batch([0, 1, 63, 64, 65, 514, page + 1, 1000, 3000], [1] * 9, H, page, "fp8_e4m3",
+                         device=DEVICE, seed=H + page, extra_pages=1)
+    _, out, lse = run_case(b)
+    assert split["launches"] == 1
+    check(b, out, lse)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()   # kv_len 0: 0 and -inf
+
+
+@gpu
+@pytest.mark.parametrize("min_chunk", [64, 4096])
+def test_split_many_splits_and_bit_identical_reruns(split, min_chunk):
+    b = make_paged_batch([20000, 1, 4097, 63], [1] * 4, 128, 64, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
+                         seed=9, ckv_scale=0.05, kpe_scale=3.0)
+    attn, out, lse = run_case(b, min_chunk=min_chunk)
+    check(b, out, lse, lse_tol=2e-4)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+    assert split["launches"] == 2
+
+
+@gpu
+def test_split_matches_wide_kernel(split, monkeypatch):
+    b = make_paged_batch([777, 65, 3000, 1], [1] * 4, 128, 64, "fp8_e4m3", device=DEVICE, seed=17)
+    _, out, lse = run_case(b)
+    monkeypatch.setenv("FP8MLA_GLUON_SPLIT", "0")
+    _, out_w, lse_w = run_case(b)
+    assert split["launches"] == 1
+    assert_close(out, out_w, 3e-3, "split vs wide")
+    assert_close(lse, lse_w, 1e-4, "split vs wide lse")
+
+
+@gpu
+def test_split_cuda_graph_capture_then_replan(split):
+    H = 128
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=13, spare_pages=60)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
+    assert split["launches"] >= 1
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = dict(b1.plan_args)
+    pages = a["kv_indices"]
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out[:2], ref[:2], 3e-3, "replay after re-plan")
+    assert (out[2] == 0).all()
