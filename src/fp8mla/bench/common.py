@@ -155,6 +155,28 @@ def kernel_time_ms(fn, reps: int = 3, exclude: tuple[str, ...] = ("nccl",)) -> t
     return total_us / reps / 1e3, n // reps
 
 
+def kernel_table(fn, reps: int = 3, top: int = 12) -> list[tuple[str, float, int]]:
+    """The ``top`` GPU kernels of one call of ``fn()`` by device time: ``(name, ms per call, launches per call)``,
+    collectives included (their time is partly the wait for other ranks). A diagnosis aid for step benchmarks
+    (``FP8MLA_STEP_PROFILE=1``); CUDA-graph replays are resolved into their kernels by the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            a = acc.setdefault(e.name[:80], [0.0, 0])
+            a[0] += e.time_range.elapsed_us()
+            a[1] += 1
+    rows = sorted(((k, v[0] / reps / 1e3, v[1] // reps) for k, v in acc.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
 def start_run(what: str, out_dir: str) -> Ceilings | None:
     """The start every benchmark shares: refuse clearly without CUDA (None), make ``out_dir``, print the record of
     the run (date, GPU, driver, versions) and the ceilings measured now."""

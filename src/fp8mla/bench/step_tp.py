@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .common import kernel_time_ms, measure_ceilings, step_time_ms
+from .common import kernel_table, kernel_time_ms, measure_ceilings, step_time_ms
 
 
 def _begin_step_ms(begin, reps: int) -> float:
@@ -104,6 +104,11 @@ def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, see
             st = runner.begin_step(ids, prefix)
             out = runner.forward(x, st)
             r["graph_ms"] = step_time_ms(lambda: runner.forward(x, st), reps, dev)
+            if dev.type == "cuda" and os.environ.get("FP8MLA_STEP_PROFILE"):
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                for name, ms, n in kernel_table(lambda: runner.forward(x, st)):
+                    print(f"  [profile rank {rank} B={B} ctx={ctx} graph step] {ms:8.4f} ms  x{n:<4d} {name}",
+                          file=sys.stderr)
             r["graph"] = runner.stats["captures"] > 0
             r["capture_error"] = runner.stats.get("capture_error", "")
             r["graph_backend"] = st.paged.backend
