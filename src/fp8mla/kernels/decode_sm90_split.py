@@ -153,7 +153,6 @@ if gluon is not None:
             mbarrier.wait(qsync.index(1), ph)
 
             tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-            hcol = gl.arange(0, 64, layout=col_l)
             o0 = gl.zeros([64, 64], gl.float32, mma)
             o1 = gl.zeros([64, 64], gl.float32, mma)
             o2 = gl.zeros([64, 64], gl.float32, mma)
@@ -182,18 +181,17 @@ if gluon is not None:
                 m_prev = gl.where(j > 0, _stat(stat, OTHER * 3 + 1).load(col_l), float("-inf"))
                 # -- online softmax over the tile's tokens (axis 0), log2 domain --------------------------------
                 sT = sT * rsc.load(col_l)[None, :]
-                sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                sT = gl.where(tok_r[:, None] < valid, sT, float("-inf"))
                 m_new = gl.maximum(m_prev, gl.max(sT, axis=0))
                 alpha = gl.exp2(m_prev - m_new)
-                p = gl.exp2(sT - m_new[None, :])
-                rsum = gl.sum(p, axis=0)
-                l_prev = gl.where(j > 0, _stat(stat, OTHER * 3 + 2).load(col_l), 0.0)
                 # my slot is free once the other consumer's PV of its previous use is done
                 mbarrier.wait(pfree.index(cid), ((gg // 2) - 1) & 1, pred=gg >= 2)
-                my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
-                _stat(stat, cid * 3).store(alpha)
                 _stat(stat, cid * 3 + 1).store(m_new)
-                _stat(stat, cid * 3 + 2).store(l_prev * alpha + rsum)
+                p = gl.exp2(sT - m_new[None, :])
+                my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
+                l_prev = gl.where(j > 0, _stat(stat, OTHER * 3 + 2).load(col_l), 0.0)
+                _stat(stat, cid * 3).store(alpha)
+                _stat(stat, cid * 3 + 2).store(l_prev * alpha + gl.sum(p, axis=0))
                 fence_async_shared()
                 _cta_barrier()
                 mbarrier.arrive(pready.index(cid), count=1)
