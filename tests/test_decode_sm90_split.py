@@ -42,11 +42,13 @@ def test_compiles_for_sm90a(page):
     assert res.returncode == 0 and line, res.stderr[-3000:]
     r = json.loads(line[-1][len("REPORT "):])
     assert not r["serialized_wgmma"], r["ptxas"]
-    # triton 3.9 (this box): 0 spills, STL/LDL only at the warp-specialize boundary (see the kernel log)
-    assert sum(st for st, _ in r["spills"]) <= 64, r["spills"]
-    hgmma = sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))
-    # per consumer: QK 36 (m64n64k16) + P.V 16 at three call sites (the other's tile, its own, the trailing one)
-    assert hgmma == 2 * (36 + 3 * 16), r["ops"]
+    # triton 3.9 / 3.6 (the H200's): 16 / 4 B of spill at page 64, 40 B at page 1 (the page-1 producer's), all
+    # outside the tile loops: no STL/LDL between a consumer's first and last HGMMA
+    assert sum(st for st, _ in r["spills"]) <= 96, r["spills"]
+    assert len(r["loops"]) == 2, r["loops"]
+    for loop in r["loops"]:
+        # per consumer: QK 36 (m64n64k16) + P.V 16 at three call sites (the other's tile, its own, the trailing one)
+        assert loop == {"HGMMA": 36 + 3 * 16, "STL": 0, "LDL": 0, "LDS.U8": 0}, r["loops"]
     assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]
     assert r["smem"] <= k.SMEM_LIMIT
 

@@ -78,6 +78,12 @@ if gluon is not None:
         return stat.slice(k * 64, 64)
 
     @gluon.jit
+    def _zero_of(x):
+        # 0, opaque to loop-invariant code motion (it depends on x): the QK's shared-memory descriptors of Q^T,
+        # hoisted out of the tile loop, are 36 64-bit values that spill (triton 3.6); recomputed per tile instead
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
     def _consumer_split(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, stat, rsc, pready,
                         pfree, qsync, q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0,
                         item_t1, part_o, part_lse, out, lse_out, sm_scale_log2, H, NHG: gl.constexpr,
@@ -167,10 +173,11 @@ if gluon is not None:
                     _sanitize_tail(kbuf, pbuf, s, valid)
                 # -- S^T = K . Q^T (64 tokens x 64 heads), one K chunk in flight ---------------------------------
                 sT = gl.zeros([64, 64], gl.float32, mma)
+                qz = _zero_of(gg)
                 for c in gl.static_range(4):
                     a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
                     a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
-                    sT = warpgroup_mma(a16, q_smem.index(c).permute((1, 0)), sT, is_async=True)
+                    sT = warpgroup_mma(a16, q_smem.index(qz + c).permute((1, 0)), sT, is_async=True)
                     sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
                 ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
                 ap = gl.convert_layout(ap, a_l, assert_trivial=True)
@@ -405,7 +412,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
 def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 128, aligned_ints: bool = False) -> dict:
     """Compile the dims-split kernel for sm_90a with triton's ptxas (no GPU) and count SASS ops (``ops``), plus
-    ``loop_ops``: the ops between the tile loop's first and last HGMMA of each consumer (HGMMA per tile, LDS.U8)."""
+    ``loops``: per consumer partition, the HGMMA, STL, LDL and LDS.U8 between its first and last HGMMA (the tile
+    loop: 36 QK + 16 P.V at each of three call sites)."""
     import collections
     import os
     import re
@@ -445,9 +453,23 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     if sass_path:
         open(sass_path, "w").write(sass)
     ops = collections.Counter()
+    seq = []
     for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
         ops[m.group(1)] += 1
+        seq.append(m.group(1))
+    # the tile loops: from the first to the last HGMMA of each partition (partitions start at USETMAXREG)
+    loops, cur = [], []
+    for op in seq + ["USETMAXREG"]:
+        if op.startswith("USETMAXREG"):
+            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
+            if h:
+                body = cur[h[0]:h[-1] + 1]
+                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
+                              "LDL": sum(o.startswith("LDL") for o in body),
+                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
+            cur = []
+        cur.append(op)
     spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
     return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
-            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops),
+            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
             "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
