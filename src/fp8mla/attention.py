@@ -123,6 +123,7 @@ class MLAPagedAttention:
         self._backend = backend
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
+        self._rows_fast = None       # _replan_rows' per-table constants
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
         self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
         self._scales_host = None     # what _scales holds, when it came from host floats
@@ -199,6 +200,55 @@ class MLAPagedAttention:
                              float(sm_scale), q_data_type, fmt, layout.device, self._use_cuda_graph)
         name, impl = self._build(layout, spec)
         self._plan = _Plan(layout, spec, name, impl)
+
+    # -- the decode runner's re-plan: every step, trusted ---------------------------------------------------------
+    def _rows_buffers(self):
+        """The backend's CUDA-graph buffers when :meth:`_replan_rows` can re-plan this wrapper (the last plan used
+        CUDA-graph buffers whose small arrays a caller can stage: ``rebase`` / ``sink``), else None."""
+        p = self._plan
+        if p is None or not p.spec.use_cuda_graph or self._strategy != "native":
+            return None
+        buf = self._state.get(p.backend, {}).get("graph")
+        return buf if getattr(buf, "rebased", False) else None
+
+    def _replan_rows(self, lens: list, sink: list) -> None:
+        """Plan the last plan's block table again (its rows, one query each: ``PagedLayout.decode_rows``), with
+        new lengths ``lens`` (a list of B ints, B = its rows), on the host only: the decode runner's every step.
+
+        A trusted internal path: the caller (``models.runner.DecodeRunner``) made the block table from the cache
+        and the spec (heads, dims, scale, dtypes, format) was validated by this wrapper's first
+        :meth:`plan_layout`, so neither is re-validated; the lengths still are (O(batch), against the rows). The
+        backend's small arrays are appended to ``sink`` as ``[(values, capacity), ...]`` in the order of its flat
+        buffer, not copied: the caller copies them with its own arrays in one host -> device copy into the buffer
+        it gave ``rebase``. The layout's device arrays are views of that buffer (they hold these values once the
+        caller's copy ran)."""
+        p, buf = self._plan, self._rows_buffers()
+        if buf is None:
+            raise RuntimeError("_replan_rows: plan once with CUDA-graph buffers and rebase them first")
+        fast = self._rows_fast
+        if fast is None or fast[0] is not p.layout.kv_indices:
+            lay = p.layout
+            B = lay.batch_size
+            W = lay.kv_indices.numel() // max(1, B)
+            qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W))
+            views = (buf.buf["qo_indptr"][: B + 1], buf.buf["kv_indptr"][: B + 1], buf.buf["kv_len"][:B])
+            fast = self._rows_fast = (lay.kv_indices, B, W * lay.page_size, qo, kvp, views)
+        kv_indices, B, cap, qo, kvp, views = fast
+        if len(lens) != B:
+            raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {len(lens)}")
+        if lens and not 0 <= min(lens) <= max(lens) <= cap:
+            b = next(i for i, n in enumerate(lens) if not 0 <= n <= cap)
+            raise ValueError(f"kv_len: request {b} has kv_len {lens[b]}, expected 0 <= kv_len <= its row's "
+                             f"{cap // p.spec.page_size} pages x page_size {p.spec.page_size} = {cap}")
+        layout = PagedLayout(views[0], views[1], kv_indices, views[2], p.spec.page_size, p.spec.device, [1] * B,
+                             lens, None, {"lists": (qo, kvp, lens)})
+        state = self._state[p.backend]
+        buf.sink = sink
+        try:
+            impl = backends.build(p.backend, layout, p.spec, self._kernel_options, state)
+        finally:
+            buf.sink = None
+        self._plan = _Plan(layout, p.spec, p.backend, impl)
 
     def _build(self, layout: PagedLayout, spec: AttentionSpec):
         opts = self._kernel_options

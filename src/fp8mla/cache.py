@@ -155,6 +155,7 @@ class PagedMLACache:
                                      device=self.device) if groups else None)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self._refs = [0] * num_pages
+        self._forked = False  # a page may be shared (refs > 1) only after a fork: reserve's fast path checks this
         self._seqs: dict[int, _Sequence] = {}
         self._ids = itertools.count()
 
@@ -295,6 +296,10 @@ class PagedMLACache:
     def reserve_slots(self, seq_ids, num_tokens) -> list:
         """:meth:`reserve`, the slot ids as a host list of ints (for callers that stage them with other arrays
         in one host -> device copy, as the decode runner does)."""
+        if num_tokens == 1 and type(num_tokens) is int and type(seq_ids) is list and not self._forked:
+            slots = self._reserve_decode(seq_ids)
+            if slots is not None:
+                return slots
         ids = self._id_list(seq_ids)
         if isinstance(num_tokens, (list, tuple)):
             counts = list(num_tokens)
@@ -347,6 +352,33 @@ class PagedMLACache:
             s.pending = c
         return slots
 
+    def _reserve_decode(self, ids: list):
+        """``reserve_slots(ids, 1)`` while no page is shared (no fork yet): one token per sequence, the decode
+        runner's every step, in two short passes. None when the general path must run (an unknown or repeated
+        id, a full pool): it raises the error, naming the argument."""
+        table = self._seqs
+        try:
+            seqs = [table[i] for i in ids]
+        except (KeyError, TypeError):
+            return None
+        if len(set(map(id, seqs))) != len(seqs):  # a repeated id (equal ids share their record)
+            return None
+        ps, free, refs = self.page_size, self._free, self._refs
+        new = [s for s in seqs if not s.length % ps and len(s.pages) <= s.length // ps]  # at a page boundary
+        if len(new) > len(free):
+            return None
+        for s in new:
+            p = free.pop()
+            refs[p] = 1
+            s.pages.append(p)
+        slots = []
+        for s in seqs:
+            t = s.length
+            slots.append(s.pages[t // ps] * ps + t % ps)
+            s.length = t + 1
+            s.pending = 1
+        return slots
+
     def free(self, seq_id) -> None:
         """Drop a sequence; its pages go back to the pool once no forked sequence shares them."""
         seq = self._seq(seq_id)
@@ -369,6 +401,7 @@ class PagedMLACache:
         dst.pages, dst.length = _page_array(src.pages), src.length
         for p in dst.pages:
             self._refs[p] += 1
+        self._forked = True
         src.pending = 0  # its pending slots now lie in shared pages
         return new_id
 

@@ -18,6 +18,7 @@ Host work is O(batch) Python plus vectorized torch ops; nothing here loops over 
 from __future__ import annotations
 
 import os
+import struct
 from array import array
 from dataclasses import dataclass, field
 
@@ -51,17 +52,41 @@ def host_ints(values: list, dtype=torch.int32, pin: bool = False) -> torch.Tenso
     return t.pin_memory() if pin else t
 
 
+def pack_ints(segments, code: str = "i", fmt: list | None = None, vals: list | None = None) -> tuple[list, list]:
+    """Add ``[(list of ints, capacity), ...]`` to a ``struct`` format and its values, each list zero-padded to its
+    capacity (pad bytes, never ints); ``code`` is "i" (int32) or "q" (int64). Returns ``(fmt, vals)``: continue
+    with more segments, then :func:`packed`. ``struct`` converts ~3x faster than ``array(code, list)`` (which
+    converts int by int): the decode runner stages ~1,000 ints every step this way."""
+    fmt = ["="] if fmt is None else fmt
+    vals = [] if vals is None else vals
+    size = 4 if code == "i" else 8
+    for v, cap in segments:
+        n = len(v)
+        if n > cap:
+            raise ValueError(f"pack_ints: {n} values for a segment of capacity {cap}")
+        if n:
+            fmt.append(f"{n}{code}")
+            vals += v
+        if cap > n:
+            fmt.append(f"{(cap - n) * size}x")
+    return fmt, vals
+
+
+def packed(fmt: list, vals: list, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
+    """The host tensor (``dtype``, pinned when ``pin``) of a :func:`pack_ints` format and values."""
+    f = "".join(fmt)
+    buf = bytearray(struct.calcsize(f))
+    if not buf:
+        return torch.zeros(0, dtype=dtype)
+    struct.pack_into(f, buf, 0, *vals)
+    t = torch.frombuffer(buf, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
 def stage_ints(segments, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
     """``[(list of ints, capacity), ...]`` -> one flat host tensor, each list zero-padded to its capacity (the
-    layout of a backend's flat graph buffer), pinned when ``pin``. The padding is copied as bytes, not ints."""
-    code = "i" if dtype == torch.int32 else "q"
-    flat, zeros = array(code), array(code, bytes(8 * max((cap for _, cap in segments), default=0)))
-    for vals, cap in segments:
-        flat += array(code, vals)  # (faster than flat.extend(vals))
-        if cap > len(vals):
-            flat += zeros[: cap - len(vals)]
-    t = torch.frombuffer(flat, dtype=dtype) if len(flat) else torch.zeros(0, dtype=dtype)
-    return t.pin_memory() if pin else t
+    layout of a backend's flat graph buffer), pinned when ``pin``. The padding is written as bytes, not ints."""
+    return packed(*pack_ints(segments, "i" if dtype == torch.int32 else "q"), dtype=dtype, pin=pin)
 
 
 def debug_checks() -> bool:

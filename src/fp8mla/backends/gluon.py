@@ -271,42 +271,41 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
-    # CTA c owns global tiles [c*T//G, (c+1)*T//G); the last CTA c with c*T//G <= s is ((s+1)*G - 1)//T
+    # CTA c owns global tiles [c*T//G, (c+1)*T//G); tile x lies in CTA ((x+1)*G - 1)//T. A request within one CTA
+    # is one item (tiles 0..n); one across CTAs c0..c1 is an item per CTA, cut at the CTA boundaries. (This loop
+    # runs every decode step: few operations per request, the common case of one boundary inline.)
     req, t0s, t1s, m_ptr = [], [], [], [0]
     per_cta = [0] * (num_ctas + 1)   # items per CTA (+1: cta_ptr below is their running sum)
     s = 0
-    for b in range(B):
-        e = s + ntiles[b]
-        if T:
+    for b, nt in enumerate(ntiles):
+        if nt:
             c0 = ((s + 1) * G - 1) // T
-            c1 = (e * G - 1) // T if e > s else c0   # the CTA of tile e - 1; an empty request: one item in c0
-            if c0 > Gm:
-                c0 = Gm
-            if c1 > Gm:
-                c1 = Gm
-        else:
-            c0 = c1 = 0
-        if c0 == c1:   # the request lies in one CTA (or is empty): one item
-            lo = c0 * T // G
-            hi = (c0 + 1) * T // G
-            a = lo - s if lo > s else 0
-            z = (hi if hi < e else e) - s
+            c1 = ((s + nt) * G - 1) // T     # the CTA of the request's last tile
+        else:   # an empty request: one empty item, in the CTA of the next tile (the last CTA at the end)
+            c0 = c1 = min(((s + 1) * G - 1) // T, Gm) if T else 0
+        if c0 == c1:
             req.append(b)
-            t0s.append(a)
-            t1s.append(z if z > a else a)
-            per_cta[c0 + 1] += 1
-        else:          # first CTA from tile 0, middle CTAs whole, last CTA to the end (the ranges are non-empty)
-            req += [b] * (c1 - c0 + 1)
             t0s.append(0)
-            for c in range(c0 + 1, c1 + 1):
-                x = c * T // G - s
-                t1s.append(x)
-                t0s.append(x)
-                per_cta[c + 1] += 1
-            t1s.append(e - s)
+            t1s.append(nt)
             per_cta[c0 + 1] += 1
+        elif c1 == c0 + 1:
+            x = c1 * T // G - s
+            req += (b, b)
+            t0s += (0, x)
+            t1s += (x, nt)
+            per_cta[c1] += 1
+            per_cta[c1 + 1] += 1
+        else:   # first CTA from tile 0, middle CTAs whole, last CTA to the end (the ranges are non-empty)
+            xs = [c * T // G - s for c in range(c0 + 1, c1 + 1)]
+            req += [b] * (len(xs) + 1)
+            t0s.append(0)
+            t0s += xs
+            t1s += xs
+            t1s.append(nt)
+            for c in range(c0 + 1, c1 + 2):
+                per_cta[c] += 1
         m_ptr.append(len(req))
-        s = e
+        s += nt
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, cta_ptr=list(accumulate(per_cta)), item_req=req,
                 item_t0=t0s, item_t1=t1s, m_ptr=m_ptr, batch_size=[B])
 
@@ -371,10 +370,32 @@ class _GraphBuffers:
                 raise ValueError(f"plan: {what} {got} does not fit the gluon backend's CUDA-graph buffers ({cap}); "
                                  "construct MLAPagedAttention with a larger max_batch_size / max_kv_indices")
 
+    # A list while a caller stages the small arrays itself (the decode runner, see rebase): load_host appends its
+    # ``(values, capacity)`` segments there, in the flat buffer's order, instead of copying.
+    sink = None
+    rebased = False
+
+    def rebase(self, flat: torch.Tensor) -> None:
+        """Move the small int32 arrays into ``flat`` (an int32 device view with room for them, which the caller
+        fills through ``sink``, with its own arrays, in one copy). Before any capture: graphs captured earlier
+        would read the old buffer."""
+        if flat.numel() < self.flat.numel() or flat.dtype != torch.int32:
+            raise ValueError("rebase: needs an int32 buffer of the flat buffer's size")
+        flat = flat[: self.flat.numel()]
+        flat.copy_(self.flat)
+        self.flat, o = flat, 0
+        for key, n in self.sizes.items():
+            self.buf[key] = flat[o: o + n]
+            o += n
+        self.rebased = True
+
     def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
         """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (zero-padded to
         each capacity, as the device schedule pads its items), and the page ids from ``kv_indices`` (none when
         planned from the buffer itself)."""
+        if self.sink is not None:
+            self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
+            return self.load(dict(kv_indices=kv_indices))
         from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
         self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
                         non_blocking=True)

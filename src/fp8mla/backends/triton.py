@@ -133,32 +133,45 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
         B = len(L)
     chunk = max(-(-total // target), min_chunk)
     chunk = -(-chunk // block_n) * block_n
+    if all(active) and max(L, default=0) <= chunk:  # no request is split: one item each, built whole
+        req, start, end, part, split = list(range(B)), [0] * B, list(L), [-1] * B, list(range(B + 1))
+        return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
+                    split_indptr=split, num_items=[B], kv_len=L, batch_size=[B])
+    # (this loop runs every decode step: few operations per request, the common splits in 2 or 3 inline)
     split, req, start, end, part = [0], [], [], [], []
     n_items = n_parts = 0
-    for b in range(B):
-        n = L[b]
+    for b, n in enumerate(L):
         if not active[b]:
             split.append(n_items)
             continue
-        if n > chunk:  # split in c chunks of per tokens (a multiple of block_n)
+        if n > chunk:  # split in c chunks of per tokens (a multiple of block_n); every chunk but the last full
             k = -(-n // chunk)
             per = -(-(-(-n // k)) // block_n) * block_n
             c = -(-n // per)
+            if c == 2:
+                req += (b, b)
+                start += (0, per)
+                end += (per, n)
+                part += (n_parts, n_parts + 1)
+            elif c == 3:
+                req += (b, b, b)
+                start += (0, per, 2 * per)
+                end += (per, 2 * per, n)
+                part += (n_parts, n_parts + 1, n_parts + 2)
+            else:
+                req += [b] * c
+                start += range(0, c * per, per)
+                end += range(per, c * per, per)
+                end.append(n)
+                part += range(n_parts, n_parts + c)
+            n_parts += c
+            n_items += c
         else:
-            c = 1
-        if c == 1:
             req.append(b)
             start.append(0)
             end.append(n)
             part.append(-1)
-        else:
-            req += [b] * c
-            start += range(0, c * per, per)
-            end += range(per, c * per, per)  # every chunk but the last is full
-            end.append(n)
-            part += range(n_parts, n_parts + c)
-            n_parts += c
-        n_items += c
+            n_items += 1
         split.append(n_items)
     return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
                 split_indptr=split, num_items=[split[-1]], kv_len=L, batch_size=[B])
@@ -364,9 +377,31 @@ class _GraphBuffers:
                                  "MLAPagedAttention with larger buffers (max_batch_size / max_qo_len / "
                                  "max_kv_indices, or FlashInfer's qo_indptr= / kv_indices= buffers)")
 
+    # A list while a caller stages the small arrays itself (the decode runner: its own arrays and these in one
+    # host -> device copy into a buffer that ``flat`` is a view of, see rebase): load_host appends its
+    # ``(values, capacity)`` segments there, in the flat buffer's order, instead of copying.
+    sink = None
+    rebased = False
+
+    def rebase(self, flat: torch.Tensor) -> None:
+        """Move the small int32 arrays into ``flat`` (an int32 device view with room for them, which the caller
+        fills through ``sink``). Before any capture: graphs captured earlier would read the old buffer."""
+        if flat.numel() < self.flat.numel() or flat.dtype != torch.int32 or self.external - {"kv_indices"}:
+            raise ValueError("rebase: needs an int32 buffer of the flat buffer's size and no external small buffers")
+        flat = flat[: self.flat.numel()]
+        flat.copy_(self.flat)
+        self.flat, o = flat, 0
+        for k, n in self.sizes.items():
+            self.buf[k] = flat[o: o + n]
+            o += n
+        self.rebased = True
+
     def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
         """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (plus one per
         external small buffer), and the page ids from ``kv_indices`` (none when planned from the buffer itself)."""
+        if self.sink is not None:
+            self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
+            return self.load(dict(kv_indices=kv_indices))
         from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
         self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
                         non_blocking=True)

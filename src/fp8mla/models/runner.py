@@ -22,13 +22,11 @@ A step that fails after reserving its slots gives them back (nothing leaks).
 """
 from __future__ import annotations
 
-from array import array
-
 import torch
 
 from ..attention import MLAPagedAttention
 from ..cache import PagedMLACache
-from ..layout import PagedLayout
+from ..layout import PagedLayout, pack_ints, packed
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
@@ -90,17 +88,8 @@ class DecodeRunner:
         # Padding rows write their latents into a slot of the runner's own one-token sequence, never read.
         self.pad_id = cache.add_sequence(num_tokens=1)
         self.pad_slot = cache.pages(self.pad_id)[0] * ps
-        i64 = dict(dtype=torch.int64, device=dev)
         B = max_batch
         self.x = torch.zeros(B, cfg.hidden_size, dtype=model.dtype, device=dev)
-        # Everything a step stages, in one device buffer filled by one host -> device copy per step: positions,
-        # slots (both read by the graph), block-table rows, and each new token's (table entry, page id).
-        self._stage = torch.zeros(5, B, **i64)
-        self.pos, self.slots = self._stage[0], self._stage[1]
-        # Row 4 holds the new tokens' page ids as int32 (2 per int64 entry, staged as bytes): the scatter into the
-        # int32 table reads them as they are, no cast launched.
-        self._pages32 = self._stage[4].view(torch.int32)
-        self.slots.fill_(self.pad_slot)
         # Block table: a row of page ids per sequence the runner tracks, a row of zeros for padding and a scratch
         # row that eager steps write the tokens of untracked sequences into.
         self.table = torch.zeros(B + 2, self.width, dtype=torch.int32, device=dev)
@@ -219,10 +208,11 @@ class DecodeRunner:
             raise
 
     def _plan(self, ids, prefix, slots, B, Bb) -> MLAStep:
-        """O(batch) Python and a handful of device ops, none sized by the context: one host -> device copy of the
-        staged arrays, the new pages into the block table (one scatter), the bucket's rows of the table gathered
-        into the attention's own page-id buffer, and the attention's plan (host-scheduled: one more copy)."""
-        ps, W, MB = self.cache.page_size, self.width, self.max_batch
+        """O(batch) Python and three device ops, none sized by the context: ONE host -> device copy of everything
+        the step stages (positions, slots, block-table rows, the new tokens' table entries and page ids, and the
+        attention plan's schedule arrays), the new pages into the block table (one scatter), and the bucket's rows
+        of the table gathered into the attention's own page-id buffer (one gather)."""
+        ps, W = self.cache.page_size, self.width
         # Each sequence's row (filled when it does not hold its pages), marked as holding the new token's page
         # too (begin_step's failure path rewinds the marks): one pass, the common case inline.
         rows, seqs, tracked = [], self.cache._seqs, self._rows
@@ -233,21 +223,32 @@ class DecodeRunner:
                 ent = tracked[sid]
             rows.append(ent[0])
             tracked[sid] = (ent[0], ent[1], p + 1)
-        fill = [0] * (MB - B)
-        rows_all = rows + [self.pad_row] * (MB - B)
-        # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
-        # boundary; the copy when a shared last page was unshared).
-        host = array("q", prefix + fill + slots + [self.pad_slot] * (MB - B) + rows_all
-                     + [r * W + p // ps for r, p in zip(rows, prefix)] + fill)
-        host.frombytes(array("i", [s // ps for s in slots] + [0] * (2 * MB - B)).tobytes())  # row 4: int32 pairs
-        host = torch.frombuffer(host, dtype=torch.int64)
-        self._stage.view(-1).copy_(host.pin_memory() if self._stage.is_cuda else host, non_blocking=True)
-        self.table.view(-1).index_put_((self._stage[3, :B],), self._pages32[:B])
-        kv_len = [p + 1 for p in prefix] + fill[: Bb - B]
         g = self._bucket(Bb)
-        attn, st = g["attn"], g["step"]
-        block_table = torch.index_select(self.table, 0, self._stage[2, :Bb], out=g["block_table"])
-        self._plan_attention(attn, block_table, kv_len)
+        attn, st, pad = g["attn"], g["step"], Bb - B
+        kv_len = [p + 1 for p in prefix]
+        if pad:
+            kv_len += [0] * pad
+        sink: list = []   # the attention plan's (values, capacity) segments, staged below with the runner's own
+        fast = g["fast"]
+        if fast:
+            attn._replan_rows(kv_len, sink)
+        # The staging buffer's layout (see _bucket): int64 positions and slots, then int32 rows, table entries,
+        # page ids, then the plan's arrays. Padding rows: position 0, the padding slot, the padding row; their table
+        # entries rewrite the padding row's first entry with 0 (what it holds).
+        fmt, vals = pack_ints(((prefix, Bb), (slots + g["pad_slots"][:pad] if pad else slots, Bb)), "q")
+        pack_ints(((rows + g["pad_rows"][:pad] if pad else rows, Bb),
+                   ([r * W + p // ps for r, p in zip(rows, prefix)] + g["pad_ents"][:pad] if pad else
+                    [r * W + p // ps for r, p in zip(rows, prefix)], Bb),
+                   ([s // ps for s in slots], g["lead"] - 6 * Bb)), "i", fmt, vals)
+        pack_ints(sink, "i", fmt, vals)
+        dev = g["dev"]
+        dev.copy_(packed(fmt, vals, pin=dev.is_cuda), non_blocking=True)
+        # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
+        # boundary; the copy when a shared last page was unshared), then the bucket's rows into its table.
+        self.table.view(-1).index_put_((g["ents"],), g["pages"])
+        torch.index_select(self.table, 0, g["rows"], out=g["block_table"])
+        if not fast:
+            self._plan_attention(attn, g["block_table"], kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
         st.reserved, st.committed = True, False
         st.undo = lambda: self._rewind(ids, prefix)
@@ -270,25 +271,48 @@ class DecodeRunner:
                   cfg.sm_scale, self.attn_dtype, cache.format.name)
 
     def _bucket(self, Bb: int) -> dict:
+        """The bucket's attention, static step and buffers (made on its first step). Its staging buffer, int32 on
+        the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), then
+        int32 block-table rows [Bb], table entries [Bb] and page ids [Bb] (the scatter and the gather read them),
+        then, with CUDA-graph buffers, the attention plan's own small arrays (its buffers are views of this one,
+        see ``_GraphBuffers.rebase``), so that the plan costs no copy of its own."""
         g = self._graphs.get(Bb)
-        if g is None:
-            m, cache = self.model, self.cache
-            table = torch.zeros(Bb, self.width, dtype=torch.int32, device=self.device)
-            # Graphs: the bucket's gathered table is the attention's own page-id buffer (FlashInfer's kv_indices
-            # argument), so planning copies no page ids.
-            kw = dict(use_cuda_graph=True, max_batch_size=Bb, kv_indices=table.view(-1)) \
-                if self.use_cuda_graph else {}
-            attn = MLAPagedAttention(backend=m.backend, **kw)
-            st = MLAStep(cache, [], [], [], self.slots[:Bb], None, None, self.attn_dtype, None,
-                         torch.arange(Bb, device=self.device), None, None, None, attn, m.rope, m.backend,
-                         fused=m.fused)
-            g = self._graphs[Bb] = dict(graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table)
+        if g is not None:
+            return g
+        m, cache, dev = self.model, self.cache, self.device
+        table = torch.zeros(Bb, self.width, dtype=torch.int32, device=dev)
+        # Graphs: the bucket's gathered table is the attention's own page-id buffer (FlashInfer's kv_indices
+        # argument), so planning copies no page ids.
+        kw = dict(use_cuda_graph=True, max_batch_size=Bb, kv_indices=table.view(-1)) if self.use_cuda_graph else {}
+        attn = MLAPagedAttention(backend=m.backend, **kw)
+        lead = -(-7 * Bb // 4) * 4  # (a multiple of 4 entries: the plan's arrays start 16-byte aligned)
+        buf = None
+        if self.use_cuda_graph:
+            # A first plan (no tokens) makes the attention's CUDA-graph buffers; when the backend lets a caller
+            # stage its arrays (triton, gluon), they move into this bucket's staging buffer and every later step
+            # re-plans through the trusted fast path (MLAPagedAttention._replan_rows) into the same copy.
+            self._plan_attention(attn, table, [0] * Bb)
+            buf = attn._state.get(attn.backend, {}).get("graph")
+            if not callable(getattr(buf, "rebase", None)):
+                buf = None
+        extra = 0 if buf is None else buf.flat.numel()
+        stage = torch.zeros(lead + extra, dtype=torch.int32, device=dev)
+        if buf is not None:
+            buf.rebase(stage[lead:])
+        st = MLAStep(cache, [], [], [], stage[2 * Bb: 4 * Bb].view(torch.int64), None, None, self.attn_dtype, None,
+                     torch.arange(Bb, device=dev), None, None, None, attn, m.rope, m.backend, fused=m.fused)
+        W = self.width
+        g = self._graphs[Bb] = dict(
+            graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table, dev=stage, lead=lead,
+            fast=buf is not None, pos=stage[: 2 * Bb].view(torch.int64), rows=stage[4 * Bb: 5 * Bb],
+            ents=stage[5 * Bb: 6 * Bb], pages=stage[6 * Bb: 7 * Bb], pad_slots=[self.pad_slot] * Bb,
+            pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb)
         return g
 
     def _run_bucket(self, g: dict) -> torch.Tensor:
         """The bucket's step on the static tensors: what the graph holds."""
         Bb, st, m = g["bucket"], g["step"], self.model
-        st.cos, st.sin = m.rope.cos_sin(self.pos[:Bb])
+        st.cos, st.sin = m.rope.cos_sin(g["pos"])
         y = self.x[:Bb]
         for blk in m.layers:
             y = blk(y, st)
