@@ -204,3 +204,193 @@ def test_split_cuda_graph_capture_then_replan(split):
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
     assert_close(out[:2], ref[:2], 3e-3, "replay after re-plan")
     assert (out[2] == 0).all()
+
+
+# -- CPU: the kernel's synchronization protocol, emulated with threads ------------------------------------------
+class _MBar:
+    """An mbarrier: ``count`` arrivals complete a phase; ``wait(parity)`` returns once the phase of that parity
+    has completed (try_wait.parity: the current phase's parity differs), i.e. never more than one phase behind."""
+
+    def __init__(self, cv, count):
+        self.cv, self.count, self.pending, self.phase = cv, count, count, 0
+
+    def arrive(self):
+        with self.cv:
+            self.pending -= 1
+            assert self.pending >= 0
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+            self.cv.notify_all()
+
+    def wait(self, parity, pred=True):
+        if not pred:
+            return
+        with self.cv:
+            assert self.cv.wait_for(lambda: (self.phase & 1) != parity, timeout=10), "deadlock (barrier wait)"
+
+
+def _emulate_cta(items, lens, NS, q, kv, seed):
+    """One CTA of the split kernel, line by line (decode_sm90_split._consumer_split and the producer's ring), in
+    float64 with random delays: every shared buffer carries a tag of what it should hold, checked before and after
+    each use (a stage or P slot overwritten while read fails). Returns {item: (o [64, 512], lse [64])}."""
+    import math
+    import random
+    import threading
+    import time
+    import numpy as np
+    cv = threading.Condition()
+    ready = [_MBar(cv, 1) for _ in range(NS)]
+    empty = [_MBar(cv, 2) for _ in range(NS)]
+    pready = [_MBar(cv, 1) for _ in range(2)]
+    pfree = [_MBar(cv, 1) for _ in range(2)]
+    qsync = [_MBar(cv, 2) for _ in range(2)]
+    stage = [[None, None] for _ in range(NS)]      # [tag, K tile (64 x 576, NaN past kv_len)]
+    slot = [dict(tag=None) for _ in range(2)]     # P^T, alpha, m, l of a tile
+    qbuf = [None, None]                           # the item's two halves of Q (tags)
+    res, errors = {}, []
+    rnd = random.Random(seed)
+
+    def nap():
+        if rnd.random() < 0.3:
+            time.sleep(rnd.random() * 2e-4)
+
+    def producer():
+        g = 0
+        for it in items:
+            b, t0, t1 = it
+            for t in range(t0, t1):
+                s = g % NS
+                empty[s].wait(((g // NS) & 1) ^ 1, pred=g >= NS)
+                nap()
+                tile = np.full((64, 576), np.nan)
+                rows = kv[b][t * 64:(t + 1) * 64]
+                tile[:len(rows)] = rows
+                stage[s] = [g, tile]
+                ready[s].arrive()
+                g += 1
+
+    def consumer(cid):
+        other = 1 - cid
+        g = 0
+        for idx, (b, t0, t1) in enumerate(items):
+            L, n, ph = lens[b], t1 - t0, idx & 1
+            qsync[0].arrive()
+            qsync[0].wait(ph)
+            nap()
+            qbuf[cid] = (idx, b)
+            qsync[1].arrive()
+            qsync[1].wait(ph)
+            assert qbuf[0] == qbuf[1] == (idx, b)
+            Q = q[b]
+            o = np.zeros((256, 64))
+
+            def pv(gg_, s_, ps):
+                assert stage[s_][0] == gg_ and slot[ps]["tag"] == gg_, ("stale", gg_, stage[s_][0], slot[ps]["tag"])
+                V = stage[s_][1][:, 256 * cid:256 * cid + 256]
+                nap()
+                r = o * slot[ps]["alpha"][None, :] + V.T @ slot[ps]["p"]
+                assert stage[s_][0] == gg_ and slot[ps]["tag"] == gg_, "overwritten during P.V"
+                return r
+
+            for j in range((cid + g) % 2, n, 2):
+                gg = g + j
+                s = gg % NS
+                ready[s].wait((gg // NS) & 1)
+                valid = L - (t0 + j) * 64
+                assert stage[s][0] == gg
+                if valid < 64:
+                    stage[s][1][valid:] = 0.0
+                sT = stage[s][1] @ Q.T
+                nap()
+                assert stage[s][0] == gg, "stage overwritten during QK"
+                pready[other].wait(((gg - 1) // 2) & 1, pred=j > 0)
+                m_prev = slot[other]["m"] if j > 0 else np.full(64, -np.inf)
+                if j > 0:
+                    assert slot[other]["tag"] == gg - 1
+                sT = np.where(np.arange(64)[:, None] < valid, sT, -np.inf)
+                m_new = np.maximum(m_prev, sT.max(0))
+                alpha = np.exp2(m_prev - m_new)
+                pfree[cid].wait(((gg // 2) - 1) & 1, pred=gg >= 2)
+                p = np.exp2(sT - m_new[None, :])
+                l_prev = slot[other]["l"] if j > 0 else np.zeros(64)
+                slot[cid] = dict(tag=gg, p=p, alpha=alpha, m=m_new, l=l_prev * alpha + p.sum(0))
+                nap()
+                pready[cid].arrive()
+                if j > 0:
+                    sp = (gg - 1) % NS
+                    ready[sp].wait(((gg - 1) // NS) & 1)
+                    o = pv(gg - 1, sp, other)
+                    empty[sp].arrive()
+                    pfree[other].arrive()
+                o = pv(gg, s, cid)
+                empty[s].arrive()
+            last = g + n - 1
+            trailing = n > 0 and last % 2 != cid
+            if trailing:
+                sl = last % NS
+                pready[other].wait((last // 2) & 1)
+                ready[sl].wait((last // NS) & 1)
+                o = pv(last, sl, other)
+                empty[sl].arrive()
+            fin = slot[other] if trailing else slot[cid]
+            if n > 0:
+                assert fin["tag"] == last
+            m_fin, l_fin = (fin["m"], fin["l"]) if n > 0 else (np.full(64, -np.inf), np.zeros(64))
+            if trailing:
+                pfree[other].arrive()
+            with cv:
+                r = res.setdefault(idx, [np.zeros((512, 64)), None])
+                r[0][256 * cid:256 * cid + 256] = np.where(l_fin > 0, o / np.where(l_fin > 0, l_fin, 1), 0.0)
+                if cid == 0:
+                    m_use = np.where(m_fin == -np.inf, 0.0, m_fin)
+                    r[1] = np.where(l_fin > 0, m_use + np.log2(np.where(l_fin > 0, l_fin, 1)), -math.inf)
+            g += n
+
+    def guard(fn, *a):
+        try:
+            fn(*a)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            with cv:   # wake the others: their waits time out rather than hang the test
+                cv.notify_all()
+
+    ts = [threading.Thread(target=guard, args=(f, *a)) for f, a in ((producer, ()), (consumer, (0,)),
+                                                                    (consumer, (1,)))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+    return {i: (r[0].T, r[1]) for i, r in res.items()}
+
+
+@pytest.mark.parametrize("lens,ctas,NS", [([1, 63, 64, 65, 0, 97, 514, 130], 1, 3), ([0, 1, 63, 65, 1000], 2, 2),
+                                          ([700, 3, 0, 129], 3, 3), ([0, 0], 1, 3), ([2000], 4, 3)])
+def test_protocol_emulation_matches_float64(lens, ctas, NS):
+    """The consumers' barrier protocol (ring, P-ready / P-free slots, per-item rendezvous) and the online
+    softmax chained across them, emulated per CTA with threads and random delays over NaN-padded tail tiles: no
+    deadlock, no stage or slot overwritten while in use, each item's (o, lse) equal to a float64 softmax over its
+    tokens, in log2 units (the kernel's)."""
+    import numpy as np
+    rng = np.random.default_rng(len(lens) + ctas)
+    H = 64
+    q = [rng.standard_normal((H, 576)) * 0.1 for _ in lens]
+    kv = [rng.standard_normal((L, 576)) for L in lens]
+    _, cta_ptr, items, _, _ = k.schedule(lens, ctas, 1)
+    for c in range(len(cta_ptr) - 1):
+        mine = items[cta_ptr[c]:cta_ptr[c + 1]]
+        got = _emulate_cta(mine, lens, NS, q, kv, seed=c)
+        assert sorted(got) == list(range(len(mine)))
+        for i, (b, t0, t1) in enumerate(mine):
+            o, lse = got[i]
+            rows = kv[b][t0 * 64:min(t1 * 64, lens[b])]
+            if len(rows) == 0:
+                assert (o == 0).all() and np.isneginf(lse).all()
+                continue
+            s = q[b] @ rows.T                            # [heads, tokens], log2 units
+            m = s.max(1, keepdims=True)
+            w = np.exp2(s - m)
+            ref_o = (w @ rows[:, :512]) / w.sum(1, keepdims=True)
+            ref_lse = m[:, 0] + np.log2(w.sum(1))
+            assert np.abs(o - ref_o).max() < 1e-9 and np.abs(lse - ref_lse).max() < 1e-9, (lens, c, i)
