@@ -107,6 +107,51 @@ def test_switch_routes_the_launch(monkeypatch, switch, env, H, max_qo, want):
     assert calls[0][1]["num_heads"] == H and calls[0][1]["grid"] == 132 and calls[0][1]["ns"] == 3
 
 
+@pytest.mark.parametrize("block_p", [2, 8])
+def test_own_merge_matches_float64(block_p):
+    """The split path's copy of the partials' merge (the interpreter runs it on the CPU): lists of 1..9 partials in
+    any order of the part buffers, an empty partial inside a list, a request whose partials are all empty, a query
+    token index that is not the request index (qo_indptr)."""
+    import math
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(block_p + 100)
+    H, C, B = 3, k.DC, 5
+    counts = [2, 9, 1, 5, 3]                     # request 2: one item, written by the decode kernel (skipped)
+    m_ptr = [0]
+    for c in counts:
+        m_ptr.append(m_ptr[-1] + c)
+    n = m_ptr[-1]
+    perm = torch.randperm(n, generator=g)
+    lse_p = torch.randn(n, H, generator=g, dtype=torch.float64) * 4
+    lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf    # request 4: all empty
+    lse_p[perm[m_ptr[1]], 1] = -math.inf          # one empty partial inside a long list
+    o_p = torch.randn(n, H, C, generator=g, dtype=torch.float64)
+    qo = [0, 2, 3, 4, 6, 7]                       # query tokens 0, 2, 3, 4, 6 (rows 1 and 5 untouched)
+    out = torch.full((7, H, C), math.nan, dtype=torch.float32, device=dev)
+    lse = torch.full((7, H), math.nan, dtype=torch.float32, device=dev)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    bc = 128
+    ks._merge_split_kernel[(B, H, C // bc)](
+        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(m_ptr), i32(perm.tolist()), i32([B]), i32(qo),
+        out.stride(0), out.stride(1), lse.stride(0), C * H, C, H, BLOCK_P=block_p, BLOCK_C=bc, num_warps=4)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[5]).all()
+    for b, c in enumerate(counts):
+        t = qo[b]
+        if c < 2:
+            assert torch.isnan(out[t]).all(), "a single-item request is the decode kernel's to write"
+            continue
+        idx = perm[m_ptr[b]:m_ptr[b + 1]]
+        lp, op = lse_p[idx], o_p[idx]
+        m = lp.max(0).values
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w = torch.exp2(lp - m)
+        ws = w.sum(0)
+        ref_o = torch.where(ws[:, None] > 0, (w[..., None] * op).sum(0) / ws.clamp_min(1e-300)[:, None], 0.0)
+        ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
+        torch.testing.assert_close(out[t].double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[t].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
+
+
 # -- GPU --------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def split(monkeypatch):

@@ -35,6 +35,7 @@ per-tensor scales, bf16/fp16 queries. Not MTP.
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 
 from . import decode_sm90 as base
 from .decode_sm90 import DC, DK, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
@@ -373,6 +374,49 @@ if gluon is not None:
         ], [4, 4], [REGS, REGS])
 
 
+@triton.jit
+def _merge_split_kernel(out, lse_out, part_o, part_lse, m_ptr, m_list, batch_size, qo_indptr,
+                        stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out/lse of request b, head pid 1, columns of block pid 2: the log-sum-exp merge of the request's partials
+    m_list[m_ptr[b]:m_ptr[b+1]] in list order (deterministic). A copy of decode_sm90's one-query merge as of
+    2026-11-30 (that kernel is being reworked for a fused merge): this path does not depend on the rework."""
+    b = tl.program_id(0)
+    if b >= tl.load(batch_size):
+        return
+    h = tl.program_id(1)
+    i0 = tl.load(m_ptr + b)
+    i1 = tl.load(m_ptr + b + 1)
+    if i1 - i0 < 2:   # a request done by one work item was written by the decode kernel itself
+        return
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_run = float("-inf")
+    wsum = 0.0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for i in range(i0, i1, BLOCK_P):
+        idx = i + tl.arange(0, BLOCK_P)
+        ok = idx < i1
+        p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
+        lse_i = tl.load(part_lse + p * stride_pl_i + h, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all empty so far: weights 0, not NaN
+        keep = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse_i - m_use)
+        o = tl.load(part_o + p[:, None] * stride_po_i + h * stride_po_r + offs_c[None, :],
+                    mask=ok[:, None] & (w > 0)[:, None], other=0.0)
+        acc = acc * keep + tl.sum(w[:, None] * o, axis=0)
+        wsum = wsum * keep + tl.sum(w, axis=0)
+        m_run = m_new
+    seen = wsum > 0
+    o = acc / tl.where(seen, wsum, 1.0)
+    tok = tl.load(qo_indptr + b).to(tl.int64)
+    tl.store(out + tok * stride_o_t + h * stride_o_h + offs_c, o.to(out.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        m_fin = tl.where(m_run == float("-inf"), 0.0, m_run)
+        lse = tl.where(seen, m_fin + tl.log2(tl.where(seen, wsum, 1.0)), float("-inf"))
+        tl.store(lse_out + tok * stride_lse_t + h, lse)
+
+
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            num_heads: int, sm_scale: float, page_size: int, ns: int = NS_DEFAULT, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, **_ignored):
@@ -400,8 +444,10 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         NHG=g, num_warps=4)
     if not merge:
         return
-    base._merge_parts_kernel[(grid_batch, num_heads, DC // merge_c)](
-        out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
+    if DC % merge_c or merge_p & (merge_p - 1):
+        raise ValueError(f"merge_p, merge_c: powers of two with merge_c dividing {DC}, got {merge_p}, {merge_c}")
+    _merge_split_kernel[(grid_batch, num_heads, DC // merge_c)](
+        out, lse, po, pl, t["m_ptr"], t["m_list"], t["batch_size"], t["qo_indptr"],
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
         BLOCK_P=merge_p, BLOCK_C=merge_c, num_warps=4)
 
