@@ -330,7 +330,7 @@ def _emulate_cta(items, lens, NS, q, kv, seed):
             Q = q[b]
             o = np.zeros((256, 64))
 
-            def pv(gg_, s_, ps):
+            def pv(o, gg_, s_, ps):
                 assert stage[s_][0] == gg_ and slot[ps]["tag"] == gg_, ("stale", gg_, stage[s_][0], slot[ps]["tag"])
                 V = stage[s_][1][:, 256 * cid:256 * cid + 256]
                 nap()
@@ -365,10 +365,10 @@ def _emulate_cta(items, lens, NS, q, kv, seed):
                 if j > 0:
                     sp = (gg - 1) % NS
                     ready[sp].wait(((gg - 1) // NS) & 1)
-                    o = pv(gg - 1, sp, other)
+                    o = pv(o, gg - 1, sp, other)
                     empty[sp].arrive()
                     pfree[other].arrive()
-                o = pv(gg, s, cid)
+                o = pv(o, gg, s, cid)
                 empty[s].arrive()
             last = g + n - 1
             trailing = n > 0 and last % 2 != cid
@@ -376,7 +376,7 @@ def _emulate_cta(items, lens, NS, q, kv, seed):
                 sl = last % NS
                 pready[other].wait((last // 2) & 1)
                 ready[sl].wait((last // NS) & 1)
-                o = pv(last, sl, other)
+                o = pv(o, last, sl, other)
                 empty[sl].arrive()
             fin = slot[other] if trailing else slot[cid]
             if n > 0:
