@@ -1,8 +1,8 @@
 """Hopper (sm_90) MLA decode at 33..128 heads, the dims-split variant (../shared/DECODE_V2.md section 3, "H128").
 
 Same grid, schedule, producer, ring and partial format as ``decode_sm90``'s wide variant (a CTA owns a head group
-of 64 heads, NHG = ceil(H / 64) CTAs per schedule slot; ``part_o[item, head, 512]``, ``part_lse``; the merge kernel
-and the adapter are unchanged), but the two consumer warpgroups share the work of a tile differently:
+of 64 heads, NHG = ceil(H / 64) CTAs per schedule slot; ``part_o[item, head, 512]``, ``part_lse``; the adapter is
+unchanged; the merge is a copy of decode_sm90's one-query merge, ``_merge_split_kernel``), but the two consumer warpgroups share the work of a tile differently:
 
   * QK + softmax alternate by tile parity: consumer (ring position % 2) computes S^T [64 tok, 64 heads] = K . Q^T
     for the tile (N = 64, 36 m64n64k16; K converted FP8 -> fp16 once per tile, by that consumer only) and the
@@ -29,6 +29,11 @@ and the adapter are unchanged), but the two consumer warpgroups share the work o
 Shared memory at NS = 3: ring 108 KB, Q^T 72 KB, two P^T slots 16 KB, stats 1.8 KB (NS = 4 does not fit).
 Tail tiles: the owner zeroes the stage's rows >= valid before its QK (NaN in unused slots), masks the scores;
 the other consumer reads that stage's V only after "P ready". Items of 0 tiles: o = 0, lse = -inf.
+Compile (sm_90a, setmaxnreg 240/24, ``compile_report``): no C7512; 84 HGMMA m64n64k16 per consumer (QK 36, P.V 16
+at three call sites: 36 + 32 per own tile pair step); spills 16 B (triton 3.9) / 4 B (3.6, the H200's) at page 64,
+none between a consumer's first and last HGMMA; LDS.U8 1 (outside the loops); 203.7 KB shared memory. Two changes got
+it there from 308 B with ~30 reloads per tile: the softmax stores m before computing P and l after (shorter live
+ranges), and the Q^T descriptors are indexed through an opaque zero per tile (``_zero_of``; hoisted, they spilled).
 Scope: one query per request, 33..128 heads, the producer's page sizes (1, 16, 32, multiples of 64), FP8 e4m3 with
 per-tensor scales, bf16/fp16 queries. Not MTP.
 """
