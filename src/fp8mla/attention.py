@@ -232,8 +232,10 @@ class MLAPagedAttention:
             W = lay.kv_indices.numel() // max(1, B)
             qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W))
             views = (buf.buf["qo_indptr"][: B + 1], buf.buf["kv_indptr"][: B + 1], buf.buf["kv_len"][:B])
-            fast = self._rows_fast = (lay.kv_indices, B, W * lay.page_size, qo, kvp, views)
-        kv_indices, B, cap, qo, kvp, views = fast
+            mod = backends._module(p.backend)  # its replan_rows (only the schedule is new), else build
+            fast = self._rows_fast = (lay.kv_indices, B, W * lay.page_size, qo, kvp, views,
+                                      getattr(mod, "replan_rows", None), mod.build)
+        kv_indices, B, cap, qo, kvp, views, replan, build = fast
         if len(lens) != B:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {len(lens)}")
         if lens and not 0 <= min(lens) <= max(lens) <= cap:
@@ -245,7 +247,9 @@ class MLAPagedAttention:
         state = self._state[p.backend]
         buf.sink = sink
         try:
-            impl = backends.build(p.backend, layout, p.spec, self._kernel_options, state)
+            impl = replan(p.impl, layout, state) if replan is not None else None
+            if impl is None:
+                impl = build(layout, p.spec, self._kernel_options, state)
         finally:
             buf.sink = None
         self._plan = _Plan(layout, p.spec, p.backend, impl)

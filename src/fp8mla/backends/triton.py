@@ -296,7 +296,9 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
             sched = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                                   target=target, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
             t = buffers.load_host(sched, layout.kv_indices)
-            return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
+            plan = TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
+            state["host_plan"] = (plan, target, cfg["block_n"], opts["min_chunk"])  # for replan_rows
+            return plan
         sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
                          num_indices=layout.kv_indices.numel(), target=target, max_items=buffers.max_items,
                          block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
@@ -318,6 +320,21 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     t = dict(base, **sched, part_o=torch.empty(parts, max_rows, Dc, **f32),
              part_lse=torch.empty(parts, max_rows, **f32))
     return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
+
+
+def replan_rows(plan, layout, state: dict):
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    options, batch size and page table as ``plan``, new host lengths): only the host schedule is new, the plan
+    object (config, grids, CUDA-graph buffers) is the same. None when ``plan`` is not the last host-scheduled
+    graph plan (then :func:`build` runs)."""
+    kept = state.get("host_plan")
+    if kept is None or kept[0] is not plan or layout.host is None:
+        return None
+    _, target, block_n, min_chunk = kept
+    sched = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(), target=target,
+                          block_n=block_n, min_chunk=min_chunk)
+    state["graph"].load_host(sched, layout.kv_indices)
+    return plan
 
 
 # The schedule's arrays a host-scheduled plan stages (item arrays first: their capacity is the largest).

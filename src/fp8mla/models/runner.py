@@ -94,8 +94,10 @@ class DecodeRunner:
         # row that eager steps write the tokens of untracked sequences into.
         self.table = torch.zeros(B + 2, self.width, dtype=torch.int32, device=dev)
         self.pad_row, self.scratch_row = B, B + 1
+        self._table_flat = self.table.view(-1)  # (the scatter's target, every step)
         self._free_rows = list(range(B - 1, -1, -1))
-        self._rows: dict = {}     # seq_id -> (row, the cache's sequence record, tokens whose pages the row holds)
+        # seq_id -> [row, the cache's sequence record, tokens whose pages the row holds] (a list: updated in place)
+        self._rows: dict = {}
         self._graphs: dict = {}   # bucket -> (graph or None, attention, static step, output)
         self._pool = None
         self.stats = dict(graph_steps=0, eager_steps=0, captures=0, row_fills=0)
@@ -119,13 +121,14 @@ class DecodeRunner:
         for sid in [s for s in self._rows if s not in live]:
             self.release(sid)
 
-    def _row(self, sid, prefix: int) -> int:
-        """The sequence's block-table row, filled from the cache when the row does not hold its current pages."""
+    def _row(self, sid, prefix: int) -> list:
+        """The sequence's entry ``[row, record, prefix]``, its block-table row filled from the cache when the row
+        does not hold its current pages."""
         # identity of the cache's record: a freed-and-re-added id is a new sequence (_seq: the error for a bad id)
         rec = self.cache._seqs.get(sid) or self.cache._seq(sid)
         ent = self._rows.get(sid)
         if ent is not None and ent[1] is rec and ent[2] == prefix:
-            return ent[0]
+            return ent
         if ent is None:
             if not self._free_rows:
                 self._reclaim()
@@ -139,15 +142,15 @@ class DecodeRunner:
         if pages:
             self.table[row, : len(pages)].copy_(torch.tensor(pages, dtype=torch.int32), non_blocking=True)
         self.stats["row_fills"] += 1
-        self._rows[sid] = (row, rec, prefix)
-        return row
+        ent = self._rows[sid] = [row, rec, prefix]
+        return ent
 
     def _rewind(self, ids: list, prefix: list) -> None:
         """A cancelled step: the rows hold the sequences' pages up to their old lengths again."""
         for sid, p in zip(ids, prefix):
             ent = self._rows.get(sid)
             if ent is not None:
-                self._rows[sid] = (ent[0], ent[1], p)
+                ent[2] = p
 
     def _follow(self, ids: list, counts: list, prefix: list, slots: torch.Tensor) -> None:
         """After an eager step: put its tokens' pages into the rows of the tracked sequences (a device scatter, no
@@ -158,7 +161,7 @@ class DecodeRunner:
             ok = ent is not None and ent[2] == p and ent[1] is self.cache._seq(sid)
             rows.append(ent[0] if ok else self.scratch_row)
             if ok:
-                self._rows[sid] = (ent[0], ent[1], p + n)
+                ent[2] = p + n
         if all(r == self.scratch_row for r in rows):
             return
         cnt = torch.tensor(counts)
@@ -217,35 +220,36 @@ class DecodeRunner:
         # too (begin_step's failure path rewinds the marks): one pass, the common case inline.
         rows, seqs, tracked = [], self.cache._seqs, self._rows
         for sid, p in zip(ids, prefix):
-            rec, ent = seqs.get(sid), tracked.get(sid)
-            if ent is None or rec is None or ent[1] is not rec or ent[2] != p:
-                self._row(sid, p)
-                ent = tracked[sid]
+            ent = tracked.get(sid)
+            if ent is None or ent[2] != p or ent[1] is not seqs.get(sid):
+                ent = self._row(sid, p)
             rows.append(ent[0])
-            tracked[sid] = (ent[0], ent[1], p + 1)
+            ent[2] = p + 1
         g = self._bucket(Bb)
         attn, st, pad = g["attn"], g["step"], Bb - B
         kv_len = [p + 1 for p in prefix]
         if pad:
-            kv_len += [0] * pad
+            kv_len += g["zeros"][:pad]
         sink: list = []   # the attention plan's (values, capacity) segments, staged below with the runner's own
         fast = g["fast"]
         if fast:
             attn._replan_rows(kv_len, sink)
-        # The staging buffer's layout (see _bucket): int64 positions and slots, then int32 rows, table entries,
-        # page ids, then the plan's arrays. Padding rows: position 0, the padding slot, the padding row; their table
-        # entries rewrite the padding row's first entry with 0 (what it holds).
-        fmt, vals = pack_ints(((prefix, Bb), (slots + g["pad_slots"][:pad] if pad else slots, Bb)), "q")
-        pack_ints(((rows + g["pad_rows"][:pad] if pad else rows, Bb),
-                   ([r * W + p // ps for r, p in zip(rows, prefix)] + g["pad_ents"][:pad] if pad else
-                    [r * W + p // ps for r, p in zip(rows, prefix)], Bb),
-                   ([s // ps for s in slots], g["lead"] - 6 * Bb)), "i", fmt, vals)
-        pack_ints(sink, "i", fmt, vals)
+        # The staging buffer (see _bucket): int64 positions, slots, table entries; int32 rows, page ids; the plan's
+        # arrays. Padding rows: position 0, the padding slot, the padding row; their table entries rewrite the
+        # padding row's first entry with 0 (what it holds).
+        ents = [r * W + p // ps for r, p in zip(rows, prefix)]
+        pages = [x // ps for x in slots]
+        if pad:
+            slots, rows, ents = slots + g["pad_slots"][:pad], rows + g["pad_rows"][:pad], ents + g["pad_ents"][:pad]
+        fmt = g["fmt"].get(B)
+        if fmt is None:  # the runner's part of the struct format, per batch size (padding: zero bytes)
+            fmt = g["fmt"][B] = f"={B}q{8 * pad}x{2 * Bb}q{Bb}i{B}i{4 * pad}x"
+        fmt, vals = pack_ints(sink, "i", [fmt], [*prefix, *slots, *ents, *rows, *pages])
         dev = g["dev"]
         dev.copy_(packed(fmt, vals, pin=dev.is_cuda), non_blocking=True)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared), then the bucket's rows into its table.
-        self.table.view(-1).index_put_((g["ents"],), g["pages"])
+        self._table_flat.scatter_(0, g["ents"], g["pages"])
         torch.index_select(self.table, 0, g["rows"], out=g["block_table"])
         if not fast:
             self._plan_attention(attn, g["block_table"], kv_len)
@@ -272,10 +276,10 @@ class DecodeRunner:
 
     def _bucket(self, Bb: int) -> dict:
         """The bucket's attention, static step and buffers (made on its first step). Its staging buffer, int32 on
-        the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), then
-        int32 block-table rows [Bb], table entries [Bb] and page ids [Bb] (the scatter and the gather read them),
-        then, with CUDA-graph buffers, the attention plan's own small arrays (its buffers are views of this one,
-        see ``_GraphBuffers.rebase``), so that the plan costs no copy of its own."""
+        the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), the
+        new tokens' table entries [Bb] as int64 (the scatter's index), int32 block-table rows [Bb] (the gather's
+        index) and page ids [Bb], then, with CUDA-graph buffers, the attention plan's own small arrays (its buffers
+        are views of this one, see ``_GraphBuffers.rebase``), so that the plan costs no copy of its own."""
         g = self._graphs.get(Bb)
         if g is not None:
             return g
@@ -285,7 +289,7 @@ class DecodeRunner:
         # argument), so planning copies no page ids.
         kw = dict(use_cuda_graph=True, max_batch_size=Bb, kv_indices=table.view(-1)) if self.use_cuda_graph else {}
         attn = MLAPagedAttention(backend=m.backend, **kw)
-        lead = -(-7 * Bb // 4) * 4  # (a multiple of 4 entries: the plan's arrays start 16-byte aligned)
+        lead = 8 * Bb  # int32 entries of the runner's part (a multiple of 4: the plan's arrays are 16-byte aligned)
         buf = None
         if self.use_cuda_graph:
             # A first plan (no tokens) makes the attention's CUDA-graph buffers; when the backend lets a caller
@@ -303,10 +307,10 @@ class DecodeRunner:
                      torch.arange(Bb, device=dev), None, None, None, attn, m.rope, m.backend, fused=m.fused)
         W = self.width
         g = self._graphs[Bb] = dict(
-            graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table, dev=stage, lead=lead,
-            fast=buf is not None, pos=stage[: 2 * Bb].view(torch.int64), rows=stage[4 * Bb: 5 * Bb],
-            ents=stage[5 * Bb: 6 * Bb], pages=stage[6 * Bb: 7 * Bb], pad_slots=[self.pad_slot] * Bb,
-            pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb)
+            graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table, dev=stage, fast=buf is not None,
+            pos=stage[: 2 * Bb].view(torch.int64), ents=stage[4 * Bb: 6 * Bb].view(torch.int64),
+            rows=stage[6 * Bb: 7 * Bb], pages=stage[7 * Bb: 8 * Bb], fmt={}, zeros=[0] * Bb,
+            pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb)
         return g
 
     def _run_bucket(self, g: dict) -> torch.Tensor:
