@@ -403,3 +403,28 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         assert torch.equal(t[key][:n], want[key][:n]), key
     assert int(t["batch_size"][0]) == B and torch.equal(t["kv_len"][:B], L)
     st.cancel()
+
+
+def test_host_schedule_memos_match_fresh_schedules():
+    """The host schedules keep their last result for the next decode step (gluon: the same tiles; triton: the same
+    splits, each request's last end updated): over random sequences of steps (lengths + 0/1/2/50, rows joining
+    and leaving, other CTA counts and targets) every memo answer equals a fresh schedule."""
+    from fp8mla.backends import gluon as gb, triton as tb
+    g = torch.Generator().manual_seed(23)
+    hits = {"triton": 0, "gluon": 0}
+    for trial in range(60):
+        B = [1, 3, 64, 17][trial % 4]
+        L = (torch.randint(0, 9000, (B,), generator=g) * (torch.rand(B, generator=g) > 0.1)).tolist()
+        tk = dict(target=[7, 132, 264][trial % 3], block_n=[16, 64][trial % 2], min_chunk=[64, 256][trial % 2])
+        gk = dict(num_ctas=[3, 66, 132][trial % 3], min_tiles=[1, 4][trial % 2])
+        for step in range(12):
+            W = max(L) // 16 + 2
+            host = dict(lists=(list(range(B + 1)), list(range(0, (B + 1) * W, W)), list(L)))
+            for name, mod, kw, memo in (("triton", tb, tk, "_LAST_SPLIT"), ("gluon", gb, gk, "_LAST_ITEMS")):
+                before = getattr(mod, memo)
+                got = mod.schedule_host(host, 16, num_indices=B * W, **kw)
+                hits[name] += before is not None and getattr(mod, memo) is before
+                setattr(mod, memo, None)  # a fresh schedule (which the next step's memo then holds)
+                assert got == mod.schedule_host(host, 16, num_indices=B * W, **kw), (name, trial, step)
+            L = [n + [0, 1, 1, 2, 50][int(torch.randint(0, 5, (1,), generator=g))] for n in L]
+    assert hits["triton"] > 100 and hits["gluon"] > 50, hits  # the memo paths ran
