@@ -38,9 +38,10 @@ GLUON_WIDE_HEADS = True
 # check (scripts/decode_v2_device.py page1: 11/11 checks, 2026-11-30); FP8MLA_GLUON_PAGE1=0 turns it off, =1 on.
 GLUON_PAGE1 = True
 # Multi-token decode (MTP / speculative, qo_len 2..8 with max_qo x H <= 512: rows = (query token, head) pairs on
-# the wide variant, see decode_sm90.mtp_config): OFF until its H200 check (scripts/decode_v2_device.py mtp);
-# FP8MLA_GLUON_MTP=1 turns it on, =0 off. Off: plans with qo_len != 1 stay on the Triton kernel.
-GLUON_MTP = False
+# the wide variant, see decode_sm90.mtp_config): on since its H200 check (scripts/decode_v2_device.py mtp, 2026-11-30
+# 20:23 UTC: 10/10 checks; B64 L8k 2.62x / 1.75x / 2.18x faster than the Triton kernel at H16 qo2 / H16 qo4 / H128
+# qo2); FP8MLA_GLUON_MTP=0 turns it off (plans with qo_len != 1 then stay on the Triton kernel), =1 on.
+GLUON_MTP = True
 # The dims-split variant at 33..128 heads (decode_sm90_split: the consumers alternate QK + softmax by tile and
 # split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF until its H200 check
 # (scripts/decode_split_device.py); FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
