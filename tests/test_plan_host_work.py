@@ -392,17 +392,27 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     launches = {key: v for key, v in c.ops.items() if key not in _NO_LAUNCH}
     assert launches == {"copy_": 1, "scatter_": 1, "index_select": 1} and sum(c.ops.values()) <= 4, c.ops
     assert not {"_local_scalar_dense", "item"} & set(c.ops), c.ops
-    t = attn._plan.impl.t
-    L = gb._device_kv_len(attn.layout)
-    assert L.tolist() == [p + 1 for p in prefix]
-    want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
-    n = int(want["m_ptr"][-1])
-    for key in ("cta_ptr", "m_ptr"):
-        assert torch.equal(t[key][: want[key].numel()], want[key]), key
-    for key in ("item_req", "item_t0", "item_t1", "m_list"):
-        assert torch.equal(t[key][:n], want[key][:n]), key
-    assert int(t["batch_size"][0]) == B and torch.equal(t["kv_len"][:B], L)
     st.cancel()
+    # Decode steps (committed, the lengths grow): each step's buffers hold the device schedule of its lengths,
+    # whether the plan was kept (every request within its 64-token tiles: gluon.replan_rows) or built again.
+    kept = 0
+    for step in range(24):
+        prefix = [cache.seq_len(s) for s in ids]
+        impl = attn._plan.impl
+        st = r.begin_step(ids, prefix)
+        kept += attn._plan.impl is impl
+        t = attn._plan.impl.t
+        L = gb._device_kv_len(attn.layout)
+        assert L.tolist() == [p + 1 for p in prefix]
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
+        n = int(want["m_ptr"][-1])
+        for key in ("cta_ptr", "m_ptr"):
+            assert torch.equal(t[key][: want[key].numel()], want[key]), (step, key)
+        for key in ("item_req", "item_t0", "item_t1", "m_list"):
+            assert torch.equal(t[key][:n], want[key][:n]), (step, key)
+        assert int(t["batch_size"][0]) == B and torch.equal(t["kv_len"][:B], L)
+        st.committed = True  # (no forward: the reserved token counts as written)
+    assert 0 < kept < 24, kept  # both paths ran (lengths 1000 - 7i cross a tile boundary on some steps)
 
 
 def test_host_schedule_memos_match_fresh_schedules():
