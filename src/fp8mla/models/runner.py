@@ -22,11 +22,14 @@ A step that fails after reserving its slots gives them back (nothing leaks).
 """
 from __future__ import annotations
 
+import ctypes
+import struct
+
 import torch
 
 from ..attention import MLAPagedAttention
 from ..cache import PagedMLACache
-from ..layout import PagedLayout, pack_ints, packed
+from ..layout import PagedLayout, pack_ints
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
@@ -49,6 +52,36 @@ def bucket_for(batch: int, buckets: list[int]) -> int:
         if b >= batch:
             return b
     raise ValueError(f"batch: {batch} requests, more than the largest bucket {buckets[-1]} (max_batch)")
+
+
+class _Staging:
+    """The host side of a bucket's one staging copy: a few host buffers used in turn, packed in place with
+    ``struct`` (no tensor made per step). On a GPU they are pinned, and one is reused only once the copy that read
+    it last has run (its CUDA event is queried, never waited on: while all are still being read, the step stages
+    through a fresh pinned copy instead, as the caching host allocator would). On the CPU the copy is synchronous:
+    one buffer."""
+
+    def __init__(self, dev: torch.Tensor, n: int = 4):
+        self.dev, self.i = dev, 0
+        cuda = dev.is_cuda
+        self.host = [torch.empty(dev.numel(), dtype=torch.int32, pin_memory=cuda) for _ in range(n if cuda else 1)]
+        self.events = [torch.cuda.Event() for _ in self.host] if cuda else None
+        self.mem = [(ctypes.c_char * (4 * t.numel())).from_address(t.data_ptr()) for t in self.host]
+
+    def copy(self, fmt: str, vals: list) -> None:
+        """Pack ``vals`` by ``fmt`` (exactly the device buffer's bytes) and copy them into it (asynchronously)."""
+        i, ev = self.i, self.events
+        if ev is not None:
+            if not ev[i].query():  # (a never-recorded event counts as done)
+                buf = bytearray(struct.calcsize(fmt))
+                struct.pack_into(fmt, buf, 0, *vals)
+                self.dev.copy_(torch.frombuffer(buf, dtype=torch.int32).pin_memory(), non_blocking=True)
+                return
+            self.i = (i + 1) % len(self.host)
+        struct.pack_into(fmt, self.mem[i], 0, *vals)
+        self.dev.copy_(self.host[i], non_blocking=True)
+        if ev is not None:
+            ev[i].record()
 
 
 class DecodeRunner:
@@ -245,8 +278,7 @@ class DecodeRunner:
         if fmt is None:  # the runner's part of the struct format, per batch size (padding: zero bytes)
             fmt = g["fmt"][B] = f"={B}q{8 * pad}x{2 * Bb}q{Bb}i{B}i{4 * pad}x"
         fmt, vals = pack_ints(sink, "i", [fmt], [*prefix, *slots, *ents, *rows, *pages])
-        dev = g["dev"]
-        dev.copy_(packed(fmt, vals, pin=dev.is_cuda), non_blocking=True)
+        g["staging"].copy("".join(fmt), vals)
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared), then the bucket's rows into its table.
         self._table_flat.scatter_(0, g["ents"], g["pages"])
@@ -310,7 +342,8 @@ class DecodeRunner:
             graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table, dev=stage, fast=buf is not None,
             pos=stage[: 2 * Bb].view(torch.int64), ents=stage[4 * Bb: 6 * Bb].view(torch.int64),
             rows=stage[6 * Bb: 7 * Bb], pages=stage[7 * Bb: 8 * Bb], fmt={}, zeros=[0] * Bb,
-            pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb)
+            pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb,
+            staging=_Staging(stage))
         return g
 
     def _run_bucket(self, g: dict) -> torch.Tensor:
