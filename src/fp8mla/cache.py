@@ -361,7 +361,7 @@ class PagedMLACache:
             seqs = [table[i] for i in ids]
         except (KeyError, TypeError):
             return None
-        if len(set(map(id, seqs))) != len(seqs):  # a repeated id (equal ids share their record)
+        if len(set(ids)) != len(ids):  # a repeated id
             return None
         ps, free, refs = self.page_size, self._free, self._refs
         new = [s for s in seqs if not s.length % ps and len(s.pages) <= s.length // ps]  # at a page boundary

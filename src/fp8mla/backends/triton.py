@@ -138,8 +138,8 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
         req, start, end, part, split = list(range(B)), [0] * B, list(L), [-1] * B, list(range(B + 1))
         return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
                     split_indptr=split, num_items=[B], kv_len=L, batch_size=[B])
-    # A decode step changes each length by one: while every request keeps its split (chunks and their size), the
-    # items are the last schedule's but for each request's last end. Each request's range of lengths with the same
+    # A decode step makes each length longer: while every request keeps its split (chunks and their size), the
+    # items are the last schedule's but for each request's last end. Each request's longest length with the same
     # split is kept with the items (all rows active only; the lists are shared with that call's result: read only).
     key = (target, block_n, min_chunk, chunk, B)
     last = _LAST_SPLIT
@@ -152,14 +152,12 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
                     item_part=last[6], split_indptr=last[8], num_items=[last[8][-1]], kv_len=L, batch_size=[B])
     # (this loop runs every decode step that changes a split: few operations per request, splits in 2 or 3 inline)
     split, req, start, end, part = [0], [], [], [], []
-    lo, hi, lasts = [], [], []   # each request's lengths with the same split; the index of its last item
+    hi = []   # each request's longest length with the same split
     n_items = n_parts = 0
     for b, n in enumerate(L):
         if not active[b]:
             split.append(n_items)
-            lo.append(n)
             hi.append(n)
-            lasts.append(n_items)
             continue
         if n > chunk:  # split in c chunks of per tokens (a multiple of block_n); every chunk but the last full
             k = -(-n // chunk)
@@ -181,10 +179,9 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
                 end += range(per, c * per, per)
                 end.append(n)
                 part += range(n_parts, n_parts + c)
-            # the same k, per and c for n in [lo, hi]: k for ((k-1)*chunk, k*chunk], per for (k*(per-block_n),
-            # k*per] (c <= k, so c*per is the lower bound of the two), c for ((c-1)*per, c*per]
-            lo.append(max((k - 1) * chunk, k * (per - block_n), (c - 1) * per) + 1)
-            hi.append(min(k * chunk, c * per))
+            # the same k up to k*chunk, the same per up to k*per, the same c up to c*per (<= k*per: c <= k)
+            x, y = k * chunk, c * per
+            hi.append(x if x < y else y)
             n_parts += c
             n_items += c
         else:
@@ -192,13 +189,11 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
             start.append(0)
             end.append(n)
             part.append(-1)
-            lo.append(0)
             hi.append(chunk)
             n_items += 1
-        lasts.append(n_items - 1)
         split.append(n_items)
-    if all(active):
-        _keep_split((key, lo, hi, req, start, end[:], part, lasts, split))
+    if all(active):  # (kept with the lengths: a later length must be >= these and <= hi)
+        _keep_split((key, list(L), hi, req, start, end[:], part, [x - 1 for x in split[1:]], split))
     return dict(qo_indptr=qo, kv_indptr=kvp, item_req=req, item_start=start, item_end=end, item_part=part,
                 split_indptr=split, num_items=[split[-1]], kv_len=L, batch_size=[B])
 
