@@ -19,7 +19,6 @@ re-plan.
 from __future__ import annotations
 
 import os
-from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -302,29 +301,34 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
     # CTA c owns global tiles [c*T//G, (c+1)*T//G); tile x lies in CTA ((x+1)*G - 1)//T. A request within one CTA
-    # is one item (tiles 0..n); one across CTAs c0..c1 is an item per CTA, cut at the CTA boundaries. (This loop
-    # runs every decode step: few operations per request, the common case of one boundary inline.)
+    # is one item (tiles 0..n); one across CTAs c0..c1 is an item per CTA, cut at the CTA boundaries. Every CTA
+    # below G owns a tile, so the CTAs' first items show up in order. (This loop runs every decode step that
+    # changes the tiles: few operations per request, the common case of one boundary inline.)
     req, t0s, t1s, m_ptr = [], [], [], [0]
-    per_cta = [0] * (num_ctas + 1)   # items per CTA (+1: cta_ptr below is their running sum)
-    s = 0
+    ptr = [0] * (num_ctas + 1)   # cta_ptr: each CTA's first item; CTAs from G on: the end
+    cur = n = s = 0              # the last CTA given an item; items so far; tiles so far
     for b, nt in enumerate(ntiles):
         if nt:
             c0 = ((s + 1) * G - 1) // T
             c1 = ((s + nt) * G - 1) // T     # the CTA of the request's last tile
         else:   # an empty request: one empty item, in the CTA of the next tile (the last CTA at the end)
             c0 = c1 = min(((s + 1) * G - 1) // T, Gm) if T else 0
+        if c0 != cur:
+            ptr[c0] = n
+            cur = c0
         if c0 == c1:
             req.append(b)
             t0s.append(0)
             t1s.append(nt)
-            per_cta[c0 + 1] += 1
+            n += 1
         elif c1 == c0 + 1:
             x = c1 * T // G - s
             req += (b, b)
             t0s += (0, x)
             t1s += (x, nt)
-            per_cta[c1] += 1
-            per_cta[c1 + 1] += 1
+            ptr[c1] = n + 1
+            cur = c1
+            n += 2
         else:   # first CTA from tile 0, middle CTAs whole, last CTA to the end (the ranges are non-empty)
             xs = [c * T // G - s for c in range(c0 + 1, c1 + 1)]
             req += [b] * (len(xs) + 1)
@@ -332,11 +336,13 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
             t0s += xs
             t1s += xs
             t1s.append(nt)
-            for c in range(c0 + 1, c1 + 2):
-                per_cta[c] += 1
-        m_ptr.append(len(req))
+            ptr[c0 + 1: c1 + 1] = range(n + 1, n + 1 + c1 - c0)
+            cur = c1
+            n += c1 - c0 + 1
+        m_ptr.append(n)
         s += nt
-    items = dict(cta_ptr=list(accumulate(per_cta)), item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
+    ptr[G:] = [n] * (num_ctas + 1 - G)
+    items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
     _LAST_ITEMS = ((num_ctas, min_tiles), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
 
