@@ -833,3 +833,291 @@ def test_mtp_graph_wrapper_keeps_its_first_variant():
     with pytest.raises(ValueError, match="qo_len 2"):
         gb.plan_max_qo(lay(2), graph, state)
     assert [gb.plan_max_qo(lay(q), plain, {}) for q in (1, 3, 8)] == [1, 3, 8]
+
+
+# -- the fused ("last arriver") merge: decode_sm90 FUSED_MERGE, behind gluon.GLUON_FUSED_MERGE (off) until its H200
+# check (scripts/fused_merge_device.py); FP8MLA_GLUON_FUSED_MERGE=1 here --------------------------------------------
+@pytest.mark.parametrize("seq,rows,bc,min_parts", [(16, 1, 128, 2), (16, 4, 256, 2), (0, 1, 128, 2),
+                                                   (0, 2, 512, 2), (16, 2, 512, 4)])
+def test_merge_sequential_and_chunked_paths_match_float64(seq, rows, bc, min_parts):
+    """Both paths of the merge kernel (interpreter): lists of at most SEQ partials in the fused merge's sequential
+    order, longer ones in BLOCK_P chunks; several rows per program (ROWS), rows past qo_len x H and requests with
+    fewer than min_parts partials (left to the fused merge) untouched, empty partials, all-empty requests, lists in
+    any order of the part buffers."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seq + rows + bc + min_parts)
+    H, C = 3, k.DC
+    counts, qo_lens = [2, 9, 1, 5, 3, 18], [1, 2, 1, 1, 3, 1]
+    B = len(counts)
+    qo_ptr, m_ptr = [0], [0]
+    for q, c in zip(qo_lens, counts):
+        qo_ptr.append(qo_ptr[-1] + q)
+        m_ptr.append(m_ptr[-1] + c)
+    n, R = m_ptr[-1], max(qo_lens) * H
+    perm = torch.randperm(n, generator=g)
+    lse_p = torch.randn(n, R, generator=g, dtype=torch.float64) * 4
+    lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf     # request 4: all empty
+    lse_p[perm[m_ptr[1]], 1] = -math.inf           # one empty partial inside a list
+    o_p = torch.randn(n, R, C, generator=g, dtype=torch.float64)
+    out = torch.full((qo_ptr[-1], H, C), math.nan, dtype=torch.float32, device=dev)
+    lse = torch.full((qo_ptr[-1], H), math.nan, dtype=torch.float32, device=dev)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    k._merge_parts_kernel[(B, -(-R // rows), C // bc)](
+        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(qo_ptr), i32(m_ptr), i32(perm.tolist()),
+        i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * R, C, R,
+        BLOCK_P=4, BLOCK_C=bc, ROWS=rows, min_parts=min_parts, SEQ=seq, num_warps=4)
+    for b, c in enumerate(counts):
+        toks = slice(qo_ptr[b], qo_ptr[b + 1])
+        if c < max(2, min_parts):
+            assert torch.isnan(out[toks]).all() and torch.isnan(lse[toks]).all()
+            continue
+        idx = perm[m_ptr[b]:m_ptr[b + 1]]
+        lp, op = lse_p[idx][:, :qo_lens[b] * H], o_p[idx][:, :qo_lens[b] * H]
+        m = lp.max(0).values
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w = torch.exp2(lp - m)
+        ws = w.sum(0)
+        ref_o = torch.where(ws[:, None] > 0, (w[..., None] * op).sum(0) / ws.clamp_min(1e-300)[:, None], 0.0)
+        ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
+        torch.testing.assert_close(out[toks].reshape(-1, C).double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[toks].reshape(-1).double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def _emulate_last_arriver(lens, n_slots, min_tiles, nhg, wide, fuse_max, rng):
+    """The fused merge's protocol in Python: CTAs (slot x head group) run their items in order, interleaved at
+    random; after each partial each warp of the consumer adds one to its counter (decode_sm90.counter_index) and
+    the warp that sees n - 1 merges its rows, in list order, from the partials written so far, then resets its
+    counter. Returns (merges: {(request, group, consumer, warp): (merger, partials seen)}, counters, items,
+    m_ptr)."""
+    _, cta_ptr, items, m_ptr, m_list = k.schedule(lens, n_slots, min_tiles)
+    assert m_list == list(range(len(items)))    # the fused merge reads partials in this (identity) list order
+    cnt = [0] * k.merge_counters(len(lens), 16 if not wide else 128, 1)
+    cons = (0, 1) if wide else (0,)              # the H16 kernel: consumer 0 writes the item's (merged) partial
+    queues = {(s, gr): list(range(cta_ptr[s], cta_ptr[s + 1])) for s in range(len(cta_ptr) - 1) for gr in range(nhg)}
+    written, merges = set(), {}
+    while any(queues.values()):
+        cta = rng.choice([c for c, q in queues.items() if q])
+        it = queues[cta].pop(0)
+        b = items[it][0]
+        n = m_ptr[b + 1] - m_ptr[b]
+        for cid in rng.sample(cons, len(cons)):
+            written.add((it, cta[1], cid))      # (the consumer's 4 warps' stores, then its barrier)
+            if 2 <= n <= fuse_max:
+                for w in rng.sample(range(4), 4):   # each warp's lane 0 arrives on the warp's counter
+                    u = k.counter_index(b, cta[1], cid, nhg, w)
+                    prev, cnt[u] = cnt[u], cnt[u] + 1
+                    if prev == n - 1:
+                        assert (b, cta[1], cid, w) not in merges
+                        merges[(b, cta[1], cid, w)] = (cta, [i for i in range(m_ptr[b], m_ptr[b + 1])
+                                                             if (i, cta[1], cid) in written])
+                        cnt[u] = 0
+    return merges, cnt, items, m_ptr
+
+
+@pytest.mark.parametrize("lens,slots,nhg,wide,fuse_max", [
+    ([1, 63, 65, 97, 514, 0, 4096, 130], 7, 1, False, k.FUSE_ALL), ([32768], 132, 1, False, k.FUSE_ALL),
+    ([8192] * 8, 66, 2, True, k.FUSE_ALL), ([8192] * 64, 66, 2, True, 4), ([3000, 1, 20000], 13, 1, True, 16)])
+def test_last_arriver_protocol_merges_every_unit_once_from_all_partials(lens, slots, nhg, wide, fuse_max):
+    """Under random interleavings of the CTAs: every (request, head group, consumer, warp) unit with 2..fuse_max
+    partials is merged exactly once, by an arrival that sees all of its partials written, every counter is back at
+    0 afterwards (the next launch / graph replay starts clean), and no unit outside 2..fuse_max is touched; the
+    merged value (float64, list order) is the same whoever arrives last."""
+    import random
+    g = torch.Generator().manual_seed(len(lens))
+    results = []
+    for seed in range(3):
+        merges, cnt, items, m_ptr = _emulate_last_arriver(lens, slots, 4, nhg, wide, fuse_max, random.Random(seed))
+        assert all(c == 0 for c in cnt)
+        want = {(b, gr, cid, w) for b in range(len(lens)) for gr in range(nhg) for cid in ((0, 1) if wide else (0,))
+                for w in range(4) if 2 <= m_ptr[b + 1] - m_ptr[b] <= fuse_max}
+        assert set(merges) == want
+        for (b, _, _, _), (_, seen) in merges.items():
+            assert seen == list(range(m_ptr[b], m_ptr[b + 1]))
+        if seed == 0:
+            lse_p = torch.randn(len(items), generator=g, dtype=torch.float64) * 3
+            o_p = torch.randn(len(items), 8, generator=g, dtype=torch.float64)
+        vals = {}
+        for u, (_, seen) in merges.items():
+            m = lse_p[seen].max()
+            acc, ws = torch.zeros(8, dtype=torch.float64), 0.0
+            for i in seen:                       # the kernel's order: the list, not the arrivals
+                w = float(torch.exp2(lse_p[i] - m))
+                acc, ws = acc + w * o_p[i], ws + w
+            vals[u] = (acc / ws, m + math.log2(ws))
+        results.append(vals)
+    for vals in results[1:]:
+        assert vals.keys() == results[0].keys()
+        assert all(torch.equal(vals[u][0], results[0][u][0]) and vals[u][1] == results[0][u][1] for u in vals)
+
+
+def test_merge_counters_sizing_and_graph_buffers():
+    """merge_counters covers every counter_index the kernel can form (request < batch, group < NHG, consumer < 2,
+    warp < 4),
+    and the CUDA-graph buffers hold that many for the wrapper's max batch at every head count / qo_len."""
+    from fp8mla.backends import gluon as gb
+    for H, qo in ((1, 1), (16, 1), (20, 1), (64, 1), (100, 1), (128, 1), (16, 4), (128, 2), (64, 8)):
+        _, nhg, wide = k.row_config(H, qo)
+        B = 37
+        top = k.counter_index(B - 1, nhg - 1, 1 if wide else 0, nhg, 3)
+        assert top < k.merge_counters(B, H, qo), (H, qo)
+        buf = gb._GraphBuffers(dict(gb.DEFAULTS, max_batch_size=B, max_kv_indices=64), 8, "cpu", {},
+                               k.padded_heads(H, qo))
+        c = buf.buf["merge_cnt"]
+        assert c.dtype == torch.int32 and c.numel() >= k.merge_counters(B, H, qo) and not c.any(), (H, qo)
+
+
+def test_fused_merge_switch_and_plan(monkeypatch):
+    """The switch: off by default (GLUON_FUSED_MERGE), FP8MLA_GLUON_FUSED_MERGE=1/0 forces it, the max parts from
+    FP8MLA_GLUON_FUSED_MAX_PARTS (an integer >= 2 or 'all', else an error naming the variable); build puts the
+    value in the plan and zeroed counters in t (device schedule; graph buffers on the host schedule)."""
+    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    monkeypatch.delenv("FP8MLA_GLUON_FUSED_MERGE", raising=False)
+    monkeypatch.delenv("FP8MLA_GLUON_FUSED_MAX_PARTS", raising=False)
+    assert gb.GLUON_FUSED_MERGE is False and gb.fused_merge_max_parts() == 0
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
+    assert gb.fused_merge_max_parts() == gb.GLUON_FUSED_MAX_PARTS
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "all")
+    assert gb.fused_merge_max_parts() == k.FUSE_ALL
+    for bad in ("1", "x", "-3"):
+        monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", bad)
+        with pytest.raises(ValueError, match="FP8MLA_GLUON_FUSED_MAX_PARTS"):
+            gb.fused_merge_max_parts()
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "8")
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    bt = torch.randint(0, 500, (5, 40), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    lay = PagedLayout.from_block_table(bt, torch.tensor([97, 1, 2514, 0, 900], dtype=torch.int32), 64)
+    for H, graph in ((16, False), (128, False), (16, True), (128, True)):
+        spec = AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
+                             torch.device("cpu"), graph)
+        p = gb.build(lay, spec, dict(max_batch_size=16, max_kv_indices=4096), {})
+        assert p.fuse_max == 8 and p.t["merge_cnt"].numel() >= k.merge_counters(16 if graph else 5, H)
+        assert p.t["merge_cnt"].dtype == torch.int32 and not p.t["merge_cnt"].any()
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "0")
+    assert gb.build(lay, spec, dict(max_batch_size=16, max_kv_indices=4096), {}).fuse_max == 0
+
+
+def _tile_loop_spill_ops(sass: str) -> list[int]:
+    """LDL/STL between each consumer's first and last HGMMA (the two consumers' spans: HGMMAs split at the widest
+    gap), from cuobjdump's SASS."""
+    import re
+    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    idx = [i for i, x in enumerate(ins) if "HGMMA" in x]
+    cut = max((idx[j + 1] - idx[j], j) for j in range(len(idx) - 1))[1]
+    spans = [(idx[0], idx[cut]), (idx[cut + 1], idx[-1])]
+    return [sum(1 for x in ins[lo:hi + 1] if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)", x)) for lo, hi in spans]
+
+
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.parametrize("heads,page,qo", [(16, 64, 1), (128, 64, 1), (16, 1, 1), (128, 64, 2)])
+def test_fused_merge_compiles_without_new_spills_in_the_tile_loop(heads, page, qo):
+    """FUSED_MERGE compiles for sm_90a: the arrival (named barrier, per-warp atom.acq_rel.gpu: MEMBAR.GPU + ATOMG
+    + CCTL.IVALL) and the merge are a called function (CALL), the tile loops hold no more spill code than without
+    it (triton 3.9 / 3.6 measured: H16 0 / 2 LDL+STL per consumer both ways; H128 2 / 4 -> 2 / 8 on 3.6), the
+    kernel's other spill (saved around the call, once per work item) stays bounded, and without it there are no
+    atomics (the off kernel's SASS is unchanged: checked by hand)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        code = ("import json, fp8mla.kernels.decode_sm90 as k\n"
+                "for f in (False, True):\n"
+                "    r = k.compile_report(page=%d, ns=3, heads=%d, max_qo=%d, fused_merge=f, sass_path=%r + str(f))\n"
+                "    print('REPORT', json.dumps(dict(spills=r['spills'], ops=r['ops'], ser=r['serialized_wgmma'])))"
+                % (page, heads, qo, os.path.join(d, "k.sass.")))
+        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+        lines = [json.loads(x[len("REPORT "):]) for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+        assert res.returncode == 0 and len(lines) == 2, res.stderr[-3000:]
+        loops = [_tile_loop_spill_ops(open(os.path.join(d, f"k.sass.{f}")).read()) for f in (False, True)]
+    off, on = lines
+    assert not any("ATOM" in op for op in off["ops"]) and "CALL.REL.NOINC" not in off["ops"], off["ops"]
+    assert on["ops"].get("ATOMG.E.ADD.STRONG.GPU", 0) >= 1 and on["ops"].get("CCTL.IVALL", 0) >= 1, on["ops"]
+    assert on["ops"].get("CALL.REL.NOINC", 0) >= 1 and not on["ser"]
+    hg = lambda r: sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))  # noqa: E731
+    assert hg(on) == hg(off)
+    assert all(b <= a + 4 for a, b in zip(*loops)), loops
+    assert on["spills"][0][0] <= off["spills"][0][0] + 320, (off["spills"], on["spills"])
+
+
+# GPU: the fused merge against the merge kernel, through MLAPagedAttention
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "all")
+
+
+def _run_fused_vs_separate(monkeypatch, b, **opts):
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "0")
+    _, o_sep, l_sep = run_case(b, **opts)
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
+    attn, o_f, l_f = run_case(b, **opts)
+    return attn, (o_sep, l_sep), (o_f, l_f)
+
+
+@gpu
+@pytest.mark.parametrize("H,page", [(16, 64), (16, 1), (128, 64), (128, 1), (40, 16)])
+def test_fused_merge_bit_identical_to_the_merge_kernel(fused, monkeypatch, H, page):
+    """Odd lengths over NaN pools, many splits (min_chunk 64): the fused merge's out/lse equal the merge kernel's
+    bit for bit (same formula, same order; lists of <= SEQ_PARTS partials), reruns are identical, counters are
+    back at 0 after every run."""
+    b = make_paged_batch([0, 1, 63, 65, 97, 514, 3000, 6000], [1] * 8, H, page, "fp8_e4m3", device=DEVICE,
+                         seed=H + page, extra_pages=1)
+    attn, (o_sep, l_sep), (o_f, l_f) = _run_fused_vs_separate(monkeypatch, b, min_chunk=512)
+    check(b, o_f, l_f)
+    assert torch.equal(o_f, o_sep) and torch.equal(l_f, l_sep)
+    assert not attn._plan.impl.t["merge_cnt"].any()
+    o2, l2 = torch.full_like(o_f, float("nan")), torch.full_like(l_f, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(o_f, o2) and torch.equal(l_f, l2) and not attn._plan.impl.t["merge_cnt"].any()
+
+
+@gpu
+@pytest.mark.parametrize("max_parts", ["4", "all"])
+def test_fused_merge_many_splits_hybrid(fused, monkeypatch, max_parts):
+    """B1 L20000 over every SM (min_chunk 64: >100 partials) next to short requests: with max parts 4 the long
+    request goes to the merge kernel and the short split ones are fused; with 'all' one CTA merges them all."""
+    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", max_parts)
+    b = make_paged_batch([20000, 1, 700, 4097], [1] * 4, 16, 64, "fp8_e4m3", device=DEVICE, seed=7)
+    attn, out, lse = run_case(b, min_chunk=64)
+    check(b, out, lse)
+    assert not attn._plan.impl.t["merge_cnt"].any()
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_fused_merge_cuda_graph_replay_after_replan(fused, H):
+    """Captured with the fused merge, replayed after a re-plan (other lengths, other splits, one request fewer):
+    right answers, the counters in the graph buffers back at 0 after each replay."""
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, min_chunk=256)
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=11, spare_pages=60)
+    attn.plan(**b1.plan_args)
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    cnt = attn._plan.impl.t["merge_cnt"]
+    assert attn._plan.impl.fuse_max and not cnt.any()
+    a = dict(b1.plan_args)
+    pages = a["kv_indices"]
+    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
+    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")
+    assert attn._plan.impl.t["merge_cnt"].data_ptr() == cnt.data_ptr() and not cnt.any()

@@ -47,6 +47,30 @@ GLUON_MTP = True
 GLUON_SPLIT_DIMS = False
 
 
+# In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
+# of a (request, head group, consumer, warp) merges its rows, in list order, bit-identical to the merge kernel): OFF
+# until its H200 check (scripts/fused_merge_device.py); FP8MLA_GLUON_FUSED_MERGE=1 turns it on, =0 off.
+# GLUON_FUSED_MAX_PARTS: requests split into more partials than this stay on the merge kernel, which is then
+# launched on every run (one SM merging B1 L32k's 132 partials would be slower than the merge kernel); "all" (env
+# FP8MLA_GLUON_FUSED_MAX_PARTS=all) fuses every request and launches no merge kernel.
+GLUON_FUSED_MERGE = False
+GLUON_FUSED_MAX_PARTS = 16
+
+
+def fused_merge_max_parts() -> int:
+    """0 when the fused merge is off, else the most partials a request may have to be merged in the kernel."""
+    from ..kernels.decode_sm90 import FUSE_ALL
+    env = os.environ.get("FP8MLA_GLUON_FUSED_MERGE", "")
+    if not (env == "1" if env in ("0", "1") else GLUON_FUSED_MERGE):
+        return 0
+    v = os.environ.get("FP8MLA_GLUON_FUSED_MAX_PARTS", "") or str(GLUON_FUSED_MAX_PARTS)
+    if v == "all":
+        return FUSE_ALL
+    if not v.isdigit() or int(v) < 2:
+        raise ValueError(f"FP8MLA_GLUON_FUSED_MAX_PARTS: expected an integer >= 2 or 'all', got {v!r}")
+    return min(int(v), FUSE_ALL)
+
+
 def split_dims_enabled() -> bool:
     env = os.environ.get("FP8MLA_GLUON_SPLIT", "")
     return env == "1" if env in ("0", "1") else GLUON_SPLIT_DIMS
@@ -133,6 +157,7 @@ class GluonPlan:
     ns: int
     t: dict
     max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
+    fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
@@ -152,7 +177,8 @@ class GluonPlan:
                  grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
                  ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
-                 causal=self.spec.causal)
+                 causal=self.spec.causal,
+                 **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -188,16 +214,18 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     if layout.host is not None:
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                           num_ctas=slots, min_tiles=min_tiles)
-        mp, mc = k.merge_blocks(max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1)
+        mp, mc = k.merge_blocks(max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1, B,
+                                max_qo * spec.num_heads, n_sm)
     else:
         mp, mc = k.merge_blocks(64)
+    fuse = fused_merge_max_parts()
     if spec.use_cuda_graph:
         if buf is None:
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -207,10 +235,13 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo)
+        if fuse:   # arrival counters: zeros, and back at zero after every complete run
+            t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo), dtype=torch.int32,
+                                         device=device)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse)
 
 
 def replan_rows(plan, layout, state: dict):
@@ -392,7 +423,10 @@ class _GraphBuffers:
             o += n
         self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
                         part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
+                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device),
+                        # the fused merge's arrival counters (decode_sm90.merge_counters: batch x head groups x 2
+                        # consumers x 4 warps; rows // 16 >= 2 x head groups), zero between runs
+                        merge_cnt=torch.zeros(mb * max(2, rows // 16) * 4, **i32))
         # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
         # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:

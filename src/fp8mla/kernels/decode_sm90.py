@@ -136,6 +136,22 @@ def padded_heads(num_heads: int, max_qo: int = 1) -> int:
     return 2 * hpw * nhg if wide else HP
 
 
+FUSE_ALL = 1 << 30   # fuse_max meaning "every split request": the merge kernel is not launched
+
+
+def merge_counters(batch: int, num_heads: int, max_qo: int = 1) -> int:
+    """int32 arrival counters the fused merge needs for ``batch`` requests: one per (request, head group,
+    consumer, warp) = batch x NHG x 2 x 4 (the H16 kernel uses consumer 0's)."""
+    _, nhg, _ = row_config(num_heads, max_qo)
+    return max(1, batch) * nhg * 2 * 4
+
+
+def counter_index(b: int, group: int, cid: int, nhg: int, warp: int = 0) -> int:
+    """The counter of request b, head group ``group`` (pid % NHG), consumer ``cid`` (0 on the H16 kernel), warp
+    ``warp`` (0..3) of that consumer."""
+    return ((b * nhg + group) * 2 + cid) * 4 + warp
+
+
 def mtp_row(r: int, num_heads: int) -> tuple[int, int]:
     """(query token, head) of row r of a request in multi-token decode (the kernel's and the merge's mapping)."""
     return r // num_heads, r % num_heads
@@ -410,12 +426,143 @@ if gluon is not None:
             gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
             gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=row_ok)
 
+    # The fused merge's arrival, per thread of a consumer: a barrier of its 128 threads (named barrier 14 +
+    # consumer: Triton's own partition barriers use low ids), then lane 0 of each warp adds 1 to the warp's
+    # counter ($1 + 4 x (warp mod 4)) with acq_rel at gpu scope, and the old value goes to the whole warp.
+    _ARRIVE = ("{ .reg .pred p; .reg .b32 t, r; .reg .b64 a; bar.sync %d, 128; "
+               "mov.u32 t, %%tid.x; shr.u32 t, t, 5; and.b32 t, t, 3; mul.wide.u32 a, t, 4; add.s64 a, a, $1; "
+               "setp.eq.s32 p, $2, 0; mov.b32 r, 0; @p atom.acq_rel.gpu.global.add.u32 r, [a], 1; "
+               "bar.warp.sync -1; shfl.sync.idx.b32 $0, r, 0, 0x1f, -1; }")
+    _ARRIVE_ASM0 = gl.constexpr(_ARRIVE % 14)
+    _ARRIVE_ASM1 = gl.constexpr(_ARRIVE % 15)
+    # ... and the merging warp's reset of its counter to 0 (lane 0, after the warp's merge)
+    _RESET_ASM = gl.constexpr(
+        "{ .reg .pred p; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; shr.u32 t, t, 5; and.b32 t, t, 3; "
+        "mul.wide.u32 a, t, 4; add.s64 a, a, $2; setp.eq.s32 p, $1, 0; bar.warp.sync -1; "
+        "@p st.relaxed.gpu.global.b32 [a], 0; mov.b32 $0, 0; }")
+
+    @gluon.jit
+    def _merge_load_gl(part_o, part_lse, m_list, idx, i1, rows, rok, cols, cb, m_use, stride_po_i, stride_po_r,
+                       stride_pl_i):
+        # _merge_load_tl's twin: partial list entry idx (none past i1), its weights and rows [HPW, CW]; read
+        # through L2 (.cg): the partials were written by other SMs during this launch
+        v = idx < i1
+        p = gl.load(m_list + gl.minimum(idx, i1 - 1)).to(gl.int64)   # (clamped: in the list)
+        lse_i = gl.load(part_lse + p * stride_pl_i + rows, mask=rok & v, other=float("-inf"), cache_modifier=".cg")
+        w = gl.exp2(lse_i - m_use)
+        o = gl.load(part_o + p * stride_po_i + rows[:, None] * stride_po_r + cb + cols[None, :],
+                    mask=(rok & (w > 0))[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
+        return w, o
+
+    @gluon.jit
+    def _merge_step_gl(acc, wsum, w, o, v):
+        # _merge_step_tl's twin (same ops, same order: bit-identical results)
+        acc = gl.where(v, gl.fma(o, w[:, None] + gl.zeros_like(acc), acc), acc)
+        wsum = gl.where(v, wsum + w, wsum)
+        return acc, wsum
+
+    @gluon.jit
+    def _merge_rows(it, i0, i1, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
+                    stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_list, HPW: gl.constexpr, MTP: gl.constexpr):
+        # The fused merge's merge of rows h0 .. h0 + HPW of a request from its partials m_list[i0:i1]; a warp
+        # touches only the rows it owns (rows = warp mod 4): _fused_merge calls it per warp. No barriers and no
+        # shared memory in here (divergent warps; and inside a call, outside the warp-specialized partition,
+        # barriers are not renamed to the partition's own).
+        # one layout for both passes: rows across the 4 warps, columns (pass 1: list entries) across the lanes,
+        # so the max is a warp shuffle and m_use lands in the rows' layout (no shared memory); [HPW, CW] fp32
+        # tiles, 32 per thread
+        ml: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        CW: gl.constexpr = 4096 // HPW
+        rows = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(1, ml)), it) + h0
+        rok = rows < nrows
+        cols = _per_item(gl.arange(0, CW, layout=gl.SliceLayout(0, ml)), it)
+        # pass 1: the max lse per row (exact in any order), CW list entries at a time
+        m = gl.full([HPW], float("-inf"), gl.float32, gl.SliceLayout(1, ml))
+        for i in range(i0, i1, CW):
+            idx = cols + i
+            ok = idx < i1
+            p = gl.load(m_list + idx, mask=ok, other=0).to(gl.int64)
+            l2 = gl.load(part_lse + p[None, :] * stride_pl_i + rows[:, None], mask=ok[None, :] & rok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            m = gl.maximum(m, gl.max(l2, axis=1))
+        m_use = gl.where(m == float("-inf"), 0.0, m)
+        if MTP:
+            otok = qtok + rows // H
+            ohead = rows % H
+        else:
+            otok = qtok + rows * 0
+            ohead = rows
+        ty = out.dtype.element_ty
+        # pass 2, per column block: the partials in list order, two at a time (2 x 8 16-byte loads in flight
+        # per thread)
+        for cb in range(0, 512, CW):
+            acc = gl.zeros([HPW, CW], gl.float32, ml)
+            wsum = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, ml))
+            for i in range(i0, i1, 2):
+                w0, o0 = _merge_load_gl(part_o, part_lse, m_list, i, i1, rows, rok, cols, cb, m_use,
+                                        stride_po_i, stride_po_r, stride_pl_i)
+                w1, o1 = _merge_load_gl(part_o, part_lse, m_list, i + 1, i1, rows, rok, cols, cb, m_use,
+                                        stride_po_i, stride_po_r, stride_pl_i)
+                acc, wsum = _merge_step_gl(acc, wsum, w0, o0, i < i1)
+                acc, wsum = _merge_step_gl(acc, wsum, w1, o1, i + 1 < i1)
+            seen = wsum > 0
+            den = gl.where(seen, wsum, 1.0)
+            o = acc / den[:, None]
+            gl.store(out + otok[:, None] * stride_o_t + ohead[:, None] * stride_o_h + cb + cols[None, :],
+                     o.to(ty), mask=rok[:, None] & (cols >= 0)[None, :])
+            if cb == 0:
+                gl.store(lse_out + otok * stride_lse_t + ohead,
+                         gl.where(seen, m_use + gl.log2(den), float("-inf")), mask=rok)
+
+    @gluon.jit(noinline=True)
+    def _fused_merge(cid: gl.constexpr, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
+                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list, merge_cnt,
+                     fuse_max, NHG: gl.constexpr, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
+        # The in-kernel "last arriver" merge (FUSED_MERGE), called by a consumer right after it stored its
+        # partial of an item of request b (rows h0 .. h0 + HPW). Nobody waits for anybody:
+        #   * unit = (request, head group, consumer, warp): each warp of the consumer counts one arrival per item
+        #     of the request on its own counter (4 per (request, head group, consumer)), and the warp that sees
+        #     n - 1 merges the rows it owns in the merge layout (rows = warp mod 4) from all n partials;
+        #   * release: a barrier of the consumer's 128 threads orders all of its partial stores before each
+        #     warp's lane-0 atom.acq_rel.gpu (the CUTLASS semaphore pattern); acquire: that same atomic, then
+        #     bar.warp.sync, partials read through L2 (.cg); the merging warp resets its counter to 0 after the
+        #     merge (the next launch / graph replay starts clean);
+        #   * the merge (_merge_rows) is _merge_parts_kernel's sequential formula in list order: bit-identical.
+        # A real call (noinline), with its own named barrier (id 14 + cid) and per-warp decisions by shuffles: no
+        # shared memory, no partition-wide barrier that a call outside the partition could not rename. Inlined,
+        # the atomic alone made triton 3.6's ptxas spill inside the tile loop. Requests with more than fuse_max
+        # partials are left to the merge kernel (one SM merging many partials is slower than the merge kernel).
+        i0 = gl.load(m_ptr + b)
+        i1 = gl.load(m_ptr + b + 1)
+        n = i1 - i0
+        if (n >= 2) & (n <= fuse_max):
+            if WIDE:
+                grp = gl.program_id(0) % NHG
+            else:
+                grp = gl.program_id(0) * 0
+            cnt = merge_cnt + ((b * NHG + grp) * 2 + cid) * 4     # + this warp (in the asm)
+            wl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # one element per thread; warps: copies
+            lane = gl.arange(0, 32, layout=wl)
+            if cid == 0:
+                prev = gl.inline_asm_elementwise(_ARRIVE_ASM0, "=r,l,r", [cnt + lane * 0, lane], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
+            else:
+                prev = gl.inline_asm_elementwise(_ARRIVE_ASM1, "=r,l,r", [cnt + lane * 0, lane], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
+            last = gl.max(prev, axis=0)    # within the warp (the warps hold copies of the layout): per warp
+            if last == n - 1:
+                _merge_rows(it, i0, i1, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
+                            stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_list, HPW, MTP)
+                gl.inline_asm_elementwise(_RESET_ASM, "=r,r,l", [lane, cnt + lane * 0], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                   part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
+                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
+                  merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -612,6 +759,10 @@ if gluon is not None:
                 _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
+                if FUSED:
+                    _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
+                                 stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
+                                 merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             else:
                 l_i = gl.sum(l_acc, axis=0)
                 if cid == 1:
@@ -652,6 +803,10 @@ if gluon is not None:
                     _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
+                    if FUSED:   # consumer 0 wrote the item's partial (both consumers' states merged)
+                        _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
+                                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
+                                     merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             g += n
 
     @gluon.jit
@@ -659,22 +814,26 @@ if gluon is not None:
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
+                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
+                  FUSED)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
+                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
+                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
+                  FUSED)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -684,7 +843,8 @@ if gluon is not None:
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
                                HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
-                               MTP: gl.constexpr = 0):
+                               MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
+                               FUSED_MERGE: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -729,66 +889,146 @@ if gluon is not None:
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP)),
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP)),
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE)),
         ], [4, 4], [REGS, REGS])
+
+
+@triton.jit
+def _merge_load_tl(part_o, part_lse, m_list, idx, i1, r, rok, offs_c, m_use, stride_po_i, stride_po_r, stride_pl_i):
+    # partial list entry idx (none past i1): its weight exp2(lse - m_use) per row and its rows [ROWS, BLOCK_C]
+    # (zero-weight rows are not read: an empty partial is o = 0, lse = -inf)
+    v = (r * 0 + idx) < i1   # (a row vector: the interpreter takes no scalar masks)
+    p = tl.load(m_list + tl.minimum(idx, i1 - 1)).to(tl.int64)   # (clamped: in the list)
+    lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=rok & v, other=float("-inf"))
+    w = tl.exp2(lse_i - m_use)
+    o = tl.load(part_o + p * stride_po_i + r[:, None] * stride_po_r + offs_c[None, :],
+                mask=(rok & (w > 0))[:, None] & (offs_c >= 0)[None, :], other=0.0)
+    return w, o, v
+
+
+@triton.jit
+def _merge_step_tl(acc, wsum, w, o, v):
+    # one partial into the sums, in list order: acc = fma(o, w, acc) (explicit: no contraction choice left to the
+    # compiler), wsum += w; entries past the list (v false) leave both untouched (a select, not a +0)
+    acc = tl.where(v[:, None], tl.fma(o, w[:, None] + tl.zeros_like(acc), acc), acc)
+    wsum = tl.where(v, wsum + w, wsum)
+    return acc, wsum
+
+
+SEQ_PARTS = 16   # requests with at most this many partials: the fixed sequential merge (fused-merge twin)
 
 
 @triton.jit
 def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_size, H,
                         stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
-                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out/lse of request b, row r (= query token * H + head), columns of block pid 2: a log-sum-exp merge of the
-    request's partials m_list[m_ptr[b]:m_ptr[b+1]], BLOCK_P at a time, in list order (deterministic). The plan
-    sizes BLOCK_P to the longest list (up to 256), so most merges are one round trip to memory."""
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr = 1, min_parts=2,
+                        SEQ: tl.constexpr = 16):
+    """out/lse of request b, rows pid 1 * ROWS + [0, ROWS) (row = query token * H + head), columns of block pid 2:
+    a log-sum-exp merge of the request's partials m_list[m_ptr[b]:m_ptr[b+1]] when it has at least ``min_parts``
+    (>= 2; fewer: written by the decode kernel, itself or by its fused merge). Deterministic either way:
+
+    * at most SEQ partials: the decode kernel's fused merge's formula (``_fused_merge``; bit-identical to it): m =
+      max lse (exact in any order), m_use = m or 0 when all are empty, then in list order w = exp2(lse - m_use),
+      acc = fma(o, w, acc), wsum += w; out = acc / wsum, lse = m_use + log2(wsum) (wsum 0: out 0, lse -inf);
+      partials read 4 at a time.
+    * more: BLOCK_P partials per step (one round trip to memory each), an online merge across the steps (the
+      original formula: many partials are merged in few round trips, B1 L32k's 132 splits in one)."""
     b = tl.program_id(0)
     if b >= tl.load(batch_size):
         return
-    r = tl.program_id(1)
     q0 = tl.load(qo_indptr + b)
-    if r >= (tl.load(qo_indptr + b + 1) - q0) * H:
+    nrows = (tl.load(qo_indptr + b + 1) - q0) * H
+    r0 = tl.program_id(1) * ROWS
+    if r0 >= nrows:
         return
     i0 = tl.load(m_ptr + b)
     i1 = tl.load(m_ptr + b + 1)
-    if i1 - i0 < 2:   # a request done by one work item was written by the decode kernel itself
+    if i1 - i0 < tl.maximum(min_parts, 2):
         return
+    r = r0 + tl.arange(0, ROWS)
+    rok = r < nrows
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_run = float("-inf")
-    wsum = 0.0
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for i in range(i0, i1, BLOCK_P):
-        idx = i + tl.arange(0, BLOCK_P)
-        ok = idx < i1
-        p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
-        lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=ok, other=float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all empty so far: weights 0, not NaN
-        keep = tl.exp2(m_run - m_use)
-        w = tl.exp2(lse_i - m_use)
-        o = tl.load(part_o + p[:, None] * stride_po_i + r * stride_po_r + offs_c[None, :],
-                    mask=ok[:, None] & (w > 0)[:, None], other=0.0)
-        acc = acc * keep + tl.sum(w[:, None] * o, axis=0)
-        wsum = wsum * keep + tl.sum(w, axis=0)
-        m_run = m_new
+    if i1 - i0 <= SEQ:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for i in range(i0, i1, BLOCK_P):
+            idx = i + tl.arange(0, BLOCK_P)
+            ok = idx < i1
+            p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
+            lse2 = tl.load(part_lse + p[:, None] * stride_pl_i + r[None, :], mask=ok[:, None] & rok[None, :],
+                           other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse2, axis=0))
+        m_use = tl.where(m == float("-inf"), 0.0, m)   # all empty: weights 0, not NaN
+        acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+        wsum = tl.zeros([ROWS], tl.float32)
+        for i in range(i0, i1, 4):
+            w0, o0, v0 = _merge_load_tl(part_o, part_lse, m_list, i, i1, r, rok, offs_c, m_use, stride_po_i,
+                                    stride_po_r, stride_pl_i)
+            w1, o1, v1 = _merge_load_tl(part_o, part_lse, m_list, i + 1, i1, r, rok, offs_c, m_use, stride_po_i,
+                                    stride_po_r, stride_pl_i)
+            w2, o2, v2 = _merge_load_tl(part_o, part_lse, m_list, i + 2, i1, r, rok, offs_c, m_use, stride_po_i,
+                                    stride_po_r, stride_pl_i)
+            w3, o3, v3 = _merge_load_tl(part_o, part_lse, m_list, i + 3, i1, r, rok, offs_c, m_use, stride_po_i,
+                                    stride_po_r, stride_pl_i)
+            acc, wsum = _merge_step_tl(acc, wsum, w0, o0, v0)
+            acc, wsum = _merge_step_tl(acc, wsum, w1, o1, v1)
+            acc, wsum = _merge_step_tl(acc, wsum, w2, o2, v2)
+            acc, wsum = _merge_step_tl(acc, wsum, w3, o3, v3)
+    else:
+        m_use = tl.full([ROWS], float("-inf"), tl.float32)   # the running max (0 where all empty so far)
+        m_run = tl.full([ROWS], float("-inf"), tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+        wsum = tl.zeros([ROWS], tl.float32)
+        for i in range(i0, i1, BLOCK_P):
+            idx = i + tl.arange(0, BLOCK_P)
+            ok = idx < i1
+            p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
+            lse_i = tl.load(part_lse + p[:, None] * stride_pl_i + r[None, :], mask=ok[:, None] & rok[None, :],
+                            other=float("-inf"))
+            m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            keep = tl.exp2(m_run - m_use)
+            w = tl.exp2(lse_i - m_use[None, :])
+            o = tl.load(part_o + p[:, None, None] * stride_po_i + r[None, :, None] * stride_po_r
+                        + offs_c[None, None, :], mask=(ok[:, None] & rok[None, :] & (w > 0))[:, :, None], other=0.0)
+            acc = acc * keep[:, None] + tl.sum(w[:, :, None] * o, axis=0)
+            wsum = wsum * keep + tl.sum(w, axis=0)
+            m_run = m_new
     seen = wsum > 0
-    o = acc / tl.where(seen, wsum, 1.0)
+    den = tl.where(seen, wsum, 1.0)
+    o = acc / den[:, None]
     tok = (q0 + r // H).to(tl.int64)
     head = r % H
-    tl.store(out + tok * stride_o_t + head * stride_o_h + offs_c, o.to(out.dtype.element_ty))
+    tl.store(out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_c[None, :],
+             o.to(out.dtype.element_ty), mask=rok[:, None] & (offs_c >= 0)[None, :])
     if tl.program_id(2) == 0:
-        m_fin = tl.where(m_run == float("-inf"), 0.0, m_run)
-        lse = tl.where(seen, m_fin + tl.log2(tl.where(seen, wsum, 1.0)), float("-inf"))
-        tl.store(lse_out + tok * stride_lse_t + head, lse)
+        tl.store(lse_out + tok * stride_lse_t + head, tl.where(seen, m_use + tl.log2(den), float("-inf")), mask=rok)
 
 
-def merge_blocks(max_parts: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_C) of the merge: all of a request's partials in one step when they fit 256."""
+def merge_blocks(max_parts: int, batch: int = 0, rows: int = 16, n_sm: int = 132) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the merge for requests of up to ``max_parts`` partials. More than SEQ_PARTS: the
+    chunked path's sizes (all of a request's partials in one step when they fit 256, BLOCK_P x BLOCK_C <= 8192,
+    one row per program). Else BLOCK_P covers the list (the max pass) and BLOCK_C is the widest column block
+    (128..512) that still gives >= 2 programs per SM with ``merge_tile``'s rows when ``batch`` (the real batch, if
+    known) is given; any value is correct for any later plan (both paths loop)."""
     bp = min(256, max(2, 1 << (max(1, max_parts) - 1).bit_length()))
-    return bp, min(DC, max(32, 8192 // bp))
+    if max_parts > SEQ_PARTS:
+        return bp, min(DC, max(32, 8192 // bp))
+    c = DC
+    while c > 128 and batch and batch * -(-rows // max(1, 1024 // c)) * (DC // c) < 2 * n_sm:
+        c //= 2
+    return bp, c
+
+
+def merge_tile(block_c: int) -> int:
+    """Rows per merge program for column block ``block_c``: 1024 fp32 per program when the columns are the
+    sequential path's (>= 128: 8 per thread, 4 partials in flight), one row for the chunked path's narrow blocks
+    (its step already loads BLOCK_P x BLOCK_C)."""
+    return max(1, 1024 // block_c) if block_c >= 128 else 1
 
 
 def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
@@ -897,13 +1137,19 @@ def kv_descriptors(ckv_cache, kpe_cache):
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
-           causal: bool = True):
+           causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
     variant) it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots. ``max_qo`` >= 2: the
     multi-token variant (``mtp_config``; each request's qo_len is read from qo_indptr on the device, up to
-    max_qo; ``causal`` aligns its queries to the end); ``max_rows`` is then max_qo x num_heads."""
+    max_qo; ``causal`` aligns its queries to the end); ``max_rows`` is then max_qo x num_heads.
+
+    ``fused_merge``: the decode kernel merges every split request with at most ``fuse_max`` partials itself (the
+    last CTA to write one of a (request, head group, consumer) unit's partials merges them, ``_fused_merge``;
+    needs ``t["merge_cnt"]``, int32 zeros, ``merge_counters`` entries); the merge kernel then runs only for the
+    requests with more partials, and is not launched at all when ``fuse_max >= FUSE_ALL``. ``merge`` False skips
+    the merge kernel in any case (timing probes)."""
     LOG2E = 1.4426950408889634
     hpw, nhg, wide = row_config(num_heads, max_qo)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
@@ -913,6 +1159,16 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     if po.shape[1] < padded_heads(num_heads, max_qo) or pl.shape[1] < padded_heads(num_heads, max_qo):
         raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads, max_qo)} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
+    import torch
+    fused = {}
+    if fused_merge:   # (not passed when off: the JIT key and the SASS stay those of the measured kernel)
+        cnt = t.get("merge_cnt")
+        need = merge_counters(grid_batch, num_heads, max_qo)
+        if cnt is None or cnt.dtype != torch.int32 or cnt.numel() < need:
+            raise ValueError(f"t['merge_cnt']: fused merge needs an int32 tensor of >= {need} zeros, got "
+                             f"{None if cnt is None else (cnt.dtype, cnt.numel())}")
+        fused = dict(m_ptr=t["m_ptr"], m_list=t["m_list"], merge_cnt=cnt, fuse_max=min(int(fuse_max), FUSE_ALL),
+                     FUSED_MERGE=True)
     # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
     mla_decode_sm90_kernel[(grid,)](
         kv_desc, kpe_desc, kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0],
@@ -920,13 +1176,15 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), num_warps=4)
-    if not merge:
+        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, num_warps=4)
+    if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
-    _merge_parts_kernel[(grid_batch, max_rows, DC // merge_c)](
+    rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows))
+    _merge_parts_kernel[(grid_batch, triton.cdiv(max_rows, rows_blk), DC // merge_c)](
         out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, num_warps=4)
+        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=(fuse_max + 1) if fused_merge else 2,
+        SEQ=SEQ_PARTS, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -944,7 +1202,9 @@ KERNEL_SIGNATURE = {
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
     "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
-    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr"}
+    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr",
+    # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
+    "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -954,12 +1214,14 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
-                   heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True) -> dict:
+                   heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
+                   fused_merge: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
-    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not."""
+    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
+    last-arriver merge (``FUSED_MERGE``)."""
     import collections
     import os
     import re
@@ -978,6 +1240,11 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     hpw, nhg, wide = row_config(heads, max_qo)
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
+    consts["FUSED_MERGE"] = bool(fused_merge)
+    if not fused_merge:   # as launch() passes them when off: absent, i.e. the defaults (constexpr None)
+        for n in ("m_ptr", "m_list", "merge_cnt", "fuse_max"):
+            sig[n] = "constexpr"
+            consts[n] = None
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
