@@ -81,7 +81,7 @@ class _Staging:
         struct.pack_into(fmt, self.mem[i], 0, *vals)
         self.dev.copy_(self.host[i], non_blocking=True)
         if ev is not None:
-            ev[i].record()
+            ev[i].record(torch.cuda.current_stream(self.dev.device))  # the stream the copy went to
 
 
 class DecodeRunner:
