@@ -9,7 +9,8 @@ pages 1/64, odd lengths (0/1/63/65/97/514/...) with NaN in every unused slot, B1
 <= decode_sm90.SEQ_PARTS partials; longer lists fused with 'all' are checked against float64 only), float64 error,
 arrival counters back at 0 after every run, 100 reruns bit-identical (a missing release/acquire would show as a
 run-to-run difference), CUDA-graph replay after a re-plan through MLAPagedAttention (FP8MLA_GLUON_FUSED_MERGE=1).
-Timings (CUDA graphs, L2 flushed, median): kernel without any merge (a lower bound, output not merged), kernel +
+Timings (CUDA graphs, L2 flushed, median): kernel without any merge (a lower bound, output not merged; built
+without and with FUSED_MERGE, nothing fused: the fused build's cost in the tile loop), kernel +
 merge kernel (today's path), fused with every request ('all': no merge launch), fused <= 16 + merge kernel for
 longer lists; floor = KV bytes / the read ceiling measured in this process. Writes $OUT/fused_merge.json.
 """
@@ -45,7 +46,7 @@ class FPlan(dv.Plan):
 
     def __init__(self, c, *, fused=False, fuse_max=None, merge=True, **kw):
         super().__init__(c, merge=merge, **kw)
-        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
         m_ptr = self.t["m_ptr"].tolist()
         self.max_parts = max(b - a for a, b in zip(m_ptr, m_ptr[1:])) if self.B else 1
         self.merge_p, self.merge_c = dsm.merge_blocks(self.max_parts, self.B, c["H"], n_sm)
@@ -197,13 +198,18 @@ def run_bench(reps=30):
         try:
             c = dv.make_case([L] * B, H, 64, seed=B + H, nan_pool=False, spare=8)
             row = dict(shape=name, floor=B * L * (DC + DK) / (read * 1e9) * 1e3, target=TARGETS[(H, B, L)])
-            for tag, kw in (("kernel_only", dict(merge=False)), ("separate", {}), ("fused_all", dict(fused=True)),
+            # kernel_only / fused_kernel_only: no merge at all (output not merged), the kernel built without /
+            # with FUSED_MERGE (fuse_max 1: nothing fused): what the fused build costs the tile loop
+            for tag, kw in (("kernel_only", dict(merge=False)), ("fused_kernel_only",
+                                                                  dict(fused=True, fuse_max=1, merge=False)),
+                            ("separate", {}), ("fused_all", dict(fused=True)),
                             ("fused16", dict(fused=True, fuse_max=dsm.SEQ_PARTS))):
                 p = FPlan(c, **kw)
                 row[tag] = dv.graph_ms(p.run, flush, reps=reps)
                 row["parts"] = p.max_parts
                 del p
-            log(f"  {name:16s} parts {row['parts']:3d}  kernel-only {row['kernel_only']:.4f}  separate "
+            log(f"  {name:16s} parts {row['parts']:3d}  kernel-only {row['kernel_only']:.4f} (fused build "
+                f"{row['fused_kernel_only']:.4f})  separate "
                 f"{row['separate']:.4f}  fused-all {row['fused_all']:.4f}  fused<=16 {row['fused16']:.4f} ms  "
                 f"floor {row['floor']:.4f}")
             table.append(row)
@@ -234,7 +240,8 @@ def main():
     for r in table:
         best = min(r["fused_all"], r["fused16"])
         log(f"  {r['shape']:16s} separate {r['separate']:.4f}  fused-all {r['fused_all']:.4f}  fused<=16 "
-            f"{r['fused16']:.4f}  kernel-only {r['kernel_only']:.4f} ms  (saved {1e3 * (r['separate'] - best):.1f} "
+            f"{r['fused16']:.4f}  kernel-only {r['kernel_only']:.4f} / fused build {r['fused_kernel_only']:.4f} ms  "
+            f"(saved {1e3 * (r['separate'] - best):.1f} "
             f"us; merge was {1e3 * (r['separate'] - r['kernel_only']):.1f} us)  floor {r['floor']:.4f} target "
             f"{r['target']:.3f}  parts {r['parts']}")
     log(f"run time {time.time() - T0:.0f} s")

@@ -15,7 +15,12 @@ Design (../shared/DECODE_V2.md, "swap-AB with register operands"): one persisten
     range factor are folded into Q before its fp16 rounding (as the Triton kernel does), so FP8 -> fp16 is
     exact and Q keeps fp16 precision without overflow.
   * each consumer writes its own normalized partial (o, lse base 2) per work item; a small Triton kernel merges
-    a request's partials by log-sum-exp in a fixed order (bit-identical reruns).
+    a request's partials by log-sum-exp in a fixed order (bit-identical reruns). With ``FUSED_MERGE`` (off unless
+    the adapter's switch is on) the kernel merges them itself: after writing a partial, each warp of the consumer
+    counts an arrival on its own counter (acq_rel, gpu scope, after a barrier of the consumer), and the warp that
+    arrives last merges its rows of all the request's partials in list order (``_fused_merge``: a noinline call,
+    no waiting, counters reset to 0 by the merger), bit-identical to the merge kernel for lists of up to
+    ``SEQ_PARTS`` partials; requests with more than ``fuse_max`` partials stay on the merge kernel.
 
 Work items come from the host plan (``schedule``): the concatenated 64-token tiles of all requests are cut into
 one contiguous range per CTA (FlashMLA-style), a range split at request boundaries into items
