@@ -438,3 +438,32 @@ def test_host_schedule_memos_match_fresh_schedules():
                 assert got == mod.schedule_host(host, 16, num_indices=B * W, **kw), (name, trial, step)
             L = [n + [0, 1, 1, 2, 50][int(torch.randint(0, 5, (1,), generator=g))] for n in L]
     assert hits["triton"] > 100 and hits["gluon"] > 50, hits  # the memo paths ran
+
+
+@pytest.mark.skipif("triton" not in fp8mla.available_backends("cpu"), reason="needs the triton backend here")
+def test_runner_fast_plan_still_refuses_bad_lengths(monkeypatch):
+    """The runner's trusted re-plan (MLAPagedAttention._replan_rows) skips re-validating the spec and the table it
+    made, not the lengths: a length past the block table's rows is refused naming the request, the reservation is
+    given back, and an unknown sequence id is refused by the cache (its own error)."""
+    from fp8mla.models import DeepseekMLAModel
+    from fp8mla.models.runner import DecodeRunner
+    model = DeepseekMLAModel("tiny", 1, dtype=torch.bfloat16, backend="triton", fused=True)
+    cache = model.make_cache(64, 16, "fp8_e4m3")
+    ids = [cache.add_sequence() for _ in range(3)]
+    cache.reserve(ids, [40, 7, 20])
+    r = DecodeRunner(model, cache, max_batch=4, max_context=64, use_cuda_graph=False)
+    r.use_cuda_graph = True
+    monkeypatch.setattr(r, "_capture", lambda g: None)
+    prefix = [cache.seq_len(s) for s in ids]
+    r.begin_step(ids, prefix).cancel()
+    assert r._graphs[4]["fast"] and r._graphs[4]["attn"]._rows_fast is not None  # the trusted path is taken
+    before = [(cache.seq_len(s), list(cache.pages(s))) for s in ids]
+    with pytest.raises(ValueError, match=r"^kv_len: request 1 has kv_len 65, expected 0 <= kv_len <= .* = 64"):
+        r.begin_step(ids, [40, 64, 20])
+    assert [(cache.seq_len(s), list(cache.pages(s))) for s in ids] == before
+    with pytest.raises(KeyError, match="seq_id"):
+        r.begin_step(ids + [99], prefix + [5])
+    assert [(cache.seq_len(s), list(cache.pages(s))) for s in ids] == before
+    st = r.begin_step(ids, prefix)  # and the runner still plans
+    assert r._graphs[4]["attn"].layout.kv_lens == [p + 1 for p in prefix] + [0]
+    st.cancel()

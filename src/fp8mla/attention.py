@@ -231,6 +231,10 @@ class MLAPagedAttention:
             B = lay.batch_size
             W = lay.kv_indices.numel() // max(1, B)
             qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W))
+            h = lay.host
+            if h is None or h["qo_indptr"].tolist() != qo or h["kv_indptr"].tolist() != kvp:  # (once per table)
+                raise RuntimeError("_replan_rows: the last plan must be the rows of a block table, one query each "
+                                   "(PagedLayout.decode_rows / from_block_table)")
             views = (buf.buf["qo_indptr"][: B + 1], buf.buf["kv_indptr"][: B + 1], buf.buf["kv_len"][:B])
             mod = backends._module(p.backend)  # its replan_rows (only the schedule is new), else build
             fast = self._rows_fast = (lay.kv_indices, B, W * lay.page_size, qo, kvp, views,
