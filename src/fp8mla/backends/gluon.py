@@ -45,6 +45,15 @@ GLUON_MTP = True
 # split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF until its H200 check
 # (scripts/decode_split_device.py); FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
 GLUON_SPLIT_DIMS = False
+# The software-pipelined H <= 16 kernel (decode_sm90_pipe: each consumer issues the QK of its next tile before the
+# softmax of its current one; NS 5, same plan arrays, grid, partials and merge): OFF until its H200 check
+# (scripts/decode_pipe_device.py); FP8MLA_GLUON_PIPE=1 turns it on, =0 off. One query per request only.
+GLUON_PIPELINED = False
+
+
+def pipelined_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_PIPE", "")
+    return env == "1" if env in ("0", "1") else GLUON_PIPELINED
 
 
 # In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
@@ -173,6 +182,9 @@ class GluonPlan:
         if self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
             from ..kernels import decode_sm90_split
             launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
+        elif self.max_qo == 1 and self.spec.num_heads <= k.HP and pipelined_enabled():
+            from ..kernels import decode_sm90_pipe
+            launch = decode_sm90_pipe.launch_for_plan   # same arguments, plan arrays, grid, partials; its own NS
         launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
                  grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,

@@ -195,7 +195,6 @@ if gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
         pid = gl.program_id(0)
-        h0 = pid * 0
         i0 = gl.load(cta_ptr + pid)
         i1 = gl.load(cta_ptr + pid + 1)
         ckv_scale = gl.load(scales)
@@ -539,3 +538,10 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
             "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
             "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
+
+
+def launch_for_plan(*args, ns: int = NS_DEFAULT, **kw):
+    """``launch`` as the gluon backend calls it (``GluonPlan.run``, switch ``GLUON_PIPELINED``): the plan's ``ns``
+    (its ``num_stages`` option, sized for decode_sm90's ring) is replaced by this kernel's own NS_DEFAULT, which
+    the pipelined consumers need for load slack (see the module docstring)."""
+    return launch(*args, ns=NS_DEFAULT, **kw)
