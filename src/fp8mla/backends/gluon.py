@@ -423,10 +423,11 @@ class _GraphBuffers:
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        # the arrays schedule_host fills, in its order (m_list, the identity, stays outside: written once)
+        # the arrays schedule_host fills (m_list, the identity, stays outside: written once), the one that changes
+        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed)
         # (each rounded up to 4 entries: every view starts 16-byte aligned, as separate allocations did)
         self.sizes = {key: -(-n // 4) * 4 for key, n in dict(
-            qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi, item_t1=mi,
+            kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi, item_t1=mi,
             m_ptr=mb + 1, batch_size=1).items()}
         self.flat = torch.zeros(sum(self.sizes.values()), **i32)
         self.buf, o = {}, 0

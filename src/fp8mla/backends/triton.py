@@ -395,8 +395,10 @@ class _GraphBuffers:
         self.max_kv_indices = opts["max_kv_indices"]
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        self.sizes = dict(qo_indptr=mb + 1, kv_indptr=mb + 1, kv_len=mb, split_indptr=mb + 1, num_items=1,
-                          batch_size=1, item_req=mi, item_start=mi, item_end=mi, item_part=mi)
+        # the arrays that change every decode step first (a caller staging them through ``sink`` copies only up
+        # to the last one changed: kv_len and item_end while the splits stay, see schedule_host)
+        self.sizes = dict(kv_len=mb, item_end=mi, qo_indptr=mb + 1, kv_indptr=mb + 1, split_indptr=mb + 1,
+                          num_items=1, batch_size=1, item_req=mi, item_start=mi, item_part=mi)
         self.flat = torch.zeros(sum(self.sizes.values()), **i32)
         self.buf, o = {}, 0
         for k, n in self.sizes.items():

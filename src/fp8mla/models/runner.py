@@ -62,24 +62,29 @@ class _Staging:
     one buffer."""
 
     def __init__(self, dev: torch.Tensor, n: int = 4):
-        self.dev, self.i = dev, 0
+        self.dev, self.i, self.views = dev, 0, {}
         cuda = dev.is_cuda
         self.host = [torch.empty(dev.numel(), dtype=torch.int32, pin_memory=cuda) for _ in range(n if cuda else 1)]
         self.events = [torch.cuda.Event() for _ in self.host] if cuda else None
         self.mem = [(ctypes.c_char * (4 * t.numel())).from_address(t.data_ptr()) for t in self.host]
 
     def copy(self, fmt: str, vals: list) -> None:
-        """Pack ``vals`` by ``fmt`` (exactly the device buffer's bytes) and copy them into it (asynchronously)."""
+        """Pack ``vals`` by ``fmt`` (the device buffer's first bytes, up to all) and copy them into it
+        (asynchronously)."""
         i, ev = self.i, self.events
+        n = struct.calcsize(fmt) // 4
         if ev is not None:
             if not ev[i].query():  # (a never-recorded event counts as done)
-                buf = bytearray(struct.calcsize(fmt))
+                buf = bytearray(4 * n)
                 struct.pack_into(fmt, buf, 0, *vals)
-                self.dev.copy_(torch.frombuffer(buf, dtype=torch.int32).pin_memory(), non_blocking=True)
+                self.dev[:n].copy_(torch.frombuffer(buf, dtype=torch.int32).pin_memory(), non_blocking=True)
                 return
             self.i = (i + 1) % len(self.host)
         struct.pack_into(fmt, self.mem[i], 0, *vals)
-        self.dev.copy_(self.host[i], non_blocking=True)
+        v = self.views.get((i, n))
+        if v is None:
+            v = self.views[(i, n)] = (self.dev[:n], self.host[i][:n])
+        v[0].copy_(v[1], non_blocking=True)
         if ev is not None:
             ev[i].record(torch.cuda.current_stream(self.dev.device))  # the stream the copy went to
 
@@ -277,8 +282,17 @@ class DecodeRunner:
         fmt = g["fmt"].get(B)
         if fmt is None:  # the runner's part of the struct format, per batch size (padding: zero bytes)
             fmt = g["fmt"][B] = f"={B}q{8 * pad}x{2 * Bb}q{Bb}i{B}i{4 * pad}x"
-        fmt, vals = pack_ints(sink, "i", [fmt], [*prefix, *slots, *ents, *rows, *pages])
+        # The plan's arrays: those up to the last one that changed since this bucket's last copy (its buffers hold
+        # the rest; the backends put the ones that change every step first). The same list object, or a short
+        # equal one, is the same array: the schedules' lists are never changed once made.
+        prev, n = g["staged"], len(sink)
+        if prev is not None and len(prev) == n:
+            while n and (sink[n - 1][0] is prev[n - 1] or (len(prev[n - 1]) < 4 and sink[n - 1][0] == prev[n - 1])):
+                n -= 1
+        fmt, vals = pack_ints(sink[:n], "i", [fmt], [*prefix, *slots, *ents, *rows, *pages])
+        g["staged"] = None  # (until the copy below was made)
         g["staging"].copy("".join(fmt), vals)
+        g["staged"] = [v for v, _ in sink]
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared), then the bucket's rows into its table.
         self._table_flat.scatter_(0, g["ents"], g["pages"])
@@ -343,7 +357,7 @@ class DecodeRunner:
             pos=stage[: 2 * Bb].view(torch.int64), ents=stage[4 * Bb: 6 * Bb].view(torch.int64),
             rows=stage[6 * Bb: 7 * Bb], pages=stage[7 * Bb: 8 * Bb], fmt={}, zeros=[0] * Bb,
             pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb,
-            staging=_Staging(stage))
+            staging=_Staging(stage), staged=None)
         return g
 
     def _run_bucket(self, g: dict) -> torch.Tensor:
