@@ -482,6 +482,8 @@ class _GraphBuffers:
         planned from the buffer itself)."""
         if self.sink is not None:
             self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
+            if kv_indices.data_ptr() == self.buf["kv_indices"].data_ptr():  # planned from the buffer itself
+                return self.buf
             return self.load(dict(kv_indices=kv_indices))
         from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
         self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
