@@ -76,6 +76,9 @@ def test_compiles_for_sm90a(page, ns, tmp_path):
     steady = [x for x in _sass_loops(sass.read_text()) if x["HGMMA"] == 68]
     assert len(steady) >= 2, _sass_loops(sass.read_text())
     assert all(x["LDS.U8"] == 0 for x in steady)
+    import triton
+    if triton.__version__.startswith("3.6"):   # the H200's compiler: no spill code between the HGMMAs at all
+        assert all(x["LDL"] == 0 and x["STL"] == 0 for x in r["loops"] + steady), (r["loops"], steady)
     assert r["smem"] <= k.SMEM_LIMIT
     assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]
 
@@ -310,8 +313,7 @@ def test_pipe_odd_lengths_nan_pools(pipe, H, page):
 def test_pipe_many_splits_bit_identical_reruns_and_matches_current(pipe, monkeypatch, min_chunk):
     b = make_paged_batch([32768, 65, 4097], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=min_chunk)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
-    ref_o, ref_lse = b.reference()
-    assert_close(out, ref_o, 3e-3, "out")
+    assert_close(out, b.reference()[0], 3e-3, "out")
     o1, l1 = out.clone(), lse.clone()
     attn.run(**b.run_args, out=out, lse=lse, return_lse=True)
     assert torch.equal(out, o1) and torch.equal(lse, l1)

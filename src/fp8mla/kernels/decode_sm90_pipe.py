@@ -28,6 +28,20 @@ to the 32 KB shared-memory exchange buffer (5 x 36 KB + Q^T 36 KB + P^T 4 KB + 3
 read the same addresses, ld.global.cg after an mbarrier acquire), and consumer 0 then writes the item's final
 partial (or out) over it. m and l still go through shared memory. NS <= 4 keeps the shared-memory exchange.
 
+Softmax max (``RED``, default on): the column max over the tile's 64 tokens spans the 4 warps of a consumer.
+triton's reduction does it in two shared-memory round trips (partials, then the reduced value broadcast) with two
+barriers, and loads the partials with a predicate into a register that ptxas then spills (1 LDL + 1 STL per tile,
+in decode_sm90 too). ``_colmax`` writes each warp's 16 column maxima once, one barrier, and every thread reads the
+4 x 4 values of its own MMA columns (a layout whose slice is the MMA's: the convert is free). A max is exact in any
+order: the same m as gl.max. Still on the chain (P needs the tile's max); FlashMLA-style per-warp maxima with a
+later fix-up would change the rounding of P (not bit-identical) and were not tried.
+
+Compile (sm_90a, triton's ptxas, page 64, NS 5; ``compile_report``): triton 3.6 (the H200's) 168 registers at
+launch (setmaxnreg 240 / 24 as decode_sm90), 48 B spill stores / 44 B loads, none between a consumer's first and
+last HGMMA (pages 1/16, NS 3/4 likewise; RED off: 1 LDL + 1 STL per tile as decode_sm90); 68 HGMMA 64x16x16 per
+steady-state iteration (QK 36 + P.V 32), LDS.U8 only outside the loops (1), no C7512; 226.5 KB shared memory.
+triton 3.9: 348 B of spill, ~9 reloads per steady iteration (hoisted loop invariants; not the H200's compiler).
+
 Scope: one query per request, 1..16 heads, the producer's page sizes (1, 16, 32, multiples of 64), FP8 e4m3 with
 per-tensor scales, bf16/fp16 queries (``decode_sm90.supports`` minus MTP / wide). MODE 2 (producer timing probe:
 no HBM traffic) as in decode_sm90; MODE 1 is refused. The merge is ``decode_sm90_split._merge_split_kernel`` (a copy
@@ -80,13 +94,29 @@ if gluon is not None:
         return sT, a16, ap
 
     @gluon.jit
-    def _softmax_tile(sT, row_scale, valid, m_i, l_acc, my_p, mma: gl.constexpr):
+    def _colmax(sT, red, mma: gl.constexpr):
+        # max over the 64 tokens (axis 0, across the 4 warps) of S^T [64, 16]: each warp's 16 column maxima
+        # (in-warp: its 16 rows) to shared memory [4, 16], one barrier, every thread reads all 64 and reduces.
+        # Exact (a max), so the same value as gl.max(sT, axis=0); triton's own cross-warp reduction loads the
+        # partials with a predicate into a register it then spills (1 LDL + 1 STL per tile under triton 3.6).
+        all_l: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])   # a thread: its mma columns
+        pw = gl.max(gl.reshape(sT, [4, 16, 16]), axis=1)
+        red.store(pw)
+        _cta_barrier()
+        mx = gl.max(red.load(all_l), axis=0)
+        return gl.convert_layout(mx, gl.SliceLayout(0, mma))
+
+    @gluon.jit
+    def _softmax_tile(sT, row_scale, valid, m_i, l_acc, my_p, red, mma: gl.constexpr, RED: gl.constexpr):
         # decode_sm90's online softmax over the tile's tokens (axis 0), log2 domain; P^T to shared memory
         tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
         hcol = gl.arange(0, 16, layout=gl.SliceLayout(0, mma))
         sT = sT * row_scale[None, :]
         sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+        if RED:
+            m_new = gl.maximum(m_i, _colmax(sT, red, mma))
+        else:
+            m_new = gl.maximum(m_i, gl.max(sT, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(sT - m_new[None, :])
         l_acc = l_acc * alpha[None, :] + p
@@ -174,9 +204,10 @@ if gluon is not None:
     @gluon.jit
     def _consumer_pipe(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                        q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                       part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
+                       part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem, sm_scale_log2, H,
                        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                       stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr, XG: gl.constexpr):
+                       stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr, XG: gl.constexpr,
+                       RED: gl.constexpr):
         HPW: gl.constexpr = 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HPW, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -201,6 +232,7 @@ if gluon is not None:
         kpe_scale = gl.load(scales + 1)
         my_qpe = qpe_smem.index(cid)
         my_p = pT_smem.index(cid)
+        my_red = red_smem.index(cid)
         bP = my_p.permute((1, 0))
         hq = gl.arange(0, HPW, layout=gl.SliceLayout(1, blk))
         h_ok = hq < H
@@ -268,7 +300,8 @@ if gluon is not None:
                 if vn < 64:
                     _sanitize_tail(kbuf, pbuf, sn, vn)
                 sTn, a3n, apn = _qk_issue(kbuf, pbuf, sn, q_smem, my_qpe, cid, ld_l, ld64_l, a_l, mma)
-                alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + j) * 64, m_i, l_acc, my_p, mma)
+                alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + j) * 64, m_i, l_acc, my_p, my_red, mma,
+                                                  RED)
                 o0, o1, o2, o3, o4, o5, o6, o7, sT = _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7,
                                                               sTn, a3n, apn, True, a_l, L16, kv16_l)
                 mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
@@ -277,7 +310,8 @@ if gluon is not None:
                 jl = j0 + ((n - 1 - j0) // 2) * 2
                 gg = g + jl
                 s = gg % NS
-                alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + jl) * 64, m_i, l_acc, my_p, mma)
+                alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + jl) * 64, m_i, l_acc, my_p, my_red, mma,
+                                                  RED)
                 o0, o1, o2, o3, o4, o5, o6, o7, sT = _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7,
                                                               sT, sT, sT, False, a_l, L16, kv16_l)
                 mbarrier.arrive(empty.index(s), count=1)
@@ -349,25 +383,25 @@ if gluon is not None:
 
     @gluon.jit
     def _pipe_consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                        cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
+                        cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem,
                         sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
                         stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr,
-                        XG: gl.constexpr):
+                        XG: gl.constexpr, RED: gl.constexpr):
         _consumer_pipe(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                        kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
-                       sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
-                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG)
+                       red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
+                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED)
 
     @gluon.jit
     def _pipe_consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                        cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
+                        cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem,
                         sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
                         stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr,
-                        XG: gl.constexpr):
+                        XG: gl.constexpr, RED: gl.constexpr):
         _consumer_pipe(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                        kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
-                       sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
-                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG)
+                       red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
+                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED)
 
     @gluon.jit
     def mla_decode_sm90_pipe_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -376,7 +410,7 @@ if gluon is not None:
                                     sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                     stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                     PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr,
-                                    MODE: gl.constexpr = 0, XG: gl.constexpr = True):
+                                    MODE: gl.constexpr = 0, XG: gl.constexpr = True, RED: gl.constexpr = True):
         # One CTA per schedule slot (16 heads). MODE 2: the producer's timing probe (no HBM traffic).
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -393,6 +427,8 @@ if gluon is not None:
         xo = gl.allocate_shared_memory(gl.float32, [XR, 16], x_l)
         xml = gl.allocate_shared_memory(gl.float32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # RED: the softmax's cross-warp column max through these ([4 warps, 16 heads] per consumer, _colmax)
+        red_smem = gl.allocate_shared_memory(gl.float32, [2, 4, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         RCNT: gl.constexpr = 128 if PAGE == 1 else 1   # page 1: one cp.async arrival per producer thread
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=RCNT)
@@ -408,12 +444,14 @@ if gluon is not None:
                          kbuf, pbuf, ready, empty, 1, NS, PAGE, MODE, False)),
             (_pipe_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                                kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                               xbar, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG)),
+                               xbar, red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG,
+                               RED)),
             (_pipe_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                                kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                               xbar, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG)),
+                               xbar, red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG,
+                               RED)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -429,7 +467,7 @@ def _check_ns(ns: int, global_exchange: bool | None) -> bool:
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            num_heads: int, sm_scale: float, page_size: int, ns: int = NS_DEFAULT, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True,
-           global_exchange: bool | None = None, **_ignored):
+           global_exchange: bool | None = None, red: bool = True, **_ignored):
     """``decode_sm90.launch`` for the pipelined H <= 16 kernel (same plan arrays ``t``, grid = slots, partial
     format, lse base 2). One query per request: of the wide launch's keywords, ``max_rows`` is ignored, ``max_qo``
     must be 1, ``causal`` is ignored, ``fused_merge`` / ``fuse_max`` are ignored (the merge kernel runs for every
@@ -455,7 +493,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        XG=xg, num_warps=4)
+        XG=xg, RED=red, num_warps=4)
     if not merge:
         return
     if DC % merge_c or merge_p & (merge_p - 1):
@@ -471,7 +509,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
 # Compile without a GPU: registers, spills, shared memory, SASS mix (decode_sm90.compile_report's method)
 # --------------------------------------------------------------------------------------------------------------
 def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
-                   aligned_ints: bool = False, global_exchange: bool | None = None, heads: int = 16) -> dict:
+                   aligned_ints: bool = False, global_exchange: bool | None = None, heads: int = 16,
+                   red: bool = True) -> dict:
     """Compile the pipelined kernel for sm_90a with triton's ptxas (no GPU) and count SASS ops (``ops``), plus
     ``loops``: per consumer partition, the HGMMA, STL, LDL and LDS.U8 between its first and last HGMMA (the
     prologue QK, the steady-state loop and the last tile: 36 + 68 + 32 HGMMA m64n16k16)."""
@@ -494,7 +533,7 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "XG": xg}
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "XG": xg, "RED": red}
     for k in consts:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
