@@ -128,6 +128,8 @@ def main() -> int:
         y_eager = model(x, st)
         cache.unreserve(ids)
         runner = DecodeRunner(model, cache, max_batch=B, max_context=ctx + page)
+        if dry:  # the CPU: the graph path's plan into CUDA-graph buffers, run without capture (as the CPU tests)
+            runner.use_cuda_graph, runner._capture = True, lambda g: None
         try:
             r["begin_ms"] = median_ms(lambda: runner.begin_step(ids, prefix), reps)
             r["begin_cold_ms"] = median_ms(lambda: runner.begin_step(ids, prefix), reps, cold=True)
