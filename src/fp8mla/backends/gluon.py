@@ -343,47 +343,36 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
-    # CTA c owns global tiles [c*T//G, (c+1)*T//G); tile x lies in CTA ((x+1)*G - 1)//T. A request within one CTA
-    # is one item (tiles 0..n); one across CTAs c0..c1 is an item per CTA, cut at the CTA boundaries. Every CTA
-    # below G owns a tile, so the CTAs' first items show up in order. (This loop runs every decode step that
-    # changes the tiles: few operations per request, the common case of one boundary inline.)
+    # CTA c owns global tiles [lo[c], lo[c+1]), lo[c] = c*T//G (each owns one or more: G <= T). A request within
+    # one CTA is one item (tiles 0..n); one across CTAs is an item per CTA, cut at the CTA boundaries: walking the
+    # requests and the boundaries together, in order (no division per request; this loop runs every decode step
+    # that changes the tiles). An empty request's item lies in the CTA of the next tile (the last CTA at the end).
+    lo = [c * T // G for c in range(G + 1)]
     req, t0s, t1s, m_ptr = [], [], [], [0]
     ptr = [0] * (num_ctas + 1)   # cta_ptr: each CTA's first item; CTAs from G on: the end
-    cur = n = s = 0              # the last CTA given an item; items so far; tiles so far
+    c = n = s = 0                # the current CTA; items so far; tiles so far
+    nxt = lo[1]                  # the next CTA's first tile
     for b, nt in enumerate(ntiles):
-        if nt:
-            c0 = ((s + 1) * G - 1) // T
-            c1 = ((s + nt) * G - 1) // T     # the CTA of the request's last tile
-        else:   # an empty request: one empty item, in the CTA of the next tile (the last CTA at the end)
-            c0 = c1 = min(((s + 1) * G - 1) // T, Gm) if T else 0
-        if c0 != cur:
-            ptr[c0] = n
-            cur = c0
-        if c0 == c1:
+        if s >= nxt and c < Gm:  # the request starts the next CTA
+            c += 1
+            nxt = lo[c + 1]
+            ptr[c] = n
+        e = s + nt
+        req.append(b)
+        t0s.append(0)
+        n += 1
+        while e > nxt:           # it runs into the next CTA: cut there
+            x = nxt - s
+            t1s.append(x)
             req.append(b)
-            t0s.append(0)
-            t1s.append(nt)
+            t0s.append(x)
+            c += 1
+            ptr[c] = n
             n += 1
-        elif c1 == c0 + 1:
-            x = c1 * T // G - s
-            req += (b, b)
-            t0s += (0, x)
-            t1s += (x, nt)
-            ptr[c1] = n + 1
-            cur = c1
-            n += 2
-        else:   # first CTA from tile 0, middle CTAs whole, last CTA to the end (the ranges are non-empty)
-            xs = [c * T // G - s for c in range(c0 + 1, c1 + 1)]
-            req += [b] * (len(xs) + 1)
-            t0s.append(0)
-            t0s += xs
-            t1s += xs
-            t1s.append(nt)
-            ptr[c0 + 1: c1 + 1] = range(n + 1, n + 1 + c1 - c0)
-            cur = c1
-            n += c1 - c0 + 1
+            nxt = lo[c + 1]
+        t1s.append(nt)
         m_ptr.append(n)
-        s += nt
+        s = e
     ptr[G:] = [n] * (num_ctas + 1 - G)
     items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
     _LAST_ITEMS = ((num_ctas, min_tiles), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
