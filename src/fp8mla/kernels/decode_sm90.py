@@ -447,16 +447,13 @@ if gluon is not None:
         "@p st.relaxed.gpu.global.b32 [a], 0; mov.b32 $0, 0; }")
 
     @gluon.jit
-    def _merge_load_gl(part_o, part_lse, m_list, idx, i1, rows, rok, cols, cb, m_use, stride_po_i, stride_po_r,
-                       stride_pl_i):
-        # _merge_load_tl's twin: partial list entry idx (none past i1), its weights and rows [HPW, CW]; read
-        # through L2 (.cg): the partials were written by other SMs during this launch
-        v = idx < i1
-        p = gl.load(m_list + gl.minimum(idx, i1 - 1)).to(gl.int64)   # (clamped: in the list)
+    def _merge_load_gl(part_o, part_lse, p, v, rows, rok, cols, cb, m_use, stride_po_i, stride_po_r, stride_pl_i):
+        # _merge_load_tl's twin: partial p (none when v is false), its weights and rows [HPW, CW]; read through
+        # L2 (.cg): the partials were written by other SMs during this launch
         lse_i = gl.load(part_lse + p * stride_pl_i + rows, mask=rok & v, other=float("-inf"), cache_modifier=".cg")
         w = gl.exp2(lse_i - m_use)
         o = gl.load(part_o + p * stride_po_i + rows[:, None] * stride_po_r + cb + cols[None, :],
-                    mask=(rok & (w > 0))[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
+                    mask=(rok & v)[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
         return w, o
 
     @gluon.jit
@@ -475,9 +472,10 @@ if gluon is not None:
         # barriers are not renamed to the partition's own).
         # one layout for both passes: rows across the 4 warps, columns (pass 1: list entries) across the lanes,
         # so the max is a warp shuffle and m_use lands in the rows' layout (no shared memory); [HPW, CW] fp32
-        # tiles, 32 per thread
-        ml: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-        CW: gl.constexpr = 4096 // HPW
+        # tiles, 16 per thread (bigger tiles spill here and, through ptxas's view of the call, in the kernel)
+        TPR: gl.constexpr = 1 if HPW == 16 else 2
+        ml: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, 32 // TPR], [4, 1], [1, 0])
+        CW: gl.constexpr = 128 if HPW == 16 else 64
         rows = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(1, ml)), it) + h0
         rok = rows < nrows
         cols = _per_item(gl.arange(0, CW, layout=gl.SliceLayout(0, ml)), it)
@@ -498,18 +496,37 @@ if gluon is not None:
             otok = qtok + rows * 0
             ohead = rows
         ty = out.dtype.element_ty
-        # pass 2, per column block: the partials in list order, two at a time (2 x 8 16-byte loads in flight
+        # pass 2, per column block: the partials in list order, four at a time (4 x 4 16-byte loads in flight
         # per thread)
         for cb in range(0, 512, CW):
             acc = gl.zeros([HPW, CW], gl.float32, ml)
             wsum = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, ml))
-            for i in range(i0, i1, 2):
-                w0, o0 = _merge_load_gl(part_o, part_lse, m_list, i, i1, rows, rok, cols, cb, m_use,
+            # list entries a step ahead (clamped into the list), so each step's 4 partials' loads go out together
+            pa = gl.load(m_list + i0).to(gl.int64)
+            pb = gl.load(m_list + gl.minimum(i0 + 1, i1 - 1)).to(gl.int64)
+            pc = gl.load(m_list + gl.minimum(i0 + 2, i1 - 1)).to(gl.int64)
+            pd = gl.load(m_list + gl.minimum(i0 + 3, i1 - 1)).to(gl.int64)
+            for i in range(i0, i1, 4):
+                na = gl.load(m_list + gl.minimum(i + 4, i1 - 1)).to(gl.int64)
+                nb = gl.load(m_list + gl.minimum(i + 5, i1 - 1)).to(gl.int64)
+                nc = gl.load(m_list + gl.minimum(i + 6, i1 - 1)).to(gl.int64)
+                nd = gl.load(m_list + gl.minimum(i + 7, i1 - 1)).to(gl.int64)
+                w0, o0 = _merge_load_gl(part_o, part_lse, pa, i < i1, rows, rok, cols, cb, m_use, stride_po_i,
+                                        stride_po_r, stride_pl_i)
+                w1, o1 = _merge_load_gl(part_o, part_lse, pb, i + 1 < i1, rows, rok, cols, cb, m_use,
                                         stride_po_i, stride_po_r, stride_pl_i)
-                w1, o1 = _merge_load_gl(part_o, part_lse, m_list, i + 1, i1, rows, rok, cols, cb, m_use,
+                w2, o2 = _merge_load_gl(part_o, part_lse, pc, i + 2 < i1, rows, rok, cols, cb, m_use,
+                                        stride_po_i, stride_po_r, stride_pl_i)
+                w3, o3 = _merge_load_gl(part_o, part_lse, pd, i + 3 < i1, rows, rok, cols, cb, m_use,
                                         stride_po_i, stride_po_r, stride_pl_i)
                 acc, wsum = _merge_step_gl(acc, wsum, w0, o0, i < i1)
                 acc, wsum = _merge_step_gl(acc, wsum, w1, o1, i + 1 < i1)
+                acc, wsum = _merge_step_gl(acc, wsum, w2, o2, i + 2 < i1)
+                acc, wsum = _merge_step_gl(acc, wsum, w3, o3, i + 3 < i1)
+                pa = na
+                pb = nb
+                pc = nc
+                pd = nd
             seen = wsum > 0
             den = gl.where(seen, wsum, 1.0)
             o = acc / den[:, None]
@@ -905,14 +922,14 @@ if gluon is not None:
 
 @triton.jit
 def _merge_load_tl(part_o, part_lse, m_list, idx, i1, r, rok, offs_c, m_use, stride_po_i, stride_po_r, stride_pl_i):
-    # partial list entry idx (none past i1): its weight exp2(lse - m_use) per row and its rows [ROWS, BLOCK_C]
-    # (zero-weight rows are not read: an empty partial is o = 0, lse = -inf)
+    # partial list entry idx (none past i1): its weight exp2(lse - m_use) per row and its rows [ROWS, BLOCK_C],
+    # both loads issued together (an empty partial is o = 0, lse = -inf: weight 0 times 0; its rows are read)
     v = (r * 0 + idx) < i1   # (a row vector: the interpreter takes no scalar masks)
     p = tl.load(m_list + tl.minimum(idx, i1 - 1)).to(tl.int64)   # (clamped: in the list)
     lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=rok & v, other=float("-inf"))
     w = tl.exp2(lse_i - m_use)
     o = tl.load(part_o + p * stride_po_i + r[:, None] * stride_po_r + offs_c[None, :],
-                mask=(rok & (w > 0))[:, None] & (offs_c >= 0)[None, :], other=0.0)
+                mask=(rok & v)[:, None] & (offs_c >= 0)[None, :], other=0.0)
     return w, o, v
 
 
