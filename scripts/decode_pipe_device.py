@@ -56,9 +56,9 @@ pipe.launch_for_plan = _counted   # the backend looks the attribute up at run ti
 class PipePlan(dv.Plan):
     """decode_v2_device's host plan (same schedule, grid, partial rows) launching the pipelined kernel."""
 
-    def __init__(self, c, *, ns=pipe.NS_DEFAULT, xg=None, red=True, **kw):
+    def __init__(self, c, *, ns=pipe.NS_DEFAULT, xg=None, red=True, depth=11, **kw):
         super().__init__(c, ns=ns, **kw)
-        self.xg, self.red = xg, red
+        self.xg, self.red, self.depth = xg, red, depth
 
     def run(self):
         c = self.c
@@ -67,7 +67,7 @@ class PipePlan(dv.Plan):
         pipe.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
                     grid=self.grid, grid_batch=self.B, num_heads=c["H"], sm_scale=c["sm_scale"], page_size=c["page"],
                     ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c, mode=self.mode,
-                    merge=self.merge, global_exchange=self.xg, red=self.red)
+                    merge=self.merge, global_exchange=self.xg, red=self.red, depth=self.depth)
 
 
 def _bits(x):
@@ -227,6 +227,8 @@ def run_checks():
         ("H16 p64 ns3", lambda: check("H16 p64 ns3", mk(odd, 16, 64, seed=83), ns=3, num_ctas=5)),
         ("H16 p64 triton's max reduction", lambda: check("H16 p64 triton's max reduction", mk(odd, 16, 64, seed=84),
                                                          red=False)),
+        ("H16 p64 depth 22 (QK, P.V 2 in flight)", lambda: check("H16 p64 depth 22 (QK, P.V 2 in flight)",
+                                                                  mk(odd, 16, 64, seed=85), depth=22, num_ctas=7)),
     ]
     try:
         checks += _api_checks()
@@ -270,7 +272,8 @@ def run_bench():
         kinds = [("pipe", PipePlan, {}), ("current", dv.Plan, {}), ("pipe_ns4", PipePlan, dict(ns=4))]
         if (H, B) == (16, 64):
             kinds += [("pipe_kernel", PipePlan, dict(merge=False)), ("current_kernel", dv.Plan, dict(merge=False)),
-                      ("pipe_tlred", PipePlan, dict(red=False)),
+                      ("pipe_tlred", PipePlan, dict(red=False)), ("pipe_d12", PipePlan, dict(depth=12)),
+                      ("pipe_d21", PipePlan, dict(depth=21)), ("pipe_d22", PipePlan, dict(depth=22)),
                       ("pipe_cmp_only", PipePlan, dict(mode=2, merge=False)),
                       ("current_cmp_only", dv.Plan, dict(mode=2, merge=False))]
         for name, cls, kw in kinds:
@@ -309,8 +312,8 @@ def main():
         dv._WATCH["name"] = None
     log("")
     log("== pipe summary (ms; % of the HBM floor) ==")
-    keys = ("pipe", "current", "pipe_ns4", "pipe_tlred", "pipe_kernel", "current_kernel", "pipe_cmp_only",
-            "current_cmp_only")
+    keys = ("pipe", "current", "pipe_ns4", "pipe_tlred", "pipe_d12", "pipe_d21", "pipe_d22", "pipe_kernel",
+            "current_kernel", "pipe_cmp_only", "current_cmp_only")
     for r in table:
         f = r["floor"]
         cells = "  ".join(f"{k} {r[k]:.4f} ({100 * f / r[k]:4.1f}%)" for k in keys if k in r)

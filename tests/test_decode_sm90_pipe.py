@@ -54,12 +54,12 @@ def _sass_loops(sass: str) -> list[dict]:
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-@pytest.mark.parametrize("page,ns", [(64, 5), (1, 5), (64, 4)])
-def test_compiles_for_sm90a(page, ns, tmp_path):
+@pytest.mark.parametrize("page,ns,depth", [(64, 5, 11), (1, 5, 11), (64, 4, 11), (64, 5, 22)])
+def test_compiles_for_sm90a(page, ns, depth, tmp_path):
     # In a child process: the CPU suite may run under TRITON_INTERPRET=1, where gluon.jit cannot compile.
     sass = tmp_path / "k.sass"
-    code = ("import json, fp8mla.kernels.decode_sm90_pipe as k; r = k.compile_report(page=%d, ns=%d, "
-            "sass_path=%r); print('REPORT', json.dumps(r))" % (page, ns, str(sass)))
+    code = ("import json, fp8mla.kernels.decode_sm90_pipe as k; r = k.compile_report(page=%d, ns=%d, depth=%d, "
+            "sass_path=%r); print('REPORT', json.dumps(r))" % (page, ns, depth, str(sass)))
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -67,8 +67,8 @@ def test_compiles_for_sm90a(page, ns, tmp_path):
     assert res.returncode == 0 and line, res.stderr[-3000:]
     r = json.loads(line[-1][len("REPORT "):])
     assert not r["serialized_wgmma"], r["ptxas"]
-    # triton 3.6 (the H200's): 60 B of spill at page 64; triton 3.9: ~350 B (see the module docstring)
-    assert sum(st for st, _ in r["spills"]) <= 512, r["spills"]
+    # triton 3.6 (the H200's): 48 B of spill at page 64 (depth 22: 236 B); triton 3.9: ~350 B (depth 22: 672 B)
+    assert sum(st for st, _ in r["spills"]) <= (512 if depth == 11 else 1024), r["spills"]
     # per consumer, from its first to its last HGMMA: prologue QK 36 + steady 68 + last tile P.V 32
     assert [x["HGMMA"] for x in r["loops"]] == [136, 136], r["loops"]
     assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
@@ -77,8 +77,10 @@ def test_compiles_for_sm90a(page, ns, tmp_path):
     assert len(steady) >= 2, _sass_loops(sass.read_text())
     assert all(x["LDS.U8"] == 0 for x in steady)
     import triton
-    if triton.__version__.startswith("3.6"):   # the H200's compiler: no spill code between the HGMMAs at all
-        assert all(x["LDL"] == 0 and x["STL"] == 0 for x in r["loops"] + steady), (r["loops"], steady)
+    if triton.__version__.startswith("3.6"):   # the H200's compiler: no spill code in the steady-state loops,
+        assert all(x["LDL"] == 0 and x["STL"] == 0 for x in steady), steady
+        if depth == 11:                          # and none between a consumer's first and last HGMMA
+            assert all(x["LDL"] == 0 and x["STL"] == 0 for x in r["loops"]), r["loops"]
     assert r["smem"] <= k.SMEM_LIMIT
     assert r["ops"].get("LDS.U8", 0) <= 2, r["ops"]
 
@@ -216,7 +218,8 @@ def test_ring_protocol_deadlocks_at_two_stages():
 # ---- switch and refusals ----------------------------------------------------------------------------------
 def _t(rows=16, items=4):
     i32 = dict(dtype=torch.int32)
-    return dict(part_o=torch.empty(items, rows, 512), part_lse=torch.empty(items, rows), qo_indptr=torch.zeros(2, **i32))
+    return dict(part_o=torch.empty(items, rows, 512), part_lse=torch.empty(items, rows),
+                qo_indptr=torch.zeros(2, **i32))
 
 
 def test_launch_refuses_before_launching():

@@ -36,6 +36,10 @@ in decode_sm90 too). ``_colmax`` writes each warp's 16 column maxima once, one b
 order: the same m as gl.max. Still on the chain (P needs the tile's max); FlashMLA-style per-warp maxima with a
 later fix-up would change the rounding of P (not bit-identical) and were not tried.
 
+Wait depths (``DEPTH`` = 10 x QK + P.V MMA chunks kept in flight while the next chunk is converted; default 11,
+decode_sm90's): 12, 21 and 22 are variants for the device script to time (same ops and order: bit-identical).
+Under triton 3.6: 12 no spill code between the HGMMAs; 21 / 22 236 B of spill, none in the steady-state loop.
+
 Compile (sm_90a, triton's ptxas, page 64, NS 5; ``compile_report``): triton 3.6 (the H200's) 168 registers at
 launch (setmaxnreg 240 / 24 as decode_sm90), 48 B spill stores / 44 B loads, none between a consumer's first and
 last HGMMA (pages 1/16, NS 3/4 likewise; RED off: 1 LDL + 1 STL per tile as decode_sm90); 68 HGMMA 64x16x16 per
@@ -78,20 +82,39 @@ if gluon is not None:
 
     @gluon.jit
     def _qk_issue(kbuf, pbuf, s, q_smem, my_qpe, cid: gl.constexpr, ld_l: gl.constexpr, ld64_l: gl.constexpr,
-                  a_l: gl.constexpr, mma: gl.constexpr):
+                  a_l: gl.constexpr, mma: gl.constexpr, QKW: gl.constexpr):
         # S^T = K . Q^T of stage s: decode_sm90's chunks in its order (0..3, then k_pe) into a zero accumulator;
-        # returns with the MMAs of chunk 3 and k_pe still in flight (their register operands a16, ap returned so
-        # they stay live until the wait that completes them: the first wait of the P.V that follows)
+        # returns with the last MMAs still in flight (QKW 1: chunk 3 and k_pe; QKW 2: chunks 2, 3 and k_pe; their
+        # register operands returned so they stay live until the wait that completes them: the first wait of the
+        # P.V that follows). QKW: K chunks in flight while the next one is converted (decode_sm90: 1).
         sT = gl.zeros([64, 16], gl.float32, mma)
-        for c in gl.static_range(4):
-            a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
-            a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
-            sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
-            sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+        if QKW == 1:
+            for c in gl.static_range(4):
+                a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
+                a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
+                sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
+                sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+            a3 = a16
+            a2 = a16
+        else:
+            a0 = gl.convert_layout(_relabel_k(kbuf.index(s * 4 + 0).load(ld_l).to(gl.float16)), a_l,
+                                   assert_trivial=True)
+            sT = warpgroup_mma(a0, q_smem.index(cid * 4 + 0).permute((1, 0)), sT, is_async=True)
+            a1 = gl.convert_layout(_relabel_k(kbuf.index(s * 4 + 1).load(ld_l).to(gl.float16)), a_l,
+                                   assert_trivial=True)
+            sT = warpgroup_mma(a1, q_smem.index(cid * 4 + 1).permute((1, 0)), sT, is_async=True)
+            a2 = gl.convert_layout(_relabel_k(kbuf.index(s * 4 + 2).load(ld_l).to(gl.float16)), a_l,
+                                   assert_trivial=True)
+            sT = warpgroup_mma(a2, q_smem.index(cid * 4 + 2).permute((1, 0)), sT, is_async=True)
+            sT, a2, a1, a0 = warpgroup_mma_wait(2, deps=(sT, a2, a1, a0))      # chunk 0 done
+            a3 = gl.convert_layout(_relabel_k(kbuf.index(s * 4 + 3).load(ld_l).to(gl.float16)), a_l,
+                                   assert_trivial=True)
+            sT = warpgroup_mma(a3, q_smem.index(cid * 4 + 3).permute((1, 0)), sT, is_async=True)
+            sT, a3, a2, a1 = warpgroup_mma_wait(2, deps=(sT, a3, a2, a1))      # chunk 1 done
         ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
         ap = gl.convert_layout(ap, a_l, assert_trivial=True)
         sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
-        return sT, a16, ap
+        return sT, a3, a2, ap
 
     @gluon.jit
     def _colmax(sT, red, mma: gl.constexpr):
@@ -125,38 +148,48 @@ if gluon is not None:
         return alpha, m_new, l_acc
 
     @gluon.jit
-    def _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7, sTn, a3n, apn, NEXT: gl.constexpr,
-                 a_l: gl.constexpr, L16: gl.constexpr, kv16_l: gl.constexpr):
+    def _pv_wait(o, v, vp, PVW: gl.constexpr):
+        # after chunk k's P.V MMA: PVW chunks may stay in flight (decode_sm90: 1); vp, chunk k - 1's operand,
+        # stays live while its MMA may be in flight
+        if PVW == 1:
+            o, v = warpgroup_mma_wait(1, deps=(o, v))
+        else:
+            o, v, vp = warpgroup_mma_wait(2, deps=(o, v, vp))
+        return o, v, vp
+
+    @gluon.jit
+    def _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7, sTn, a3n, a2n, apn, NEXT: gl.constexpr,
+                 a_l: gl.constexpr, L16: gl.constexpr, kv16_l: gl.constexpr, PVW: gl.constexpr):
         # O^T += V^T . P^T in decode_sm90's 8 chunks of 64 dims. NEXT: the next tile's QK is in flight (issued
-        # before this P.V): the first wait completes it (sTn valid after it; its operands a3n, apn kept live).
+        # before this P.V): the first wait completes it (sTn valid after it; its operands a3n, a2n, apn kept live).
         a2 = alpha[None, :]
         v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
         o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
         if NEXT:
-            o0, v0, sTn, a3n, apn = warpgroup_mma_wait(1, deps=(o0, v0, sTn, a3n, apn))
+            o0, v0, sTn, a3n, a2n, apn = warpgroup_mma_wait(1, deps=(o0, v0, sTn, a3n, a2n, apn))
         else:
             o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
         v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
         o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
-        o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
+        o1, v1, v0 = _pv_wait(o1, v1, v0, PVW)
         v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
         o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
-        o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
+        o2, v2, v1 = _pv_wait(o2, v2, v1, PVW)
         v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
         o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
-        o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
+        o3, v3, v2 = _pv_wait(o3, v3, v2, PVW)
         v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
         o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
-        o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
+        o4, v4, v3 = _pv_wait(o4, v4, v3, PVW)
         v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
         o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
-        o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
+        o5, v5, v4 = _pv_wait(o5, v5, v4, PVW)
         v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
         o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
-        o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
+        o6, v6, v5 = _pv_wait(o6, v6, v5, PVW)
         v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
         o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
-        o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+        o7, v7, v6 = _pv_wait(o7, v7, v6, PVW)
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
         return o0, o1, o2, o3, o4, o5, o6, o7, sTn
 
@@ -207,7 +240,7 @@ if gluon is not None:
                        part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem, sm_scale_log2, H,
                        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                        stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr, XG: gl.constexpr,
-                       RED: gl.constexpr):
+                       RED: gl.constexpr, DEPTH: gl.constexpr):
         HPW: gl.constexpr = 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HPW, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -287,8 +320,8 @@ if gluon is not None:
                 valid = L - (t0 + j0) * 64
                 if valid < 64:
                     _sanitize_tail(kbuf, pbuf, s, valid)
-                sT, a3, ap = _qk_issue(kbuf, pbuf, s, q_smem, my_qpe, cid, ld_l, ld64_l, a_l, mma)
-                sT, a3, ap = warpgroup_mma_wait(0, deps=(sT, a3, ap))
+                sT, a3, a2, ap = _qk_issue(kbuf, pbuf, s, q_smem, my_qpe, cid, ld_l, ld64_l, a_l, mma, DEPTH // 10)
+                sT, a3, a2, ap = warpgroup_mma_wait(0, deps=(sT, a3, a2, ap))
             # -- steady state: QK(j + 2) in flight under softmax(j) --------------------------------------------
             for j in range(j0, n - 2, 2):
                 gg = g + j
@@ -299,11 +332,13 @@ if gluon is not None:
                 vn = L - (t0 + j + 2) * 64
                 if vn < 64:
                     _sanitize_tail(kbuf, pbuf, sn, vn)
-                sTn, a3n, apn = _qk_issue(kbuf, pbuf, sn, q_smem, my_qpe, cid, ld_l, ld64_l, a_l, mma)
+                sTn, a3n, a2n, apn = _qk_issue(kbuf, pbuf, sn, q_smem, my_qpe, cid, ld_l, ld64_l, a_l, mma,
+                                               DEPTH // 10)
                 alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + j) * 64, m_i, l_acc, my_p, my_red, mma,
                                                   RED)
                 o0, o1, o2, o3, o4, o5, o6, o7, sT = _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                              sTn, a3n, apn, True, a_l, L16, kv16_l)
+                                                              sTn, a3n, a2n, apn, True, a_l, L16, kv16_l,
+                                                              DEPTH % 10)
                 mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
             # -- the last own tile ---------------------------------------------------------------------------
             if j0 < n:
@@ -313,7 +348,8 @@ if gluon is not None:
                 alpha, m_i, l_acc = _softmax_tile(sT, row_scale, L - (t0 + jl) * 64, m_i, l_acc, my_p, my_red, mma,
                                                   RED)
                 o0, o1, o2, o3, o4, o5, o6, o7, sT = _pv_tile(kbuf, s, bP, alpha, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                              sT, sT, sT, False, a_l, L16, kv16_l)
+                                                              sT, sT, sT, sT, False, a_l, L16, kv16_l,
+                                                              DEPTH % 10)
                 mbarrier.arrive(empty.index(s), count=1)
             # -- end of item: consumer 1 hands (o, m, l) to consumer 0, which writes the item's result ----------
             l_i = gl.sum(l_acc, axis=0)
@@ -386,22 +422,22 @@ if gluon is not None:
                         cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem,
                         sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
                         stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr,
-                        XG: gl.constexpr, RED: gl.constexpr):
+                        XG: gl.constexpr, RED: gl.constexpr, DEPTH: gl.constexpr):
         _consumer_pipe(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                        kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
                        red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
-                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED)
+                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED, DEPTH)
 
     @gluon.jit
     def _pipe_consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                         cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, red_smem,
                         sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
                         stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS: gl.constexpr,
-                        XG: gl.constexpr, RED: gl.constexpr):
+                        XG: gl.constexpr, RED: gl.constexpr, DEPTH: gl.constexpr):
         _consumer_pipe(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                        kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar,
                        red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i,
-                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED)
+                       stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG, RED, DEPTH)
 
     @gluon.jit
     def mla_decode_sm90_pipe_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -410,7 +446,8 @@ if gluon is not None:
                                     sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                     stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                     PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr,
-                                    MODE: gl.constexpr = 0, XG: gl.constexpr = True, RED: gl.constexpr = True):
+                                    MODE: gl.constexpr = 0, XG: gl.constexpr = True, RED: gl.constexpr = True,
+                                    DEPTH: gl.constexpr = 11):
         # One CTA per schedule slot (16 heads). MODE 2: the producer's timing probe (no HBM traffic).
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -446,12 +483,12 @@ if gluon is not None:
                                kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                                xbar, red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG,
-                               RED)),
+                               RED, DEPTH)),
             (_pipe_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                                kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                                xbar, red_smem, sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, NS, XG,
-                               RED)),
+                               RED, DEPTH)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -467,7 +504,7 @@ def _check_ns(ns: int, global_exchange: bool | None) -> bool:
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            num_heads: int, sm_scale: float, page_size: int, ns: int = NS_DEFAULT, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True,
-           global_exchange: bool | None = None, red: bool = True, **_ignored):
+           global_exchange: bool | None = None, red: bool = True, depth: int = 11, **_ignored):
     """``decode_sm90.launch`` for the pipelined H <= 16 kernel (same plan arrays ``t``, grid = slots, partial
     format, lse base 2). One query per request: of the wide launch's keywords, ``max_rows`` is ignored, ``max_qo``
     must be 1, ``causal`` is ignored, ``fused_merge`` / ``fuse_max`` are ignored (the merge kernel runs for every
@@ -493,7 +530,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        XG=xg, RED=red, num_warps=4)
+        XG=xg, RED=red, DEPTH=depth, num_warps=4)
     if not merge:
         return
     if DC % merge_c or merge_p & (merge_p - 1):
@@ -510,7 +547,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
 # --------------------------------------------------------------------------------------------------------------
 def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    aligned_ints: bool = False, global_exchange: bool | None = None, heads: int = 16,
-                   red: bool = True) -> dict:
+                   red: bool = True, depth: int = 11) -> dict:
     """Compile the pipelined kernel for sm_90a with triton's ptxas (no GPU) and count SASS ops (``ops``), plus
     ``loops``: per consumer partition, the HGMMA, STL, LDL and LDS.U8 between its first and last HGMMA (the
     prologue QK, the steady-state loop and the last tile: 36 + 68 + 32 HGMMA m64n16k16)."""
@@ -533,7 +570,7 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "XG": xg, "RED": red}
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "XG": xg, "RED": red, "DEPTH": depth}
     for k in consts:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
