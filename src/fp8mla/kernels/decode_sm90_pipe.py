@@ -521,7 +521,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     po, pl = t["part_o"], t["part_lse"]
     if po.shape[1] < HP or pl.shape[1] < HP:
         raise ValueError(f"part_o/part_lse: need {HP} head rows per item, got {po.shape[1]}/{pl.shape[1]}")
-    if xg and (po.dtype != __import__("torch").float32 or po.shape[2] != DC or po.stride(2) != 1):
+    import torch
+    if xg and (po.dtype != torch.float32 or po.shape[2] != DC or po.stride(2) != 1):
         raise ValueError(f"part_o: the global exchange needs fp32 [items, >= {HP}, {DC}] rows, got "
                          f"{po.dtype} {tuple(po.shape)} strides {po.stride()}")
     mla_decode_sm90_pipe_kernel[(grid,)](
