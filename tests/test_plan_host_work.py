@@ -469,3 +469,40 @@ def test_runner_fast_plan_still_refuses_bad_lengths(monkeypatch):
     st = r.begin_step(ids, prefix)  # and the runner still plans
     assert r._graphs[4]["attn"].layout.kv_lens == [p + 1 for p in prefix] + [0]
     st.cancel()
+
+
+def test_runner_staging_ring_reuses_only_copied_buffers(monkeypatch):
+    """The runner's staging ring (a GPU's pinned host buffers, each reused only once the copy that read it has
+    run), driven on the CPU with stand-in events: a busy buffer is never rewritten (the step stages through a fresh
+    copy instead), each buffer's event is recorded after its copy, and a shorter format copies only the buffer's
+    first entries (the rest stays as the last full copy left it)."""
+    import ctypes
+    from fp8mla.models.runner import _Staging
+
+    class Event:  # done until recorded; then busy until the test says the copy ran
+        def __init__(self):
+            self.done, self.records = True, 0
+
+        def query(self):
+            return self.done
+
+        def record(self, stream=None):
+            self.records, self.done = self.records + 1, False
+
+    dev = torch.full((8,), -1, dtype=torch.int32)
+    st = _Staging(dev)
+    st.host = [torch.zeros(8, dtype=torch.int32) for _ in range(3)]
+    st.mem = [(ctypes.c_char * 32).from_address(t.data_ptr()) for t in st.host]
+    st.events = [Event() for _ in range(3)]
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())  # (no pinned memory on the CPU)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for step in range(5):   # steps 0..2 take buffers 0..2; 3 and 4 find buffer 0 busy: fresh copies
+        vals = [10 * step + j for j in range(8)]
+        st.copy("=8i", vals)
+        assert dev.tolist() == vals, step
+    assert [h[0].item() for h in st.host] == [0, 10, 20]       # no busy buffer rewritten
+    assert [e.records for e in st.events] == [1, 1, 1] and st.i == 0
+    st.events[0].done = True                                  # buffer 0's copy ran: reused
+    st.copy("=4i", [7, 7, 7, 7])
+    assert dev.tolist() == [7, 7, 7, 7, 44, 45, 46, 47] and st.host[0][:4].tolist() == [7] * 4
+    assert st.events[0].records == 2 and st.i == 1
