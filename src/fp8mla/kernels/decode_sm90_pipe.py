@@ -1,5 +1,6 @@
 """Hopper (sm_90) MLA decode at <= 16 heads, the software-pipelined consumer (issue 11; ``decode_sm90``'s H16 path
-with each consumer's QK of its next tile issued before the softmax of its current one).
+with each consumer's QK of its next tile issued before the softmax of its current one). Not run on a GPU yet: H200
+checks and timings in ``scripts/decode_pipe_device.py``; off in the gluon backend (``GLUON_PIPELINED``).
 
 Same grid, schedule, producer, ring, partial format and merge as ``decode_sm90``'s H16 kernel (``WIDE = False``:
 one CTA per schedule slot, two consumer warpgroups take ALTERNATE 64-token tiles of the ring, S^T [64 tok, 16 heads]
@@ -17,15 +18,16 @@ Per tile the ops and their order are those of ``decode_sm90._consumer`` (QK chun
 accumulator, the same softmax, the same P.V chunks): partials and outputs are bit-identical to it.
 
 Ring: a consumer holds two stages (tile j for V, tile j + 2 for K), the two consumers four. The release of tile t
-needs ready(t + 2), which needs the release of t + 2 - NS: NS >= 3 is deadlock-free, but the producer can only
-refill stage t + 2 - NS + NS... concretely the wait for ready(j + 2) at the start of consumer c's iteration has
-latency slack of: NS 3: none (it needs the OTHER consumer's current tile released: the consumers serialize),
-NS 4: none (it needs this consumer's previous tile, released just before: a full HBM latency per tile), NS 5: about
-half a consumer iteration (the other consumer's previous tile). So the default is NS = 5, which does not fit next
+needs ready(t + 2), which needs the release of t + 2 - NS: NS >= 3 is deadlock-free (NS 2 deadlocks; the protocol
+is emulated in tests/test_decode_sm90_pipe.py), and the wait for ready(j + 2) at the start of consumer c's
+iteration has latency slack of: NS 3: none (it needs the OTHER consumer's current tile released: the consumers
+serialize), NS 4: none (it needs this consumer's previous tile, released just before: a full HBM latency per
+tile), NS 5: about half a consumer iteration (the other consumer's previous tile; decode_sm90 at NS 3 has the same
+slack). So the default is NS = 5, which does not fit next
 to the 32 KB shared-memory exchange buffer (5 x 36 KB + Q^T 36 KB + P^T 4 KB + 32 KB > 227 KB): with
 ``XG`` (default for NS >= 5) consumer 1 hands its raw O^T to consumer 0 through the item's own fp32 partial slot
 ``part_o[item]`` in global memory (16 rows x 512 = exactly O^T; every item has a slot; the same threads write and
-read the same addresses, ld.global.cg after an mbarrier acquire), and consumer 0 then writes the item's final
+read the same addresses: plain LDG after a CTA barrier and an mbarrier release/acquire, no .nc path), and consumer 0 then writes the item's final
 partial (or out) over it. m and l still go through shared memory. NS <= 4 keeps the shared-memory exchange.
 
 Softmax max (``RED``, default on): the column max over the tile's 64 tokens spans the 4 warps of a consumer.
@@ -119,7 +121,8 @@ if gluon is not None:
     @gluon.jit
     def _colmax(sT, red, mma: gl.constexpr):
         # max over the 64 tokens (axis 0, across the 4 warps) of S^T [64, 16]: each warp's 16 column maxima
-        # (in-warp: its 16 rows) to shared memory [4, 16], one barrier, every thread reads all 64 and reduces.
+        # (in-warp: its 16 rows) to shared memory [4, 16], one barrier, every thread reads the 4 warps' values of
+        # its own 4 MMA columns and reduces them.
         # Exact (a max), so the same value as gl.max(sT, axis=0); triton's own cross-warp reduction loads the
         # partials with a predicate into a register it then spills (1 LDL + 1 STL per tile under triton 3.6).
         all_l: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])   # a thread: its mma columns
