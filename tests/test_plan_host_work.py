@@ -415,6 +415,23 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         assert int(t["batch_size"][0]) == B and torch.equal(t["kv_len"][:B], L)
         st.committed = True  # (no forward: the reserved token counts as written)
     assert 0 < kept < 24, kept  # both paths ran (lengths 1000 - 7i cross a tile boundary on some steps)
+    # A captured bucket (a stand-in graph, never replayed here): its plan object stays through tile changes (the
+    # graph holds its launch configuration), and the buffers still hold each step's device schedule.
+    r._graphs[B]["graph"] = object()
+    impl = attn._plan.impl
+    for step in range(8):
+        prefix = [cache.seq_len(s) for s in ids]
+        st = r.begin_step(ids, prefix)
+        assert attn._plan.impl is impl
+        t, L = impl.t, torch.tensor([p + 1 for p in prefix], dtype=torch.int32)  # the true lengths
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
+        n = int(want["m_ptr"][-1])
+        assert torch.equal(t["cta_ptr"][: want["cta_ptr"].numel()], want["cta_ptr"]), step
+        for key in ("item_req", "item_t0", "item_t1"):
+            assert torch.equal(t[key][:n], want[key][:n]), (step, key)
+        assert torch.equal(t["kv_len"][:B], L)
+        st.committed = True
+    r._graphs[B]["graph"] = None
 
 
 def test_host_schedule_memos_match_fresh_schedules():

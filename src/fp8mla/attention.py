@@ -211,7 +211,7 @@ class MLAPagedAttention:
         buf = self._state.get(p.backend, {}).get("graph")
         return buf if getattr(buf, "rebased", False) else None
 
-    def _replan_rows(self, lens: list, sink: list) -> None:
+    def _replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
         """Plan the last plan's block table again (its rows, one query each: ``PagedLayout.decode_rows``), with
         new lengths ``lens`` (a list of B ints, B = its rows), on the host only: the decode runner's every step.
 
@@ -221,7 +221,9 @@ class MLAPagedAttention:
         backend's small arrays are appended to ``sink`` as ``[(values, capacity), ...]`` in the order of its flat
         buffer, not copied: the caller copies them with its own arrays in one host -> device copy into the buffer
         it gave ``rebase``. The layout's device arrays are views of that buffer (they hold these values once the
-        caller's copy ran)."""
+        caller's copy ran). ``fixed``: the plan was captured in a CUDA graph (which replays right after any
+        re-plan, with the launch configuration it holds): the backend may keep the plan object and only stage the
+        new schedule."""
         p, buf = self._plan, self._rows_buffers()
         if buf is None:
             raise RuntimeError("_replan_rows: plan once with CUDA-graph buffers and rebase them first")
@@ -251,7 +253,7 @@ class MLAPagedAttention:
         state = self._state[p.backend]
         buf.sink = sink
         try:
-            impl = replan(p.impl, layout, state) if replan is not None else None
+            impl = replan(p.impl, layout, state, fixed) if replan is not None else None
             if impl is None:
                 impl = build(layout, p.spec, self._kernel_options, state)
         finally:

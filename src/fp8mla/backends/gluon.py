@@ -256,12 +256,15 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse)
 
 
-def replan_rows(plan, layout, state: dict):
+def replan_rows(plan, layout, state: dict, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
     While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)
-    and only the staged arrays are new; otherwise :func:`build` runs (its schedule_host hits the memo just made)."""
+    and only the staged arrays are new; otherwise :func:`build` runs (its schedule_host hits the memo just made).
+    ``fixed``: ``plan`` was captured in a CUDA graph, which replays right after any re-plan with its launch
+    configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
+    once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
     from ..kernels import decode_sm90 as k
     buf, opts = state.get("graph"), state.get("opts")
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
@@ -270,7 +273,7 @@ def replan_rows(plan, layout, state: dict):
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE))
     last = state.get("rows_items")
-    if last is not None and last[0] is plan and last[1] is h["item_req"]:
+    if last is not None and last[0] is plan and (fixed or last[1] is h["item_req"]):
         buf.load_host(h, layout.kv_indices)
         return plan
     plan = build(layout, plan.spec, state["opts_from"], state)

@@ -351,11 +351,11 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
 
 
-def replan_rows(plan, layout, state: dict):
+def replan_rows(plan, layout, state: dict, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths): only the host schedule is new, the plan
-    object (config, grids, CUDA-graph buffers) is the same. None when ``plan`` is not the last host-scheduled
-    graph plan (then :func:`build` runs)."""
+    object (config, grids, CUDA-graph buffers) is the same (``fixed``, a captured plan: the same either way). None
+    when ``plan`` is not the last host-scheduled graph plan (then :func:`build` runs)."""
     kept = state.get("host_plan")
     if kept is None or kept[0] is not plan or layout.host is None:
         return None

@@ -270,8 +270,8 @@ class DecodeRunner:
             kv_len += g["zeros"][:pad]
         sink: list = []   # the attention plan's (values, capacity) segments, staged below with the runner's own
         fast = g["fast"]
-        if fast:
-            attn._replan_rows(kv_len, sink)
+        if fast:  # (a captured bucket's plan object stays: its graph holds the launch configuration)
+            attn._replan_rows(kv_len, sink, fixed=bool(g["graph"]))
         # The staging buffer (see _bucket): int64 positions, slots, table entries; int32 rows, page ids; the plan's
         # arrays. Padding rows: position 0, the padding slot, the padding row; their table entries rewrite the
         # padding row's first entry with 0 (what it holds).
