@@ -498,14 +498,19 @@ if gluon is not None:
         ty = out.dtype.element_ty
         # pass 2, per column block: the partials in list order, four at a time (4 x 4 16-byte loads in flight
         # per thread)
+        # list entries a step ahead (clamped into the list), so each step's 4 partials' loads go out together;
+        # the first step's once for all column blocks
+        qa = gl.load(m_list + i0).to(gl.int64)
+        qb = gl.load(m_list + gl.minimum(i0 + 1, i1 - 1)).to(gl.int64)
+        qc = gl.load(m_list + gl.minimum(i0 + 2, i1 - 1)).to(gl.int64)
+        qd = gl.load(m_list + gl.minimum(i0 + 3, i1 - 1)).to(gl.int64)
         for cb in range(0, 512, CW):
             acc = gl.zeros([HPW, CW], gl.float32, ml)
             wsum = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, ml))
-            # list entries a step ahead (clamped into the list), so each step's 4 partials' loads go out together
-            pa = gl.load(m_list + i0).to(gl.int64)
-            pb = gl.load(m_list + gl.minimum(i0 + 1, i1 - 1)).to(gl.int64)
-            pc = gl.load(m_list + gl.minimum(i0 + 2, i1 - 1)).to(gl.int64)
-            pd = gl.load(m_list + gl.minimum(i0 + 3, i1 - 1)).to(gl.int64)
+            pa = qa
+            pb = qb
+            pc = qc
+            pd = qd
             for i in range(i0, i1, 4):
                 na = gl.load(m_list + gl.minimum(i + 4, i1 - 1)).to(gl.int64)
                 nb = gl.load(m_list + gl.minimum(i + 5, i1 - 1)).to(gl.int64)
