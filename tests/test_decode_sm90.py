@@ -1121,3 +1121,17 @@ def test_fused_merge_cuda_graph_replay_after_replan(fused, H):
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
     assert_close(out, ref, 3e-3, "replay after re-plan")
     assert attn._plan.impl.t["merge_cnt"].data_ptr() == cnt.data_ptr() and not cnt.any()
+
+
+@gpu
+@pytest.mark.parametrize("H,qo_lens", [(16, [1, 4, 2, 3, 1, 4]), (128, [2, 1, 2, 1, 2, 2])])
+def test_fused_merge_mtp_bit_identical(fused, mtp, monkeypatch, H, qo_lens):
+    """Multi-token rows (token x head) through the fused merge: kv_len 0 and < qo_len (causally empty rows), split
+    requests; equal bit for bit to the merge kernel, counters back at 0."""
+    b = make_paged_batch([0, 2, 65, 514, 3000, 6000], qo_lens, H, 64, "fp8_e4m3", device=DEVICE, seed=H,
+                         extra_pages=1)
+    attn, (o_sep, l_sep), (o_f, l_f) = _run_fused_vs_separate(monkeypatch, b, min_chunk=512)
+    assert attn._plan.backend == "gluon"
+    check(b, o_f, l_f)
+    assert torch.equal(o_f, o_sep) and torch.equal(l_f, l_sep)
+    assert not attn._plan.impl.t["merge_cnt"].any()
