@@ -787,9 +787,10 @@ if gluon is not None:
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                 if FUSED:
-                    _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
-                                 stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
-                                 merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
+                    if (t0 > 0) | (t1 < (L + 63) // 64):   # a split request's item (no call for whole ones)
+                        _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
+                                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
+                                     merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             else:
                 l_i = gl.sum(l_acc, axis=0)
                 if cid == 1:
@@ -831,9 +832,10 @@ if gluon is not None:
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                     if FUSED:   # consumer 0 wrote the item's partial (both consumers' states merged)
-                        _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
-                                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
-                                     merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
+                        if (t0 > 0) | (t1 < (L + 63) // 64):   # a split request's item
+                            _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out,
+                                         stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
+                                         m_ptr, m_list, merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             g += n
 
     @gluon.jit
