@@ -928,16 +928,14 @@ if gluon is not None:
 
 
 @triton.jit
-def _merge_load_tl(part_o, part_lse, m_list, idx, i1, r, rok, offs_c, m_use, stride_po_i, stride_po_r, stride_pl_i):
-    # partial list entry idx (none past i1): its weight exp2(lse - m_use) per row and its rows [ROWS, BLOCK_C],
-    # both loads issued together (an empty partial is o = 0, lse = -inf: weight 0 times 0; its rows are read)
-    v = (r * 0 + idx) < i1   # (a row vector: the interpreter takes no scalar masks)
-    p = tl.load(m_list + tl.minimum(idx, i1 - 1)).to(tl.int64)   # (clamped: in the list)
+def _merge_load_tl(part_o, part_lse, p, v, r, rok, offs_c, m_use, stride_po_i, stride_po_r, stride_pl_i):
+    # partial p (none where v is false): its weight exp2(lse - m_use) per row and its rows [ROWS, BLOCK_C], both
+    # loads issued together (an empty partial is o = 0, lse = -inf: weight 0 times 0; its rows are read)
     lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=rok & v, other=float("-inf"))
     w = tl.exp2(lse_i - m_use)
     o = tl.load(part_o + p * stride_po_i + r[:, None] * stride_po_r + offs_c[None, :],
                 mask=(rok & v)[:, None] & (offs_c >= 0)[None, :], other=0.0)
-    return w, o, v
+    return w, o
 
 
 @triton.jit
@@ -983,6 +981,12 @@ def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list
     rok = r < nrows
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     if i1 - i0 <= SEQ:
+        # the first step's list entries (clamped into the list) before the max pass, later ones a step ahead: each
+        # step's loads go out together
+        pa = tl.load(m_list + i0).to(tl.int64)
+        pb = tl.load(m_list + tl.minimum(i0 + 1, i1 - 1)).to(tl.int64)
+        pc = tl.load(m_list + tl.minimum(i0 + 2, i1 - 1)).to(tl.int64)
+        pd = tl.load(m_list + tl.minimum(i0 + 3, i1 - 1)).to(tl.int64)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         for i in range(i0, i1, BLOCK_P):
             idx = i + tl.arange(0, BLOCK_P)
@@ -995,18 +999,31 @@ def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list
         acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
         wsum = tl.zeros([ROWS], tl.float32)
         for i in range(i0, i1, 4):
-            w0, o0, v0 = _merge_load_tl(part_o, part_lse, m_list, i, i1, r, rok, offs_c, m_use, stride_po_i,
-                                    stride_po_r, stride_pl_i)
-            w1, o1, v1 = _merge_load_tl(part_o, part_lse, m_list, i + 1, i1, r, rok, offs_c, m_use, stride_po_i,
-                                    stride_po_r, stride_pl_i)
-            w2, o2, v2 = _merge_load_tl(part_o, part_lse, m_list, i + 2, i1, r, rok, offs_c, m_use, stride_po_i,
-                                    stride_po_r, stride_pl_i)
-            w3, o3, v3 = _merge_load_tl(part_o, part_lse, m_list, i + 3, i1, r, rok, offs_c, m_use, stride_po_i,
-                                    stride_po_r, stride_pl_i)
+            na = tl.load(m_list + tl.minimum(i + 4, i1 - 1)).to(tl.int64)
+            nb = tl.load(m_list + tl.minimum(i + 5, i1 - 1)).to(tl.int64)
+            nc = tl.load(m_list + tl.minimum(i + 6, i1 - 1)).to(tl.int64)
+            nd = tl.load(m_list + tl.minimum(i + 7, i1 - 1)).to(tl.int64)
+            rz = r * 0   # (row vectors of the step's validity: the interpreter takes no scalar masks)
+            v0 = (rz + i) < i1
+            v1 = (rz + i + 1) < i1
+            v2 = (rz + i + 2) < i1
+            v3 = (rz + i + 3) < i1
+            w0, o0 = _merge_load_tl(part_o, part_lse, pa, v0, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
+                                    stride_pl_i)
+            w1, o1 = _merge_load_tl(part_o, part_lse, pb, v1, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
+                                    stride_pl_i)
+            w2, o2 = _merge_load_tl(part_o, part_lse, pc, v2, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
+                                    stride_pl_i)
+            w3, o3 = _merge_load_tl(part_o, part_lse, pd, v3, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
+                                    stride_pl_i)
             acc, wsum = _merge_step_tl(acc, wsum, w0, o0, v0)
             acc, wsum = _merge_step_tl(acc, wsum, w1, o1, v1)
             acc, wsum = _merge_step_tl(acc, wsum, w2, o2, v2)
             acc, wsum = _merge_step_tl(acc, wsum, w3, o3, v3)
+            pa = na
+            pb = nb
+            pc = nc
+            pd = nd
     else:
         m_use = tl.full([ROWS], float("-inf"), tl.float32)   # the running max (0 where all empty so far)
         m_run = tl.full([ROWS], float("-inf"), tl.float32)
@@ -1208,7 +1225,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
-    rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows))
+    # (the chunked path's step holds BLOCK_P x ROWS x BLOCK_C: kept <= 8192 fp32, as the one-row merge had it)
+    rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows), max(1, 8192 // (merge_p * merge_c)))
     _merge_parts_kernel[(grid_batch, triton.cdiv(max_rows, rows_blk), DC // merge_c)](
         out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
