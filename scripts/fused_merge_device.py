@@ -12,7 +12,8 @@ run-to-run difference), CUDA-graph replay after a re-plan through MLAPagedAttent
 Timings (CUDA graphs, L2 flushed, median): kernel without any merge (a lower bound, output not merged; built
 without and with FUSED_MERGE, nothing fused: the fused build's cost in the tile loop), kernel +
 merge kernel (today's path), fused with every request ('all': no merge launch), fused <= 16 + merge kernel for
-longer lists; floor = KV bytes / the read ceiling measured in this process. Writes $OUT/fused_merge.json.
+longer lists, and the merge kernel as it was before (separate_v1, the switch-off path until now); floor = KV
+bytes / the read ceiling measured in this process. Writes $OUT/fused_merge.json.
 """
 from __future__ import annotations
 
@@ -60,6 +61,72 @@ class FPlan(dv.Plan):
                    grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
                    page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
                    mode=self.mode, merge=self.merge, fused_merge=self.fused, fuse_max=self.fuse_max)
+
+
+import triton                 # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _merge_v1_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_size, H,
+                     stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # The merge kernel as measured before the fused merge (commit f51e41b): one (request, row) per program, an
+    # online merge over BLOCK_P partials per step. Timed here as "separate_v1" (what the switch-off path was).
+    b = tl.program_id(0)
+    if b >= tl.load(batch_size):
+        return
+    r = tl.program_id(1)
+    q0 = tl.load(qo_indptr + b)
+    if r >= (tl.load(qo_indptr + b + 1) - q0) * H:
+        return
+    i0 = tl.load(m_ptr + b)
+    i1 = tl.load(m_ptr + b + 1)
+    if i1 - i0 < 2:
+        return
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_run = float("-inf")
+    wsum = 0.0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for i in range(i0, i1, BLOCK_P):
+        idx = i + tl.arange(0, BLOCK_P)
+        ok = idx < i1
+        p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
+        lse_i = tl.load(part_lse + p * stride_pl_i + r, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        keep = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse_i - m_use)
+        o = tl.load(part_o + p[:, None] * stride_po_i + r * stride_po_r + offs_c[None, :],
+                    mask=ok[:, None] & (w > 0)[:, None], other=0.0)
+        acc = acc * keep + tl.sum(w[:, None] * o, axis=0)
+        wsum = wsum * keep + tl.sum(w, axis=0)
+        m_run = m_new
+    seen = wsum > 0
+    o = acc / tl.where(seen, wsum, 1.0)
+    tok = (q0 + r // H).to(tl.int64)
+    head = r % H
+    tl.store(out + tok * stride_o_t + head * stride_o_h + offs_c, o.to(out.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        m_fin = tl.where(m_run == float("-inf"), 0.0, m_run)
+        tl.store(lse_out + tok * stride_lse_t + head,
+                 tl.where(seen, m_fin + tl.log2(tl.where(seen, wsum, 1.0)), float("-inf")))
+
+
+def v1_runner(c):
+    """The decode kernel + the pre-fused-merge merge kernel, sized as the adapter sized it then."""
+    p = FPlan(c, merge=False)
+    bp = min(256, max(2, 1 << (max(1, p.max_parts) - 1).bit_length()))
+    bc = min(DC, max(32, 8192 // bp))
+    t, H = p.t, c["H"]
+
+    def run():
+        p.run()
+        _merge_v1_kernel[(p.B, H, DC // bc)](
+            p.out, p.lse, t["part_o"], t["part_lse"], t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], H,
+            p.out.stride(0), p.out.stride(1), p.lse.stride(0), t["part_o"].stride(0), t["part_o"].stride(1),
+            t["part_lse"].stride(0), BLOCK_P=bp, BLOCK_C=bc, num_warps=4)
+    return run, p
 
 
 def _err(c, o, lse):
@@ -208,8 +275,11 @@ def run_bench(reps=30):
                 row[tag] = dv.graph_ms(p.run, flush, reps=reps)
                 row["parts"] = p.max_parts
                 del p
+            run_v1, p = v1_runner(c)
+            row["separate_v1"] = dv.graph_ms(run_v1, flush, reps=reps)
+            del p
             log(f"  {name:16s} parts {row['parts']:3d}  kernel-only {row['kernel_only']:.4f} (fused build "
-                f"{row['fused_kernel_only']:.4f})  separate "
+                f"{row['fused_kernel_only']:.4f})  separate_v1 {row['separate_v1']:.4f}  separate "
                 f"{row['separate']:.4f}  fused-all {row['fused_all']:.4f}  fused<=16 {row['fused16']:.4f} ms  "
                 f"floor {row['floor']:.4f}")
             table.append(row)
@@ -239,7 +309,8 @@ def main():
         log(f"  {'PASS' if r else 'FAIL'}  {name}")
     for r in table:
         best = min(r["fused_all"], r["fused16"])
-        log(f"  {r['shape']:16s} separate {r['separate']:.4f}  fused-all {r['fused_all']:.4f}  fused<=16 "
+        log(f"  {r['shape']:16s} separate_v1 {r['separate_v1']:.4f}  separate {r['separate']:.4f}  fused-all "
+            f"{r['fused_all']:.4f}  fused<=16 "
             f"{r['fused16']:.4f}  kernel-only {r['kernel_only']:.4f} / fused build {r['fused_kernel_only']:.4f} ms  "
             f"(saved {1e3 * (r['separate'] - best):.1f} "
             f"us; merge was {1e3 * (r['separate'] - r['kernel_only']):.1f} us)  floor {r['floor']:.4f} target "
