@@ -541,6 +541,14 @@ if gluon is not None:
                 gl.store(lse_out + otok * stride_lse_t + ohead,
                          gl.where(seen, m_use + gl.log2(den), float("-inf")), mask=rok)
 
+    @gluon.jit
+    def _fused_here(m_ptr, b, fuse_max, t0, t1, L):
+        # the fused merge's unit needs this item's arrival: an item of a split request (not the whole request)
+        # with 2 .. fuse_max partials
+        split = (t0 > 0) | (t1 < (L + 63) // 64)
+        n = gl.load(m_ptr + b + 1, mask=split, other=0) - gl.load(m_ptr + b, mask=split, other=0)
+        return split & (n <= fuse_max)
+
     @gluon.jit(noinline=True)
     def _fused_merge(cid: gl.constexpr, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
                      stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list, merge_cnt,
@@ -787,7 +795,7 @@ if gluon is not None:
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                 if FUSED:
-                    if (t0 > 0) | (t1 < (L + 63) // 64):   # a split request's item (no call for whole ones)
+                    if _fused_here(m_ptr, b, fuse_max, t0, t1, L):   # (no call for the others)
                         _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
                                      stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
                                      merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
@@ -832,7 +840,7 @@ if gluon is not None:
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                     if FUSED:   # consumer 0 wrote the item's partial (both consumers' states merged)
-                        if (t0 > 0) | (t1 < (L + 63) // 64):   # a split request's item
+                        if _fused_here(m_ptr, b, fuse_max, t0, t1, L):
                             _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out,
                                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                          m_ptr, m_list, merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
