@@ -42,12 +42,15 @@ GLUON_PAGE1 = True
 # qo2); FP8MLA_GLUON_MTP=0 turns it off (plans with qo_len != 1 then stay on the Triton kernel), =1 on.
 GLUON_MTP = True
 # The dims-split variant at 33..128 heads (decode_sm90_split: the consumers alternate QK + softmax by tile and
-# split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF until its H200 check
-# (scripts/decode_split_device.py); FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
+# split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF. H200 2026-11-30 (kernel log 14 of
+# docs/benchmarks.md): 14/14 checks passed, but only 1.04x faster than the wide kernel at H128 B64 L8k and 0.89-0.90x
+# at B8, B1 and H64; FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
 GLUON_SPLIT_DIMS = False
 # The software-pipelined H <= 16 kernel (decode_sm90_pipe: each consumer issues the QK of its next tile before the
-# softmax of its current one; NS 5, same plan arrays, grid, partials and merge): OFF until its H200 check
-# (scripts/decode_pipe_device.py); FP8MLA_GLUON_PIPE=1 turns it on, =0 off. One query per request only.
+# softmax of its current one; NS 5, same plan arrays, grid, partials and merge): OFF. H200 2026-11-30 (kernel log 16):
+# 15/15 checks passed, but H16 B64 L8k 0.126 ms vs 0.110 for the default, and the timing run hit an "unspecified launch
+# failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
+# on, =0 off. One query per request only.
 GLUON_PIPELINED = False
 
 
@@ -57,8 +60,10 @@ def pipelined_enabled() -> bool:
 
 
 # In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
-# of a (request, head group, consumer, warp) merges its rows, in list order, bit-identical to the merge kernel): OFF
-# until its H200 check (scripts/fused_merge_device.py); FP8MLA_GLUON_FUSED_MERGE=1 turns it on, =0 off.
+# of a (request, head group, consumer, warp) merges its rows, in list order): OFF. H200 2026-11-30 (kernel log 15):
+# slower than the merge kernel at every shape timed, 9/13 checks (4 odd-length cases not bit-identical to the merge
+# kernel), and an "unspecified launch failure" in its H16 B64 timing run (not isolated): do not turn it on before
+# that is understood. FP8MLA_GLUON_FUSED_MERGE=1 turns it on, =0 off.
 # GLUON_FUSED_MAX_PARTS: requests split into more partials than this stay on the merge kernel, which is then
 # launched on every run (one SM merging B1 L32k's 132 partials would be slower than the merge kernel); "all" (env
 # FP8MLA_GLUON_FUSED_MAX_PARTS=all) fuses every request and launches no merge kernel.
