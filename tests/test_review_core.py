@@ -304,3 +304,12 @@ def test_kernel_options_are_validated(opt):
     on a GPU, or a silently truthy flag). Expected: a ValueError/TypeError naming the option, at construction."""
     with pytest.raises((TypeError, ValueError), match=next(iter(opt))):
         fp8mla.MLAPagedAttention(backend="torch", **opt)
+
+
+def test_fp8_math_is_refused_not_ignored():
+    """``fp8_math`` was an accepted option name that no backend read: True ran the default numerics silently.
+    Until FP8 tensor-core math exists, True raises at construction, naming the option; False / None stay accepted."""
+    with pytest.raises(NotImplementedError, match="fp8_math"):
+        fp8mla.MLAPagedAttention(backend="torch", fp8_math=True)
+    fp8mla.MLAPagedAttention(backend="torch", fp8_math=False)
+    fp8mla.MLAPagedAttention(backend="torch", fp8_math=None)

@@ -60,8 +60,8 @@ class MLAPagedAttention:
             the batch's tokens into a 16-bit workspace sized by those tokens, then run the 16-bit kernel on it; a
             baseline and a fallback, never a cast of the pool).
         **kernel_options: tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
-            ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math`` for the gluon
-            backend) and the CUDA-graph
+            ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math``: reserved,
+            True raises NotImplementedError: not built yet) and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20).
 
@@ -463,6 +463,12 @@ def _check_kernel_options(opts: dict) -> None:
     for name in ("evict_first", "index64", "fp8_math"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
+    if opts.get("fp8_math"):
+        # Accepted as an option name since the first Gluon kernel, never built: say so instead of silently running
+        # the default (exact) numerics under a flag that promises FP8 tensor-core math.
+        raise NotImplementedError("fp8_math: FP8 tensor-core math (e4m3 Q hi+lo and P, error budget 2e-2) is not "
+                                  "implemented yet; every backend runs the default numerics (exact FP8 -> fp16, "
+                                  "16-bit MMAs, fp32 softmax). Leave fp8_math unset or False")
 
 
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
