@@ -1,5 +1,5 @@
 """One variant of scripts/fused_merge_device.py's timing, alone in this process (the fault seen there at H16 B64 L8k
-on 2026-11-30 needed several variants in one process; each alone ran clean at 21:16 UTC):
+on 2026-11-30 needed several variants in one process; each alone ran clean at 21:06 UTC):
 
     for t in separate kernel_only separate_v1 fused_kernel_only fused16 fused_all; do
         PYTHONPATH=$PWD/src python3 scripts/fused_merge_repro.py $t 16 64 8192; done
