@@ -1135,3 +1135,32 @@ def test_fused_merge_mtp_bit_identical(fused, mtp, monkeypatch, H, qo_lens):
     check(b, o_f, l_f)
     assert torch.equal(o_f, o_sep) and torch.equal(l_f, l_sep)
     assert not attn._plan.impl.t["merge_cnt"].any()
+
+
+def test_device_only_merge_sizes_cover_a_balanced_batch():
+    """Plans whose lengths live only on the device size the split merge for a balanced batch (about slots / B + 1
+    partials per request, ``gluon.merge_sizes``) instead of a fixed 64 (which cost ~85 us of H128 B64 L8k on the
+    H200). Any size is correct (the merge loops: tested above for BLOCK_P 2..64); this checks the size is not
+    below the real longest list of the schedule for batches of equal lengths, and equals the host-known sizing when
+    the guess is the real count."""
+    from fp8mla.backends.gluon import merge_sizes, schedule_host
+    for slots in (1, 7, 66, 132):
+        for B in (1, 2, 3, 8, 31, 64, 65, 128, 300):
+            for L in (1, 63, 64, 65, 1000, 8192, 32768):
+                if B * L > 4_000_000:
+                    continue
+                pages = -(-L // 64)
+                kv = list(range(0, (B + 1) * pages, pages))
+                host = dict(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
+                            kv_indptr=torch.tensor(kv, dtype=torch.int32),
+                            kv_len=torch.full((B,), L, dtype=torch.int32))
+                for min_tiles in (1, 4):
+                    h = schedule_host(host, 64, num_indices=B * pages, num_ctas=slots, min_tiles=min_tiles)
+                    real = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:]))
+                    guess_bp, guess_bc = merge_sizes(None, B, slots, 16, 132)
+                    real_bp, _ = merge_sizes(real, B, slots, 16, 132)
+                    assert guess_bp >= real_bp, (slots, B, L, min_tiles, real, guess_bp)
+    # the guess for the side-by-side shapes is what a host-sized plan picks there (uniform lengths)
+    assert merge_sizes(None, 64, 132, 16, 132) == merge_sizes(3, 64, 132, 16, 132) == (4, 512)
+    assert merge_sizes(None, 64, 66, 128, 132)[1] == 512
+    assert merge_sizes(5, 64, 132, 16, 132) == merge_sizes(5, 64, 132, 16, 132)

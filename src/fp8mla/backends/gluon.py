@@ -224,17 +224,14 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads, max_qo)
-    # The merge's BLOCK_P: a request's longest list of partials when the host knows it (any value is correct, the
-    # merge loops; a BLOCK_P far above the real count costs masked work: 64 took 192 us at H128 B64 L8k, 2 parts
-    # per request, where BLOCK_P 2 takes ~18 us, H200 2026-11-30); 64 when the schedule is made on the device.
     h = None
     if layout.host is not None:
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                           num_ctas=slots, min_tiles=min_tiles)
-        mp, mc = k.merge_blocks(max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1, B,
-                                max_qo * spec.num_heads, n_sm)
+        parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
-        mp, mc = k.merge_blocks(64)
+        parts = None
+    mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
     fuse = fused_merge_max_parts()
     if spec.use_cuda_graph:
         if buf is None:
@@ -284,6 +281,20 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     plan = build(layout, plan.spec, state["opts_from"], state)
     state["rows_items"] = (plan, h["item_req"])
     return plan
+
+
+def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the split merge. ``parts``: a request's longest list of partials when the host
+    schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
+    request of a *balanced* batch gets from the contiguous schedule, about slots / batch + 1 partials (at most one
+    per CTA). Any value is correct for any batch (the merge loops over a request's real list); a size far above
+    the real count costs masked work and narrow column blocks: the fixed 64 used for device-only plans until
+    2026-11-30 took ~85 us of H128 B64 L8k's .492 ms through the API (kernel alone .407; the host-sized merge
+    15 us), and 192 us before the merge kernel followed the real count."""
+    if parts is None:
+        parts = min(max(1, slots), -(-max(1, slots) // max(1, batch)) + 1)
+    from ..kernels import decode_sm90 as k
+    return k.merge_blocks(max(1, parts), batch, rows, n_sm)
 
 
 def plan_max_qo(layout, spec, state: dict) -> int:
