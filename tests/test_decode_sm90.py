@@ -1159,8 +1159,10 @@ def test_device_only_merge_sizes_cover_a_balanced_batch():
                     real = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:]))
                     guess_bp, guess_bc = merge_sizes(None, B, slots, 16, 132)
                     real_bp, _ = merge_sizes(real, B, slots, 16, 132)
-                    assert guess_bp >= real_bp, (slots, B, L, min_tiles, real, guess_bp)
+                    cap_bp, _ = merge_sizes(min(real, 128), B, slots, 16, 132)
+                    assert guess_bp >= cap_bp, (slots, B, L, min_tiles, real, guess_bp)
     # the guess for the side-by-side shapes is what a host-sized plan picks there (uniform lengths)
     assert merge_sizes(None, 64, 132, 16, 132) == merge_sizes(3, 64, 132, 16, 132) == (4, 512)
     assert merge_sizes(None, 64, 66, 128, 132)[1] == 512
+    assert merge_sizes(None, 1, 132, 16, 132) == merge_sizes(128, 1, 132, 16, 132) == (128, 64)   # B1 L32k
     assert merge_sizes(5, 64, 132, 16, 132) == merge_sizes(5, 64, 132, 16, 132)

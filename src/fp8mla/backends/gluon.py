@@ -283,6 +283,9 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     return plan
 
 
+MERGE_GUESS_CAP = 128
+
+
 def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_C) of the split merge. ``parts``: a request's longest list of partials when the host
     schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
@@ -292,7 +295,9 @@ def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int)
     2026-11-30 took ~85 us of H128 B64 L8k's .492 ms through the API (kernel alone .407; the host-sized merge
     15 us), and 192 us before the merge kernel followed the real count."""
     if parts is None:
-        parts = min(max(1, slots), -(-max(1, slots) // max(1, batch)) + 1)
+        # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
+        # .0258 ms); a longer list loops over 128-partial steps
+        parts = min(max(1, slots), MERGE_GUESS_CAP, -(-max(1, slots) // max(1, batch)) + 1)
     from ..kernels import decode_sm90 as k
     return k.merge_blocks(max(1, parts), batch, rows, n_sm)
 
