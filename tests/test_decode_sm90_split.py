@@ -108,15 +108,16 @@ def test_switch_routes_the_launch(monkeypatch, switch, env, H, max_qo, want):
 
 
 @pytest.mark.parametrize("block_p", [2, 8])
-def test_own_merge_matches_float64(block_p):
-    """The split path's copy of the partials' merge (the interpreter runs it on the CPU): lists of 1..9 partials in
-    any order of the part buffers, an empty partial inside a list, a request whose partials are all empty, a query
-    token index that is not the request index (qo_indptr)."""
+def test_split_merge_matches_float64(block_p):
+    """The split path's merge of the partials (decode_sm90.launch_merge, as ``launch`` calls it with one query per
+    request; the interpreter runs it on the CPU): lists of 1..9 partials in any order of the part buffers, an empty
+    partial inside a list, a request whose partials are all empty, a query token index that is not the request
+    index (qo_indptr)."""
     import math
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(block_p + 100)
-    H, C, B = 3, k.DC, 5
-    counts = [2, 9, 1, 5, 3]                     # request 2: one item, written by the decode kernel (skipped)
+    H, C, B = 3, k.DC, 6
+    counts = [2, 9, 1, 5, 3, 1]                  # requests 2 and 5: one item, written by the decode kernel (skipped)
     m_ptr = [0]
     for c in counts:
         m_ptr.append(m_ptr[-1] + c)
@@ -126,17 +127,21 @@ def test_own_merge_matches_float64(block_p):
     lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf    # request 4: all empty
     lse_p[perm[m_ptr[1]], 1] = -math.inf          # one empty partial inside a long list
     o_p = torch.randn(n, H, C, generator=g, dtype=torch.float64)
-    qo = [0, 2, 3, 4, 6, 7]                       # query tokens 0, 2, 3, 4, 6 (rows 1 and 5 untouched)
-    out = torch.full((7, H, C), math.nan, dtype=torch.float32, device=dev)
-    lse = torch.full((7, H), math.nan, dtype=torch.float32, device=dev)
+    # one query per request (the split kernel's plans), request 2 padded with none (an engine's padding row): query
+    # tokens 0, 1, -, 2, 3, 4, so tokens follow qo_indptr, not the request index; token 5 is nobody's
+    qo = [0, 1, 2, 2, 3, 4, 5]
+    out = torch.full((6, H, C), math.nan, dtype=torch.float32, device=dev)
+    lse = torch.full((6, H), math.nan, dtype=torch.float32, device=dev)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     bc = 128
-    ks._merge_split_kernel[(B, H, C // bc)](
-        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(m_ptr), i32(perm.tolist()), i32([B]), i32(qo),
-        out.stride(0), out.stride(1), lse.stride(0), C * H, C, H, BLOCK_P=block_p, BLOCK_C=bc, num_warps=4)
-    assert torch.isnan(out[1]).all() and torch.isnan(out[5]).all()
+    t = dict(part_o=o_p.float().to(dev), part_lse=lse_p.float().to(dev), m_ptr=i32(m_ptr), m_list=i32(perm.tolist()),
+             batch_size=i32([B]), qo_indptr=i32(qo))
+    k.launch_merge(out, lse, t, grid_batch=B, max_rows=H, num_heads=H, merge_p=block_p, merge_c=bc)
+    assert torch.isnan(out[5]).all() and torch.isnan(lse[5]).all()
     for b, c in enumerate(counts):
         t = qo[b]
+        if qo[b + 1] == t:
+            continue      # no query token
         if c < 2:
             assert torch.isnan(out[t]).all(), "a single-item request is the decode kernel's to write"
             continue

@@ -1233,13 +1233,23 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
+    launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
+                 merge_c=merge_c, min_parts=(fuse_max + 1) if fused_merge else 2)
+
+
+def launch_merge(out, lse, t: dict, *, grid_batch: int, max_rows: int, num_heads: int, merge_p: int, merge_c: int,
+                 min_parts: int = 2) -> None:
+    """The split merge (``_merge_parts_kernel``) of the partials a decode launch wrote into ``t["part_o"]`` /
+    ``t["part_lse"]`` (rows = query token x num_heads + head, lse base 2): every request of at least
+    ``min_parts`` partials. The one merge of every sm_90 decode kernel (this one, decode_sm90_split,
+    decode_sm90_pipe)."""
+    po, pl = t["part_o"], t["part_lse"]
     # (the chunked path's step holds BLOCK_P x ROWS x BLOCK_C: kept <= 8192 fp32, as the one-row merge had it)
     rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows), max(1, 8192 // (merge_p * merge_c)))
     _merge_parts_kernel[(grid_batch, triton.cdiv(max_rows, rows_blk), DC // merge_c)](
         out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=(fuse_max + 1) if fused_merge else 2,
-        SEQ=SEQ_PARTS, num_warps=4)
+        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=min_parts, SEQ=SEQ_PARTS, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1277,12 +1287,6 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
     ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
     last-arriver merge (``FUSED_MERGE``)."""
-    import collections
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
@@ -1304,6 +1308,21 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
                                 or n in ("stride_kv_row", "stride_kpe_row")})
+    return sass_report(src, sass_path)
+
+
+def sass_report(src, sass_path=None) -> dict:
+    """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
+    SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
+    (SASS op counts), ``loops`` (per warp-specialized partition, the HGMMA, STL, LDL and LDS.U8 between its first
+    and last HGMMA: the tile loop) and ``serialized_wgmma`` (ptxas C7512). The one compile check of every sm_90
+    decode kernel (this one, decode_sm90_split, decode_sm90_pipe); ``sass_path``: also write the SASS there."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -1322,10 +1341,24 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     if sass_path:
         open(sass_path, "w").write(sass)
     ops = collections.Counter()
+    seq = []
     # (addresses have 4 or more hex digits: the kernel is past 0x10000 bytes, so {4} alone missed the 2nd consumer)
     for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
         ops[m.group(1)] += 1
-    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
+        seq.append(m.group(1))
+    # the tile loops: from the first to the last HGMMA of each partition (partitions start at USETMAXREG)
+    loops, cur = [], []
+    for op in seq + ["USETMAXREG"]:
+        if op.startswith("USETMAXREG"):
+            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
+            if h:
+                body = cur[h[0]:h[-1] + 1]
+                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
+                              "LDL": sum(o.startswith("LDL") for o in body),
+                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
+            cur = []
+        cur.append(op)
+    spills = [tuple(map(int, x)) for x in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
     return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
-            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops),
+            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
             "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}

@@ -50,13 +50,10 @@ triton 3.9: 348 B of spill, ~9 reloads per steady iteration (hoisted loop invari
 
 Scope: one query per request, 1..16 heads, the producer's page sizes (1, 16, 32, multiples of 64), FP8 e4m3 with
 per-tensor scales, bf16/fp16 queries (``decode_sm90.supports`` minus MTP / wide). MODE 2 (producer timing probe:
-no HBM traffic) as in decode_sm90; MODE 1 is refused. The merge is ``decode_sm90_split._merge_split_kernel`` (a copy
-of decode_sm90's one-query merge as of 2026-11-30; decode_sm90's own merge is being reworked); the fused merge of
-decode_sm90 is not part of this kernel: ``launch`` ignores ``fused_merge`` and always runs the merge kernel.
+no HBM traffic) as in decode_sm90; MODE 1 is refused. The merge is decode_sm90's (``launch_merge``); the fused
+merge of decode_sm90 is not part of this kernel: ``launch`` ignores ``fused_merge`` and always runs the merge kernel.
 """
 from __future__ import annotations
-
-import triton
 
 from . import decode_sm90 as base
 from .decode_sm90 import DC, DK, HP, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
@@ -539,11 +536,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         return
     if DC % merge_c or merge_p & (merge_p - 1):
         raise ValueError(f"merge_p, merge_c: powers of two with merge_c dividing {DC}, got {merge_p}, {merge_c}")
-    from .decode_sm90_split import _merge_split_kernel   # decode_sm90's one-query merge as of 2026-11-30
-    _merge_split_kernel[(grid_batch, num_heads, DC // merge_c)](
-        out, lse, po, pl, t["m_ptr"], t["m_list"], t["batch_size"], t["qo_indptr"],
-        out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, num_warps=4)
+    base.launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=num_heads, num_heads=num_heads, merge_p=merge_p,
+                      merge_c=merge_c)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -555,12 +549,6 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     """Compile the pipelined kernel for sm_90a with triton's ptxas (no GPU) and count SASS ops (``ops``), plus
     ``loops``: per consumer partition, the HGMMA, STL, LDL and LDS.U8 between its first and last HGMMA (the
     prologue QK, the steady-state loop and the last tile: 36 + 68 + 32 HGMMA m64n16k16)."""
-    import collections
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {base.GLUON_IMPORT_ERROR}")
@@ -581,43 +569,7 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in base._INT_DIV16)
                                 or n in ("stride_kv_row", "stride_kpe_row")})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        open(ptx, "w").write(k.asm["ptx"])
-        for exe in ("ptxas", "ptxas-blackwell"):
-            res = subprocess.run([os.path.join(bindir, exe), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
-                                 capture_output=True, text=True)
-            v = res.stderr
-            if res.returncode == 0:
-                break
-        cub = os.path.join(d, "k.cubin")
-        open(cub, "wb").write(k.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
-                              capture_output=True, text=True).stdout
-    if sass_path:
-        open(sass_path, "w").write(sass)
-    ops = collections.Counter()
-    seq = []
-    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
-        ops[m.group(1)] += 1
-        seq.append(m.group(1))
-    loops, cur = [], []
-    for op in seq + ["USETMAXREG"]:
-        if op.startswith("USETMAXREG"):
-            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
-            if h:
-                body = cur[h[0]:h[-1] + 1]
-                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
-                              "LDL": sum(o.startswith("LDL") for o in body),
-                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
-            cur = []
-        cur.append(op)
-    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
-    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
-            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
-            "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
+    return base.sass_report(src, sass_path)
 
 
 def launch_for_plan(*args, ns: int = NS_DEFAULT, **kw):

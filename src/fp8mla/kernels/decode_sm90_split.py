@@ -2,7 +2,8 @@
 
 Same grid, schedule, producer, ring and partial format as ``decode_sm90``'s wide variant (a CTA owns a head group
 of 64 heads, NHG = ceil(H / 64) CTAs per schedule slot; ``part_o[item, head, 512]``, ``part_lse``; the adapter is
-unchanged; the merge is a copy of decode_sm90's one-query merge, ``_merge_split_kernel``), but the two consumer warpgroups share the work of a tile differently:
+unchanged; the merge is decode_sm90's, ``launch_merge``), but the two consumer warpgroups share the work of a
+tile differently:
 
   * QK + softmax alternate by tile parity: consumer (ring position % 2) computes S^T [64 tok, 64 heads] = K . Q^T
     for the tile (N = 64, 36 m64n64k16; K converted FP8 -> fp16 once per tile, by that consumer only) and the
@@ -38,9 +39,6 @@ Scope: one query per request, 33..128 heads, the producer's page sizes (1, 16, 3
 per-tensor scales, bf16/fp16 queries. Not MTP.
 """
 from __future__ import annotations
-
-import triton
-import triton.language as tl
 
 from . import decode_sm90 as base
 from .decode_sm90 import DC, DK, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
@@ -379,49 +377,6 @@ if gluon is not None:
         ], [4, 4], [REGS, REGS])
 
 
-@triton.jit
-def _merge_split_kernel(out, lse_out, part_o, part_lse, m_ptr, m_list, batch_size, qo_indptr,
-                        stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
-                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out/lse of request b, head pid 1, columns of block pid 2: the log-sum-exp merge of the request's partials
-    m_list[m_ptr[b]:m_ptr[b+1]] in list order (deterministic). A copy of decode_sm90's one-query merge as of
-    2026-11-30 (that kernel is being reworked for a fused merge): this path does not depend on the rework."""
-    b = tl.program_id(0)
-    if b >= tl.load(batch_size):
-        return
-    h = tl.program_id(1)
-    i0 = tl.load(m_ptr + b)
-    i1 = tl.load(m_ptr + b + 1)
-    if i1 - i0 < 2:   # a request done by one work item was written by the decode kernel itself
-        return
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_run = float("-inf")
-    wsum = 0.0
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for i in range(i0, i1, BLOCK_P):
-        idx = i + tl.arange(0, BLOCK_P)
-        ok = idx < i1
-        p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
-        lse_i = tl.load(part_lse + p * stride_pl_i + h, mask=ok, other=float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all empty so far: weights 0, not NaN
-        keep = tl.exp2(m_run - m_use)
-        w = tl.exp2(lse_i - m_use)
-        o = tl.load(part_o + p[:, None] * stride_po_i + h * stride_po_r + offs_c[None, :],
-                    mask=ok[:, None] & (w > 0)[:, None], other=0.0)
-        acc = acc * keep + tl.sum(w[:, None] * o, axis=0)
-        wsum = wsum * keep + tl.sum(w, axis=0)
-        m_run = m_new
-    seen = wsum > 0
-    o = acc / tl.where(seen, wsum, 1.0)
-    tok = tl.load(qo_indptr + b).to(tl.int64)
-    tl.store(out + tok * stride_o_t + h * stride_o_h + offs_c, o.to(out.dtype.element_ty))
-    if tl.program_id(2) == 0:
-        m_fin = tl.where(m_run == float("-inf"), 0.0, m_run)
-        lse = tl.where(seen, m_fin + tl.log2(tl.where(seen, wsum, 1.0)), float("-inf"))
-        tl.store(lse_out + tok * stride_lse_t + h, lse)
-
-
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            num_heads: int, sm_scale: float, page_size: int, ns: int = NS_DEFAULT, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, **_ignored):
@@ -451,10 +406,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         return
     if DC % merge_c or merge_p & (merge_p - 1):
         raise ValueError(f"merge_p, merge_c: powers of two with merge_c dividing {DC}, got {merge_p}, {merge_c}")
-    _merge_split_kernel[(grid_batch, num_heads, DC // merge_c)](
-        out, lse, po, pl, t["m_ptr"], t["m_list"], t["batch_size"], t["qo_indptr"],
-        out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, num_warps=4)
+    base.launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=num_heads, num_heads=num_heads, merge_p=merge_p,
+                      merge_c=merge_c)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -465,12 +418,6 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
     """Compile the dims-split kernel for sm_90a with triton's ptxas (no GPU) and count SASS ops (``ops``), plus
     ``loops``: per consumer partition, the HGMMA, STL, LDL and LDS.U8 between its first and last HGMMA (the tile
     loop: 36 QK + 16 P.V at each of three call sites)."""
-    import collections
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {base.GLUON_IMPORT_ERROR}")
@@ -486,41 +433,4 @@ def compile_report(page: int = 64, ns: int = NS_DEFAULT, regs: int = 240, q_dtyp
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in base._INT_DIV16)
                                 or n in ("stride_kv_row", "stride_kpe_row")})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        open(ptx, "w").write(k.asm["ptx"])
-        for exe in ("ptxas", "ptxas-blackwell"):
-            res = subprocess.run([os.path.join(bindir, exe), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
-                                 capture_output=True, text=True)
-            v = res.stderr
-            if res.returncode == 0:
-                break
-        cub = os.path.join(d, "k.cubin")
-        open(cub, "wb").write(k.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
-                              capture_output=True, text=True).stdout
-    if sass_path:
-        open(sass_path, "w").write(sass)
-    ops = collections.Counter()
-    seq = []
-    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
-        ops[m.group(1)] += 1
-        seq.append(m.group(1))
-    # the tile loops: from the first to the last HGMMA of each partition (partitions start at USETMAXREG)
-    loops, cur = [], []
-    for op in seq + ["USETMAXREG"]:
-        if op.startswith("USETMAXREG"):
-            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
-            if h:
-                body = cur[h[0]:h[-1] + 1]
-                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
-                              "LDL": sum(o.startswith("LDL") for o in body),
-                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
-            cur = []
-        cur.append(op)
-    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
-    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
-            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
-            "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
+    return base.sass_report(src, sass_path)
