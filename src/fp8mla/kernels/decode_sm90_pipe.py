@@ -63,7 +63,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, fence_async_shared, warpgroup_mma,
                                                                  warpgroup_mma_wait)
     from .decode_sm90 import (_relabel_k, _relabel_k64, _vt_chunk, _sanitize_tail, _producer, _per_item,
-                              _cta_barrier)
+                              _cta_barrier, _store_item)
 
 NS_DEFAULT = 5
 MAX_HEADS = HP
@@ -192,47 +192,6 @@ if gluon is not None:
         o7, v7, v6 = _pv_wait(o7, v7, v6, PVW)
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
         return o0, o1, o2, o3, o4, o5, o6, o7, sTn
-
-    @gluon.jit
-    def _store_item16(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, H,
-                      mma: gl.constexpr, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
-                      stride_o_t, stride_o_h, stride_lse_t):
-        # decode_sm90._store_item at one query, 16 heads (a copy: that file is being reworked; same ops):
-        # the item's normalized (o, lse base 2), out/lse when the item is the whole request, else the partial;
-        # an empty state (l = 0) writes o = 0, lse = -inf
-        tok_r = _per_item(gl.arange(0, 64, layout=gl.SliceLayout(1, mma)), it)
-        heads = _per_item(gl.arange(0, 16, layout=gl.SliceLayout(0, mma)), it)
-        dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)   # the PV's relabelled output dims
-        seen = l_i > 0
-        l_safe = gl.where(seen, l_i, 1.0)
-        inv = gl.where(seen, ckv_scale / l_safe, 0.0)[None, :]
-        lse = gl.where(seen, m_use + gl.log2(l_safe), float("-inf"))
-        row_ok = heads < H
-        out_mask = row_ok[None, :] & (dim_m[:, None] >= 0)
-        if (t0 == 0) & (t1 == (L + 63) // 64):
-            ty = out.dtype.element_ty
-            ob = out + qtok * stride_o_t + heads[None, :] * stride_o_h + dim_m[:, None]
-            gl.store(ob + 0 * 64, (o0 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 1 * 64, (o1 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 2 * 64, (o2 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 3 * 64, (o3 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 4 * 64, (o4 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 5 * 64, (o5 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 6 * 64, (o6 * inv).to(ty), mask=out_mask)
-            gl.store(ob + 7 * 64, (o7 * inv).to(ty), mask=out_mask)
-            gl.store(lse_out + qtok * stride_lse_t + heads, lse, mask=row_ok)
-        else:
-            pidx = it.to(gl.int64)
-            pb = part_o + pidx * stride_po_i + heads[None, :] * stride_po_r + dim_m[:, None]
-            gl.store(pb + 0 * 64, o0 * inv, mask=out_mask)
-            gl.store(pb + 1 * 64, o1 * inv, mask=out_mask)
-            gl.store(pb + 2 * 64, o2 * inv, mask=out_mask)
-            gl.store(pb + 3 * 64, o3 * inv, mask=out_mask)
-            gl.store(pb + 4 * 64, o4 * inv, mask=out_mask)
-            gl.store(pb + 5 * 64, o5 * inv, mask=out_mask)
-            gl.store(pb + 6 * 64, o6 * inv, mask=out_mask)
-            gl.store(pb + 7 * 64, o7 * inv, mask=out_mask)
-            gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=row_ok)
 
     @gluon.jit
     def _consumer_pipe(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
@@ -412,9 +371,9 @@ if gluon is not None:
                 m_i = m_new
                 _cta_barrier()
                 mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
-                _store_item16(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, H, mma,
-                              part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
-                              stride_o_h, stride_lse_t)
+                _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, 0, H, mma,
+                            16, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
+                            stride_o_h, stride_lse_t, H, 0)
             g += n
 
     @gluon.jit
