@@ -167,11 +167,13 @@ def test_auto_picks_gluon_and_falls_back():
             run_case(b, backend="gluon")
 
 
-@gpu
-def test_cuda_graph_capture_then_replan():
-    H = 16
-    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
-    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=11, spare_pages=60)
+def _graph_replan_check(attn, H, page, seed, spare_pages, after_first=None):
+    """The CUDA-graph contract of a gluon plan (GPU): plan three requests (100, 3000, 17 tokens), capture run() in a
+    graph and check its replay, then re-plan into the same buffers with other lengths (2900, 5, 0) and page lists
+    (page 64: other pages, page 1: a shuffled subset of the used slots), replay the same graph over a poisoned
+    ``out`` and compare with the float64 reference. ``after_first(attn)`` runs between the two."""
+    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, page, "fp8_e4m3", device=DEVICE, seed=seed,
+                          spare_pages=spare_pages)
     attn.plan(**b1.plan_args)
     q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
     out = torch.empty_like(q_nope)
@@ -179,11 +181,17 @@ def test_cuda_graph_capture_then_replan():
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
     g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    if after_first is not None:
+        after_first(attn)
     a = dict(b1.plan_args)   # same pool, other lengths and page lists
     pages = a["kv_indices"]
     a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
-    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
-    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
+    if page == 1:
+        a["kv_indptr"] = torch.tensor([0, 2900, 2905, 2906], dtype=torch.int32, device=DEVICE)
+        a["kv_indices"] = pages[torch.randperm(pages.numel(), device=DEVICE)[:2906]]
+    else:
+        a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
+        a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
     attn.plan(**a)
     out.fill_(float("nan"))
     g.replay()
@@ -192,6 +200,12 @@ def test_cuda_graph_capture_then_replan():
     ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
     assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+@gpu
+def test_cuda_graph_capture_then_replan():
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    _graph_replan_check(attn, 16, 64, seed=11, spare_pages=60)
 
 
 # -- GPU, the wide-heads variant (17..128 heads; off by default until verified: FP8MLA_GLUON_WIDE=1 here) -------
@@ -240,29 +254,8 @@ def test_wide_refuses_four_stages(wide):
 
 @gpu
 def test_wide_cuda_graph_capture_then_replan(wide):
-    H = 128
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
-    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=12, spare_pages=60)
-    attn.plan(**b1.plan_args)
-    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
-    out = torch.empty_like(q_nope)
-    lse = torch.empty(3, H, device=DEVICE)
-    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
-    assert_close(out, b1.reference()[0], 3e-3, "first replay")
-    a = dict(b1.plan_args)
-    pages = a["kv_indices"]
-    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
-    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
-    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
-    attn.plan(**a)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    from fp8mla.reference import mla_reference
-    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
-                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
-    assert_close(out, ref, 3e-3, "replay after re-plan")
+    _graph_replan_check(attn, 128, 64, seed=12, spare_pages=60)
 
 
 def test_host_schedule_matches_device_schedule():
@@ -466,29 +459,7 @@ def test_page1_equals_page64_on_the_same_tokens(page1):
 @pytest.mark.parametrize("H", [16, 128])
 def test_page1_cuda_graph_capture_then_replan(page1, H):
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
-    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 1, "fp8_e4m3", device=DEVICE, seed=13 + H,
-                          spare_pages=64)
-    attn.plan(**b1.plan_args)
-    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
-    out = torch.empty_like(q_nope)
-    lse = torch.empty(3, H, device=DEVICE)
-    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
-    assert_close(out, b1.reference()[0], 3e-3, "first replay")
-    a = dict(b1.plan_args)   # same pool, other lengths and slot lists (a shuffled subset of the used slots)
-    pages = a["kv_indices"]
-    sub = pages[torch.randperm(pages.numel(), device=DEVICE)[:2906]]
-    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
-    a["kv_indptr"] = torch.tensor([0, 2900, 2905, 2906], dtype=torch.int32, device=DEVICE)
-    a["kv_indices"] = sub
-    attn.plan(**a)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    from fp8mla.reference import mla_reference
-    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
-                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
-    assert_close(out, ref, 3e-3, "replay after re-plan")
+    _graph_replan_check(attn, H, 1, seed=13 + H, spare_pages=64)
 
 
 @pytest.mark.parametrize("block_p", [2, 4, 64])
@@ -1097,29 +1068,14 @@ def test_fused_merge_cuda_graph_replay_after_replan(fused, H):
     """Captured with the fused merge, replayed after a re-plan (other lengths, other splits, one request fewer):
     right answers, the counters in the graph buffers back at 0 after each replay."""
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, min_chunk=256)
-    b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=11, spare_pages=60)
-    attn.plan(**b1.plan_args)
-    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
-    out = torch.empty_like(q_nope)
-    lse = torch.empty(3, H, device=DEVICE)
-    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
-    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
-    assert_close(out, b1.reference()[0], 3e-3, "first replay")
-    cnt = attn._plan.impl.t["merge_cnt"]
-    assert attn._plan.impl.fuse_max and not cnt.any()
-    a = dict(b1.plan_args)
-    pages = a["kv_indices"]
-    a["kv_len_arr"] = torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE)
-    a["kv_indptr"] = torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE)
-    a["kv_indices"] = torch.cat([pages[3:49]] + [pages[:1]])
-    attn.plan(**a)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    from fp8mla.reference import mla_reference
-    ref, _ = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
-                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True)
-    assert_close(out, ref, 3e-3, "replay after re-plan")
+    seen = []
+
+    def counters_at_zero(attn):
+        cnt = attn._plan.impl.t["merge_cnt"]
+        assert attn._plan.impl.fuse_max and not cnt.any()
+        seen.append(cnt)
+    _graph_replan_check(attn, H, 64, seed=11, spare_pages=60, after_first=counters_at_zero)
+    cnt = seen[0]
     assert attn._plan.impl.t["merge_cnt"].data_ptr() == cnt.data_ptr() and not cnt.any()
 
 
