@@ -69,6 +69,30 @@ def pipelined_enabled() -> bool:
 # FP8MLA_GLUON_FUSED_MAX_PARTS=all) fuses every request and launches no merge kernel.
 GLUON_FUSED_MERGE = False
 GLUON_FUSED_MAX_PARTS = 16
+# FP8 scores (decode_sm90 QK8, kernel log 18): S = K.Q^T as e4m3 x e4m3 wgmma straight from the TMA stage (no K
+# conversion), Q as 2 (bf16) or 3 (fp16) e4m3 terms that hold it exactly; P.V unchanged; at <= 16 heads one score
+# accumulator per 128-column chunk (QKC). OFF: H200 2026-11-30 (scripts/qk8_device.py) it is no faster (H16 B64 L8k
+# .110 vs .108-.113 ms, B8/B1 3-4% slower, H128 7-9% slower) and less exact: the e4m3 tensor core's accumulation
+# moves the lse by up to 1.9e-3 (relative, vs 1e-7 for the default) and rel L2 reaches 4.5e-3 / 6.6e-3 with
+# large scores (scales .05/.02, x4 values), above the 3e-3 of the default numerics; with chunk accumulators the H16
+# cases measured lse 1.9e-4, rel L2 <= 1.8e-3. FP8MLA_GLUON_QK8=1 turns it on, =0 off. Plans whose terms do not fit
+# shared memory (fp16 queries at more than 32 heads) keep the default kernel.
+GLUON_QK8 = False
+
+
+def qk8_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_QK8", "")
+    return env == "1" if env in ("0", "1") else GLUON_QK8
+
+
+def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool) -> int:
+    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on, and the terms
+    beside an ns-stage ring within shared memory."""
+    from ..kernels import decode_sm90 as k
+    if not qk8_enabled():
+        return 0
+    terms = k.qk8_terms(q_dtype)
+    return terms if k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
 
 
 def fused_merge_max_parts() -> int:
@@ -172,6 +196,7 @@ class GluonPlan:
     t: dict
     max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
     fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
+    qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
@@ -195,7 +220,9 @@ class GluonPlan:
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
                  ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
                  causal=self.spec.causal,
-                 **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}))
+                 **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
+                 **({"qk8": self.qk8, "qk8_chunks": self.spec.num_heads <= k.HP}
+                    if self.qk8 and launch is k.launch else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -233,13 +260,14 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         parts = None
     mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
     fuse = fused_merge_max_parts()
+    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide)
     if spec.use_cuda_graph:
         if buf is None:
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -252,10 +280,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         if fuse:   # arrival counters: zeros, and back at zero after every complete run
             t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo), dtype=torch.int32,
                                          device=device)
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):

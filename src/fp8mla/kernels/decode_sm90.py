@@ -55,6 +55,13 @@ zeroed as for one query; a NaN stored in a token of the request that a row causa
 P = 0 in the P.V MMA (0 x NaN = NaN) and makes that row NaN, as in the Triton kernel (a NaN in a used token is bad
 input; the rows that see it are NaN either way). MTP = 0 compiles the one-query kernels unchanged (same SASS).
 
+FP8 scores (``QK8`` = 2 or 3 e4m3 terms of Q, ``QKC`` one accumulator per 128-column chunk; off unless the adapter's
+``GLUON_QK8`` switch is on, kernel log 18): S^T = K.Q^T runs as e4m3 x e4m3 wgmma with both operands in shared
+memory, K straight from the stage (no conversion, no relabelled k order), Q x f (f a power of two, largest |q| of a
+head near 2^8) split into terms whose sum holds a bf16 query exactly at 2 terms and an fp16 one at 3; the per-tensor
+scales multiply the two score parts (c_kv, k_pe) instead of Q. P.V is the fp16 path above. Measured on the H200: no
+faster, and the e4m3 accumulation moves the scores by more than the default numerics allow at large scores.
+
 Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
 FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back
 to the Triton kernel.
@@ -92,11 +99,20 @@ STAGE_BYTES = TILE * ROW_BYTES
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
 
 
-def smem_bytes(ns: int, hpw: int = HP, wide: bool = False) -> int:
-    """Shared memory of one CTA: the ring, two Q^T copies, two P^T tiles, the consumers' exchange buffer (o, m,
-    l in fp32; a 64-row token in the wide variant, which has no exchange), barriers (estimate, +1 KB slack)."""
+def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0) -> int:
+    """Shared memory of one CTA: the ring, two Q^T copies (fp16, or ``qk8`` e4m3 terms each plus an unused
+    fp16 chunk), two P^T tiles, the consumers' exchange buffer (o, m, l in fp32; a 64-row token in the wide
+    variant, which has no exchange), barriers (estimate, +1 KB slack)."""
     xr = 64 if wide else DC
-    return ns * STAGE_BYTES + 2 * hpw * (DC + DK) * 2 + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024
+    q = 2 * hpw * (DC + DK) * 2 if not qk8 else 2 * hpw * (qk8 * (DC + DK) + (128 + DK) * 2)
+    return ns * STAGE_BYTES + q + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024
+
+
+def qk8_terms(q_dtype) -> int:
+    """e4m3 terms of Q that hold it exactly in the FP8-scores variant: 2 for bf16 (8 significant bits), 3 for
+    fp16 (11)."""
+    import torch
+    return 2 if q_dtype == torch.bfloat16 else 3
 
 
 MAX_WIDE_HEADS = 128
@@ -597,13 +613,16 @@ if gluon is not None:
                   part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                  merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
+                  merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
+                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
         # exchange at all: each writes its own normalized partial.
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HPW, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HPW, 32])
         ld_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
             lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
@@ -665,18 +684,38 @@ if gluon is not None:
             for c in gl.static_range(4):
                 x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
-            amax = amax * ckv_scale
             xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
-            amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
-            # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
-            f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
-            fn = f * ckv_scale
-            for c in gl.static_range(4):
-                x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                q16 = (x.to(gl.float32) * fn[:, None]).to(gl.float16)
-                q_smem.index(cid * 4 + c).store(_relabel_k(q16))
-            qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
-            my_qpe.store(_relabel_k64(qp16))
+            if QK8:
+                # FP8 scores (QK8 e4m3 terms of Q, K straight from the stage): Q x f, f a power of two with the
+                # largest |q| of a head near 2^8 (e4m3 max 448), split into QK8 e4m3 terms hi + mid (+ lo) whose
+                # sum is q x f to 8 (12) significant bits: exact for bf16 queries at 2 terms, fp16 needs 3. The
+                # scales stay out of Q (applied to the two score parts), so the split rounds nothing else.
+                amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1))
+                f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(256.0 / amax))), 1.0)
+                for c in gl.static_range(4):
+                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    r = x.to(gl.float32) * f[:, None]
+                    for term in gl.static_range(QK8):
+                        t8 = r.to(gl.float8e4nv)
+                        q8_smem.index((cid * QK8 + term) * 4 + c).store(t8)
+                        r = r - t8.to(gl.float32)
+                rp = xp.to(gl.float32) * f[:, None]
+                for term in gl.static_range(QK8):
+                    t8 = rp.to(gl.float8e4nv)
+                    qpe8_smem.index(cid * QK8 + term).store(t8)
+                    rp = rp - t8.to(gl.float32)
+            else:
+                amax = amax * ckv_scale
+                amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
+                # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
+                f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
+                fn = f * ckv_scale
+                for c in gl.static_range(4):
+                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    q16 = (x.to(gl.float32) * fn[:, None]).to(gl.float16)
+                    q_smem.index(cid * 4 + c).store(_relabel_k(q16))
+                qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
+                my_qpe.store(_relabel_k64(qp16))
             fence_async_shared()
             row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
             tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
@@ -715,19 +754,64 @@ if gluon is not None:
                         # or 0, so the overlap is benign and the stage ends up the same either way.
                         _sanitize_tail(kbuf, pbuf, s, valid)
                     # -- S^T = K . Q^T ------------------------------------------------------------------------
-                    sT = gl.zeros([64, HPW], gl.float32, mma)
-                    for c in gl.static_range(4):
-                        a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
-                        a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
-                        sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
-                        if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
-                            sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
+                    if QK8:
+                        # e4m3 x e4m3 wgmma, both operands in shared memory (K-major): no K conversion at all.
+                        # The stage is now read by the async proxy: at page 1 cp.async (generic proxy) wrote it
+                        fence_async_shared()
+                        sp = gl.zeros([64, HPW], gl.float32, mma8)
+                        if QKC:   # one accumulator per 128-column chunk: 5 independent chains, summed after
+                            s0 = gl.zeros([64, HPW], gl.float32, mma8)
+                            s1 = gl.zeros([64, HPW], gl.float32, mma8)
+                            s2 = gl.zeros([64, HPW], gl.float32, mma8)
+                            s3 = gl.zeros([64, HPW], gl.float32, mma8)
+                            for term in gl.static_range(QK8):
+                                s0 = warpgroup_mma(kbuf.index(s * 4 + 0),
+                                                   q8_smem.index((cid * QK8 + term) * 4 + 0).permute((1, 0)), s0,
+                                                   is_async=True)
+                            for term in gl.static_range(QK8):
+                                s1 = warpgroup_mma(kbuf.index(s * 4 + 1),
+                                                   q8_smem.index((cid * QK8 + term) * 4 + 1).permute((1, 0)), s1,
+                                                   is_async=True)
+                            for term in gl.static_range(QK8):
+                                s2 = warpgroup_mma(kbuf.index(s * 4 + 2),
+                                                   q8_smem.index((cid * QK8 + term) * 4 + 2).permute((1, 0)), s2,
+                                                   is_async=True)
+                            for term in gl.static_range(QK8):
+                                s3 = warpgroup_mma(kbuf.index(s * 4 + 3),
+                                                   q8_smem.index((cid * QK8 + term) * 4 + 3).permute((1, 0)), s3,
+                                                   is_async=True)
+                            for term in gl.static_range(QK8):
+                                sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
+                                                   sp, is_async=True)
+                            s0, s1, s2, s3, sp = warpgroup_mma_wait(0, deps=(s0, s1, s2, s3, sp))
+                            sn = (s0 + s1) + (s2 + s3)
                         else:
-                            sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
-                    ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
-                    ap = gl.convert_layout(ap, a_l, assert_trivial=True)
-                    sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
-                    sT = warpgroup_mma_wait(0, deps=(sT,))
+                            sn = gl.zeros([64, HPW], gl.float32, mma8)
+                            for c in gl.static_range(4):
+                                for term in gl.static_range(QK8):
+                                    sn = warpgroup_mma(kbuf.index(s * 4 + c),
+                                                       q8_smem.index((cid * QK8 + term) * 4 + c).permute((1, 0)),
+                                                       sn, is_async=True)
+                            for term in gl.static_range(QK8):
+                                sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
+                                                   sp, is_async=True)
+                            sn, sp = warpgroup_mma_wait(0, deps=(sn, sp))
+                        # (an e4m3 wgmma's instruction k is 32: same accumulator registers, another layout name)
+                        sT = gl.convert_layout(sn * ckv_scale + sp * kpe_scale, mma, assert_trivial=True)
+                    else:
+                        sT = gl.zeros([64, HPW], gl.float32, mma)
+                        for c in gl.static_range(4):
+                            a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
+                            a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
+                            sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
+                            if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
+                                sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
+                            else:
+                                sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+                        ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
+                        ap = gl.convert_layout(ap, a_l, assert_trivial=True)
+                        sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
+                        sT = warpgroup_mma_wait(0, deps=(sT,))
                     # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
                     sT = sT * row_scale[None, :]
                     if MTP == 1:
@@ -852,12 +936,13 @@ if gluon is not None:
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
+                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -865,12 +950,13 @@ if gluon is not None:
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False):
+                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -881,7 +967,8 @@ if gluon is not None:
                                PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
                                HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
                                MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
-                               FUSED_MERGE: gl.constexpr = False):
+                               FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
+                               QKC: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -889,8 +976,17 @@ if gluon is not None:
         q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         kbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS * 4, 64, 128], kv_l)
         pbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS, 64, 64], kpe_l)
-        q_smem = gl.allocate_shared_memory(gl.float16, [8, HPW, 128], q_l)
+        if QK8:   # Q^T as QK8 e4m3 terms per consumer (the fp16 copies stay, one chunk each: unused)
+            q8_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QK8 * 4, HPW, 128], q8_l)
+            qpe8_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QK8, HPW, 64], kpe_l)
+            q_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 128], q_l)
+        else:
+            q_smem = gl.allocate_shared_memory(gl.float16, [8, HPW, 128], q_l)
         qpe_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
+        if not QK8:   # placeholders (never read: the partitions' argument lists take no None)
+            q8_smem = q_smem
+            qpe8_smem = qpe_smem
         pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -926,12 +1022,14 @@ if gluon is not None:
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE)),
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                          QK8, QKC)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE)),
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                          QK8, QKC)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1191,7 +1289,8 @@ def kv_descriptors(ckv_cache, kpe_cache):
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
-           causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL):
+           causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
+           qk8_chunks: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1203,12 +1302,19 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     last CTA to write one of a (request, head group, consumer) unit's partials merges them, ``_fused_merge``;
     needs ``t["merge_cnt"]``, int32 zeros, ``merge_counters`` entries); the merge kernel then runs only for the
     requests with more partials, and is not launched at all when ``fuse_max >= FUSE_ALL``. ``merge`` False skips
-    the merge kernel in any case (timing probes)."""
+    the merge kernel in any case (timing probes).
+
+    ``qk8`` (2 or 3; 0 off): FP8 scores. Q is split into ``qk8`` e4m3 terms and S = K.Q^T runs as e4m3 x e4m3
+    wgmma with K read straight from the stage (no K conversion); 2 terms hold a bf16 query exactly, an fp16 one
+    needs 3 (``qk8_terms``). P.V is unchanged (fp16). ``qk8_chunks``: one score accumulator per 128-column
+    chunk (5 independent wgmma chains instead of one), summed in fp32."""
     LOG2E = 1.4426950408889634
     hpw, nhg, wide = row_config(num_heads, max_qo)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
+    if qk8 not in (0, 2, 3):
+        raise ValueError(f"qk8: expected 0 (off), 2 or 3 e4m3 terms of Q, got {qk8}")
     po, pl = t["part_o"], t["part_lse"]
     if po.shape[1] < padded_heads(num_heads, max_qo) or pl.shape[1] < padded_heads(num_heads, max_qo):
         raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads, max_qo)} head rows per item, got "
@@ -1230,7 +1336,9 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, num_warps=4)
+        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, **({"QK8": qk8} if qk8 else {}),
+        **({"QKC": True} if qk8 and qk8_chunks else {}),
+        num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
@@ -1269,7 +1377,8 @@ KERNEL_SIGNATURE = {
     "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
     "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr",
     # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
-    "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr"}
+    "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr",
+    "QK8": "constexpr", "QKC": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1280,7 +1389,7 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
-                   fused_merge: bool = False) -> dict:
+                   fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
@@ -1300,6 +1409,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
     consts["FUSED_MERGE"] = bool(fused_merge)
+    consts["QK8"] = int(qk8)
+    consts["QKC"] = bool(qk8_chunks)
     if not fused_merge:   # as launch() passes them when off: absent, i.e. the defaults (constexpr None)
         for n in ("m_ptr", "m_list", "merge_cnt", "fuse_max"):
             sig[n] = "constexpr"
