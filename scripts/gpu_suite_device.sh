@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The test suite on a GPU machine in one device call (<= 10 min): the attention grid on one GPU, every other
-# GPU-relevant file on the next (or both on the one GPU when only one is visible), pytest-xdist workers per GPU.
+# The test suite on a GPU machine, in the layout that passed whole on an nvidia-h200-x2 (2026-11-30, docs/benchmarks.md
+# "The test suite on the H200"): two phases of <= 10 min each, each split over two GPUs (one GPU: both parts on it).
+#   files: every GPU-relevant file except the attention grid's torch-backend cases, in two parts (A, B) (~4 min)
+#   grid:  the grid's 2,000 torch-backend cases, SHARDS-way over the GPUs (~13 min of GPU time: give it two calls,
+#          the second with DONE_IDS=<file of node ids that passed> to run only the rest; see scripts/pytest_shard.py)
 # CPU-only files (audit, doctor, compile targets, README) are left out: CI runs them.
 #
-# Usage (repo root):  bash scripts/gpu_suite_device.sh OUTDIR [WHEEL_DIR]
+# Usage (repo root):  bash scripts/gpu_suite_device.sh OUTDIR files|grid [WHEEL_DIR]
 #   WHEEL_DIR (default .whl): pytest-xdist / execnet / hypothesis wheels, installed with --no-index when the
 #   machine lacks them (the device has no network). Prints one summary line per part and a failure list;
-#   OUTDIR gets each part's verbose log.
-# Env: SUITE_TIMEOUT (s per part, default 500), WORKERS (per part, default cores / parts - 1).
+#   OUTDIR gets each part's verbose log and, for grid, passed_ids.txt (feed it back as DONE_IDS).
+# Env: SUITE_TIMEOUT (s per part, default 530), WORKERS (per part, default 15), DONE_IDS.
 set -u
 out=${1:-out/gpu_suite}
-whl=${2:-.whl}
+phase=${2:-files}
+whl=${3:-.whl}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
 if ! $PY -c 'import xdist, hypothesis' 2>/dev/null; then
@@ -19,37 +23,42 @@ if ! $PY -c 'import xdist, hypothesis' 2>/dev/null; then
       "$whl"/hypothesis*.whl "$whl"/sortedcontainers*.whl "$whl"/attrs*.whl > "$out/pip.txt" 2>&1
   export PYTHONPATH=/tmp/suite_pkgs${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/scripts:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())')
-cores=$(nproc)
-cpu_only="test_audit.py test_audit_cli.py test_compile_targets.py test_readme.py test_doctor.py test_fuzz_doctor.py"
-rest=()
-for f in tests/test_*.py; do
-  b=$(basename "$f")
-  case " $cpu_only test_attention_grid.py " in *" $b "*) continue ;; esac
-  rest+=("$f")
-done
-T=${SUITE_TIMEOUT:-500}
-part() {  # name gpu workers files...
-  local name=$1 gpu=$2 w=$3
-  shift 3
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$T" $PY -m pytest -v -p no:cacheprovider -n "$w" "$@" > "$out/$name.log" 2>&1
+T=${SUITE_TIMEOUT:-530}
+W=${WORKERS:-15}
+G=tests/test_attention_grid.py
+part() {  # name gpu files...
+  local name=$1 gpu=$2
+  shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$T" $PY -m pytest -v -p no:cacheprovider -p pytest_shard -n "$W" "$@" \
+      > "$out/$name.log" 2>&1
   echo "$name exit $?" >> "$out/$name.log"
 }
-if [ "$ngpu" -ge 2 ]; then
-  w=${WORKERS:-$(( cores / 2 - 1 ))}
-  part grid 0 "$w" tests/test_attention_grid.py &
-  part rest 1 "$w" "${rest[@]}" &
+g1=$(( ngpu >= 2 ? 1 : 0 ))
+if [ "$phase" = files ]; then
+  part A 0 $G::test_backend_slice $G::test_query_dtypes $G::test_requests_without_queries \
+      $G::test_scales_as_tensors_match_floats $G::test_causal_alignment_exact tests/test_decode_sm90.py \
+      tests/test_decode_sm90_qk8.py tests/test_decode_sm90_split.py tests/test_decode_sm90_pipe.py tests/test_extend.py \
+      tests/test_ragged.py tests/test_runner.py tests/test_generate.py tests/test_plan_host_work.py tests/test_tp.py \
+      tests/test_nan_inputs.py tests/test_profile_casts.py tests/test_review_core.py &
+  part B $g1 tests/test_formats.py tests/test_decode_triton.py tests/test_cache.py tests/test_validation.py \
+      tests/test_sentinel.py tests/test_gather.py tests/test_flashinfer_contract.py tests/test_quant_append.py \
+      tests/test_demo.py tests/test_cli_edges.py tests/test_model_hf.py &
   wait
 else
-  w=${WORKERS:-$(( cores - 1 ))}
-  part all 0 "$w" tests/test_attention_grid.py "${rest[@]}"
+  export SHARDS=2
+  for s in 0 1; do
+    SHARD=$s part grid$s $(( s % (ngpu >= 2 ? 2 : 1) )) $G::test_batch1_h16 $G::test_batched_h16 \
+        $G::test_batch1_h128 $G::test_batched_h128 &
+  done
+  wait
+  grep -h " PASSED" "$out"/grid*.log | grep -o "tests/[^ ]*::[^ ]*" | sort -u > "$out/passed_ids.txt"
 fi
 for f in "$out"/*.log; do
   n=$(basename "$f" .log)
   p=$(grep -c " PASSED" "$f"); s=$(grep -c " SKIPPED" "$f"); x=$(grep -c -E " XFAIL| XPASS" "$f")
   fl=$(grep -c -E " FAILED| ERROR" "$f")
-  items=$(grep -m1 -o -E "\[[0-9]+ items?\]" "$f")
-  echo "$n: $items passed $p, skipped $s, xfail/xpass $x, failed/error $fl; $(tail -1 "$f")"
+  echo "$n: passed $p, skipped $s, xfail/xpass $x, failed/error $fl; $(tail -1 "$f")"
 done
 grep -h -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$out"/*.log | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -60
