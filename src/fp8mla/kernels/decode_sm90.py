@@ -228,6 +228,15 @@ if gluon is not None:
         return gl.convert_layout(v, a_l, assert_trivial=True)
 
     @gluon.jit
+    def _stamp(tl_ptr, cid: gl.constexpr, n, phase: gl.constexpr, TLT: gl.constexpr):
+        # timing probe (TLT > 0): this SM's clock64 at `phase` of the consumer's n-th tile, into
+        # tl_ptr[pid, cid, n, phase] ([grid, 2, TLT, 8] int64; tiles past TLT are not recorded)
+        pid = gl.program_id(0)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        gl.store(tl_ptr + ((pid * 2 + cid) * TLT + n) * 8 + phase, clk, mask=n < TLT)
+
+    @gluon.jit
     def _sanitize_tail(kbuf, pbuf, s, valid):
         # Zero the rows >= valid of stage s (a request's last, partial tile): they may hold NaN.
         kv8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -614,7 +623,8 @@ if gluon is not None:
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
+                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
+                  WLACC: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -657,6 +667,7 @@ if gluon is not None:
         cq = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
         cp = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
         g = 0
+        nt = 0   # this consumer's tiles so far (the timing probe's index)
         for it in range(i0, i1):
             b = gl.load(item_req + it)
             t0 = gl.load(item_t0 + it)
@@ -731,8 +742,9 @@ if gluon is not None:
             o7 = gl.zeros([64, HPW], gl.float32, mma)
             m_i = gl.full([HPW], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
             # H16: row sums stay per thread (no cross-warp reduction per tile), reduced once in the epilogue.
-            # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers)
-            if WIDE:
+            # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers), unless
+            # WLACC (the H16 way: per thread, reduced once per item; a timing experiment, kernel log 22)
+            if WIDE and not WLACC:
                 l_i = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
             else:
                 l_acc = gl.zeros([64, HPW], gl.float32, mma)
@@ -744,7 +756,11 @@ if gluon is not None:
             for j in range(j0, n, STEP):
                 gg = g + j
                 s = gg % NS
+                if TLT:
+                    _stamp(tl_ptr, cid, nt, 0, TLT)
                 mbarrier.wait(ready.index(s), (gg // NS) & 1)
+                if TLT:
+                    _stamp(tl_ptr, cid, nt, 1, TLT)
                 valid = L - (t0 + j) * 64
                 if MODE == 1:   # timing probe: the ring alone (no compute)
                     mbarrier.arrive(empty.index(s), count=1)
@@ -813,6 +829,8 @@ if gluon is not None:
                         sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
                         sT = warpgroup_mma_wait(0, deps=(sT,))
                     # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
+                    if TLT:
+                        _stamp(tl_ptr, cid, nt, 2, TLT)
                     sT = sT * row_scale[None, :]
                     if MTP == 1:
                         if (t0 + j + 1) * 64 > L - qo + 1:
@@ -837,13 +855,17 @@ if gluon is not None:
                     else:
                         alpha = gl.exp2(m_i - m_new)
                         p = gl.exp2(sT - m_new[None, :])
-                    if WIDE:
+                    if WIDE and not WLACC:
                         l_i = l_i * alpha + gl.sum(p, axis=0)
                     else:
                         l_acc = l_acc * alpha[None, :] + p
                     m_i = m_new
+                    if TLT:
+                        _stamp(tl_ptr, cid, nt, 3, TLT)
                     my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
                     fence_async_shared()
+                    if TLT:
+                        _stamp(tl_ptr, cid, nt, 4, TLT)
                     # -- O^T += V^T . P^T, 8 chunks of 64 dims ------------------------------------------------
                     a2 = alpha[None, :]
                     v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
@@ -871,9 +893,14 @@ if gluon is not None:
                     o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
                     o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
                     o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+                    if TLT:
+                        _stamp(tl_ptr, cid, nt, 5, TLT)
                     mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
+                nt += 1
             # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
             if WIDE:
+                if WLACC:
+                    l_i = gl.sum(l_acc, axis=0)
                 m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                 _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
@@ -937,12 +964,13 @@ if gluon is not None:
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
+                   WLACC: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -951,12 +979,13 @@ if gluon is not None:
                    stride_o_t, stride_o_h, stride_lse_t,
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False):
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
+                   WLACC: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -968,7 +997,8 @@ if gluon is not None:
                                HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
                                MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
                                FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
-                               QKC: gl.constexpr = False):
+                               QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
+                               WLACC: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -1023,13 +1053,13 @@ if gluon is not None:
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC)),
+                          QK8, QKC, tl_ptr, TLT, WLACC)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC)),
+                          QK8, QKC, tl_ptr, TLT, WLACC)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1290,7 +1320,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
-           qk8_chunks: bool = False):
+           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1307,7 +1337,13 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     ``qk8`` (2 or 3; 0 off): FP8 scores. Q is split into ``qk8`` e4m3 terms and S = K.Q^T runs as e4m3 x e4m3
     wgmma with K read straight from the stage (no K conversion); 2 terms hold a bf16 query exactly, an fp16 one
     needs 3 (``qk8_terms``). P.V is unchanged (fp16). ``qk8_chunks``: one score accumulator per 128-column
-    chunk (5 independent wgmma chains instead of one), summed in fp32."""
+    chunk (5 independent wgmma chains instead of one), summed in fp32.
+
+    ``timeline`` (a timing probe, never on a served path): an int64 tensor [grid, 2, T, 8]; each consumer writes its
+    SM's clock64 at six points of each of its first T tiles (0 before the ready wait, 1 after it, 2 scores done,
+    3 softmax done, 4 P stored and fenced, 5 P.V done).
+    ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
+    item, as the H16 kernel does, instead of a cross-warp reduction every tile."""
     LOG2E = 1.4426950408889634
     hpw, nhg, wide = row_config(num_heads, max_qo)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
@@ -1338,6 +1374,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
         HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, **({"QK8": qk8} if qk8 else {}),
         **({"QKC": True} if qk8 and qk8_chunks else {}),
+        **({"tl_ptr": timeline, "TLT": timeline.shape[2]} if timeline is not None else {}),
+        **({"WLACC": True} if wide and wide_row_sums else {}),
         num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
@@ -1378,7 +1416,7 @@ KERNEL_SIGNATURE = {
     "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr",
     # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
     "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr",
-    "QK8": "constexpr", "QKC": "constexpr"}
+    "QK8": "constexpr", "QKC": "constexpr", "tl_ptr": "*i64", "TLT": "constexpr", "WLACC": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1389,7 +1427,8 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
-                   fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False) -> dict:
+                   fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
+                   timeline_tiles: int = 0, wide_row_sums: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
@@ -1411,6 +1450,11 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     consts["FUSED_MERGE"] = bool(fused_merge)
     consts["QK8"] = int(qk8)
     consts["QKC"] = bool(qk8_chunks)
+    consts["TLT"] = int(timeline_tiles)
+    consts["WLACC"] = bool(wide_row_sums)
+    if not timeline_tiles:
+        sig["tl_ptr"] = "constexpr"
+        consts["tl_ptr"] = None
     if not fused_merge:   # as launch() passes them when off: absent, i.e. the defaults (constexpr None)
         for n in ("m_ptr", "m_list", "merge_cnt", "fuse_max"):
             sig[n] = "constexpr"

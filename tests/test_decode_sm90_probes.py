@@ -1,0 +1,69 @@
+"""The Gluon decode kernel's measurement builds (``decode_sm90.launch(timeline=...)`` and the wide variant's
+``wide_row_sums`` experiment; kernel log 22 of docs/benchmarks.md) and the timeline's reduction.
+
+CPU: both builds compile for sm_90a with the kernel's MMA counts unchanged (the probe adds six clock reads per
+consumer and nothing to the tile loops' MMAs), and ``scripts/timeline_device.py``'s phase statistics on synthetic
+stamps (a tile with a missing stamp is left out, the gap pairs consecutive tiles). GPU: none here (the scripts are
+the device drivers)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp8mla.kernels import decode_sm90 as k
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _report(**kw) -> tuple[dict, str]:
+    code = ("import json, sys, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=64, ns=3, aligned_ints=True, "
+            "sass_path=sys.argv[1], **json.loads(sys.argv[2])); print('REPORT', json.dumps(r))")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        sass = os.path.join(d, "k.sass")
+        res = subprocess.run([sys.executable, "-c", code, sass, json.dumps(kw)], capture_output=True, text=True,
+                             env=env, timeout=600)
+        line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+        assert res.returncode == 0 and line, res.stderr[-3000:]
+        return json.loads(line[-1][len("REPORT "):]), open(sass).read()
+
+
+@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.parametrize("kw", [dict(heads=16, timeline_tiles=96), dict(heads=128, wide_row_sums=True)])
+def test_measurement_builds_compile(kw):
+    r, sass = _report(**kw)
+    assert sum(n for op, n in r["ops"].items() if op.startswith("HGMMA")) == 136, r["ops"]
+    assert not r["serialized_wgmma"], r["ptxas"]
+    assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
+    assert sass.count("SR_CLOCKLO") == (12 if "timeline_tiles" in kw else 0)
+
+
+def _timeline_module():
+    spec = importlib.util.spec_from_file_location("timeline_device", os.path.join(ROOT, "scripts/timeline_device.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_timeline_phases_on_synthetic_stamps():
+    t = _timeline_module()
+    tl = torch.zeros(2, 2, t.T, 8, dtype=torch.int64)
+    for g in range(2):
+        for c in range(2):
+            for n in range(5):
+                b = 1000 + n * 600
+                tl[g, c, n, :6] = torch.tensor([b, b + 50, b + 150, b + 250, b + 300, b + 550])
+    tl[1, 1, 2, 3] = 0   # a tile with a missing stamp: left out of every phase
+    st = t.phases(tl)
+    assert st["ready"]["median"] == 50 and st["qk"]["median"] == 100 and st["soft"]["median"] == 100
+    assert st["pstore"]["median"] == 50 and st["pv"]["median"] == 250
+    assert st["gap"]["median"] == 50 and st["tile"]["median"] == 600
+    assert st["ready"]["n"] == 19 and st["gap"]["n"] == 14
