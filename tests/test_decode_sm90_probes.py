@@ -1,5 +1,5 @@
-"""The Gluon decode kernel's measurement builds (``decode_sm90.launch(timeline=...)`` and the wide variant's
-``wide_row_sums`` experiment; kernel log 22 of docs/benchmarks.md) and the timeline's reduction.
+"""The Gluon decode kernel's measurement builds (``decode_sm90.launch(timeline=...)``) and experiments
+(``wide_row_sums``, ``pv_in_flight=2``; kernel log 22 of docs/benchmarks.md) and the timeline's reduction.
 
 CPU: both builds compile for sm_90a with the kernel's MMA counts unchanged (the probe adds six clock reads per
 consumer and nothing to the tile loops' MMAs), and ``scripts/timeline_device.py``'s phase statistics on synthetic
@@ -37,9 +37,13 @@ def _report(**kw) -> tuple[dict, str]:
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-@pytest.mark.parametrize("kw", [dict(heads=16, timeline_tiles=96), dict(heads=128, wide_row_sums=True)])
+@pytest.mark.parametrize("kw", [dict(heads=16, timeline_tiles=96), dict(heads=128, wide_row_sums=True),
+                                dict(heads=16, pv_in_flight=2)])
 def test_measurement_builds_compile(kw):
     r, sass = _report(**kw)
+    if kw.get("pv_in_flight") == 2:   # 8 P.V waits per consumer leave two chunk groups in flight
+        assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2") == 16, sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2")
+        assert sum(st for st, _ in r["spills"]) <= 512, r["spills"]
     assert sum(n for op, n in r["ops"].items() if op.startswith("HGMMA")) == 136, r["ops"]
     assert not r["serialized_wgmma"], r["ptxas"]
     assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
@@ -67,3 +71,11 @@ def test_timeline_phases_on_synthetic_stamps():
     assert st["pstore"]["median"] == 50 and st["pv"]["median"] == 250
     assert st["gap"]["median"] == 50 and st["tile"]["median"] == 600
     assert st["ready"]["n"] == 19 and st["gap"]["n"] == 14
+
+
+def test_launch_refuses_pv_in_flight_past_two():
+    q = torch.zeros(1, 16, 512)
+    t = dict(part_o=torch.empty(1, 16, 512), part_lse=torch.empty(1, 16))
+    with pytest.raises(ValueError, match="pv_in_flight"):
+        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
+                 sm_scale=0.1, page_size=64, pv_in_flight=3)

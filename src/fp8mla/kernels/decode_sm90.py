@@ -624,7 +624,7 @@ if gluon is not None:
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                  WLACC: gl.constexpr = False):
+                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -866,32 +866,61 @@ if gluon is not None:
                     fence_async_shared()
                     if TLT:
                         _stamp(tl_ptr, cid, nt, 4, TLT)
-                    # -- O^T += V^T . P^T, 8 chunks of 64 dims ------------------------------------------------
-                    a2 = alpha[None, :]
-                    v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
-                    o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
-                    o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
-                    v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
-                    o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
-                    o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
-                    v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
-                    o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
-                    o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
-                    v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
-                    o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
-                    o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
-                    v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
-                    o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
-                    o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
-                    v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
-                    o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
-                    o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
-                    v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
-                    o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
-                    o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
-                    v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
-                    o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
-                    o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                    # -- O^T += V^T . P^T, 8 chunks of 64 dims; PVW chunk groups stay in flight behind the next
+                    # chunk's conversion (1: the measured kernel; 2: an experiment, kernel log 22) --------------
+                    if PVW == 1:
+                        a2 = alpha[None, :]
+                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
+                        o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
+                        o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
+                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
+                        o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
+                        o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
+                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
+                        o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
+                        o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
+                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
+                        o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
+                        o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
+                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
+                        o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
+                        o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
+                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
+                        o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
+                        o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
+                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
+                        o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
+                        o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
+                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
+                        o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
+                        o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                    else:   # the A fragments of the chunks still in flight stay live (deps) until their wait
+                        a2 = alpha[None, :]
+                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
+                        o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
+                        o0, v0 = warpgroup_mma_wait(PVW, deps=(o0, v0))
+                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
+                        o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
+                        o1, v1, v0 = warpgroup_mma_wait(PVW, deps=(o1, v1, v0))
+                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
+                        o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
+                        o2, v2, v0, v1 = warpgroup_mma_wait(PVW, deps=(o2, v2, v0, v1))
+                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
+                        o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
+                        o3, v3, v1, v2 = warpgroup_mma_wait(PVW, deps=(o3, v3, v1, v2))
+                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
+                        o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
+                        o4, v4, v2, v3 = warpgroup_mma_wait(PVW, deps=(o4, v4, v2, v3))
+                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
+                        o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
+                        o5, v5, v3, v4 = warpgroup_mma_wait(PVW, deps=(o5, v5, v3, v4))
+                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
+                        o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
+                        o6, v6, v4, v5 = warpgroup_mma_wait(PVW, deps=(o6, v6, v4, v5))
+                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
+                        o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
+                        o7, v7, v5, v6 = warpgroup_mma_wait(PVW, deps=(o7, v7, v5, v6))
+                        o6, o7, v6, v7 = warpgroup_mma_wait(0, deps=(o6, o7, v6, v7))
                     o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
                     if TLT:
                         _stamp(tl_ptr, cid, nt, 5, TLT)
@@ -965,12 +994,12 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -980,12 +1009,12 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -998,7 +1027,7 @@ if gluon is not None:
                                MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
                                FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
                                QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                               WLACC: gl.constexpr = False):
+                               WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -1053,13 +1082,13 @@ if gluon is not None:
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1320,7 +1349,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
-           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False):
+           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1343,12 +1372,15 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     SM's clock64 at six points of each of its first T tiles (0 before the ready wait, 1 after it, 2 scores done,
     3 softmax done, 4 P stored and fenced, 5 P.V done).
     ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
-    item, as the H16 kernel does, instead of a cross-warp reduction every tile."""
+    item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
+    P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel)."""
     LOG2E = 1.4426950408889634
     hpw, nhg, wide = row_config(num_heads, max_qo)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
+    if pv_in_flight not in (1, 2):
+        raise ValueError(f"pv_in_flight: expected 1 (the measured kernel) or 2, got {pv_in_flight}")
     if qk8 not in (0, 2, 3):
         raise ValueError(f"qk8: expected 0 (off), 2 or 3 e4m3 terms of Q, got {qk8}")
     po, pl = t["part_o"], t["part_lse"]
@@ -1376,6 +1408,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         **({"QKC": True} if qk8 and qk8_chunks else {}),
         **({"tl_ptr": timeline, "TLT": timeline.shape[2]} if timeline is not None else {}),
         **({"WLACC": True} if wide and wide_row_sums else {}),
+        **({"PVW": int(pv_in_flight)} if pv_in_flight != 1 else {}),
         num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
@@ -1416,7 +1449,8 @@ KERNEL_SIGNATURE = {
     "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr",
     # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
     "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr",
-    "QK8": "constexpr", "QKC": "constexpr", "tl_ptr": "*i64", "TLT": "constexpr", "WLACC": "constexpr"}
+    "QK8": "constexpr", "QKC": "constexpr", "tl_ptr": "*i64", "TLT": "constexpr", "WLACC": "constexpr",
+    "PVW": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1428,7 +1462,7 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
-                   timeline_tiles: int = 0, wide_row_sums: bool = False) -> dict:
+                   timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
@@ -1452,6 +1486,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     consts["QKC"] = bool(qk8_chunks)
     consts["TLT"] = int(timeline_tiles)
     consts["WLACC"] = bool(wide_row_sums)
+    consts["PVW"] = int(pv_in_flight)
     if not timeline_tiles:
         sig["tl_ptr"] = "constexpr"
         consts["tl_ptr"] = None
