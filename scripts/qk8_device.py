@@ -131,7 +131,12 @@ def chunks_run(out_dir):
         for name, kw in (("default", dict(qk8=0)), ("qk8", dict(qk8=2)), ("qk8_chunks", dict(qk8=2, chunks=True)),
                          ("qk8_chunks_compute_only", dict(qk8=2, chunks=True, mode=2)),
                          ("default_compute_only", dict(qk8=0, mode=2))):
-            r[name] = dv.graph_ms(QPlan(c, **kw).run, flush, reps=30)
+            # (this sequence hit "unspecified launch failure" on 2026-11-30 at its first shape, kernel log 20:
+            # say which variant runs, synchronized, so that a repro names it)
+            log(f"  timing H{H} B{B} L{L} {name} ...")
+            r[name] = dv.graph_ms(QPlan(c, **kw).run, flush, reps=int(os.environ.get("QK8_REPS", "30")))
+            torch.cuda.synchronize()
+            log(f"  ... {name} {r[name]:.4f} ms")
         rows.append(r)
         log("BENCH " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     if out_dir:
