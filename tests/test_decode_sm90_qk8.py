@@ -82,17 +82,19 @@ def test_switch_is_off_by_default(monkeypatch):
     assert not gb.qk8_enabled()
 
 
-@pytest.mark.parametrize("H,qk8,want", [(16, 0, None), (16, 2, (2, True)), (128, 2, (2, False)), (8, 3, (3, True))])
-def test_plan_routes_the_terms(monkeypatch, H, qk8, want):
-    """GluonPlan.run passes qk8 (and one accumulator per chunk at <= 16 heads: the wide build spills with five
-    accumulators beside 128 O registers) only when the plan chose terms; the default launch gets no new keyword."""
+@pytest.mark.parametrize("H,qk8,max_qo,want", [(16, 0, 1, None), (16, 2, 1, (2, True)), (128, 2, 1, (2, False)),
+                                                (8, 3, 1, (3, True)), (16, 2, 2, (2, False))])
+def test_plan_routes_the_terms(monkeypatch, H, qk8, max_qo, want):
+    """GluonPlan.run passes qk8 (and one accumulator per chunk on the H <= 16 one-query kernel only: the wide
+    builds, MTP included, spill with five accumulators) only when the plan chose terms; the default launch gets no
+    new keyword."""
     for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
         monkeypatch.delenv(env, raising=False)
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
     spec = SimpleNamespace(num_heads=H, sm_scale=0.1, page_size=64, causal=True)
-    plan = gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, 1, 0, qk8)
+    plan = gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0, qk8)
     pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
     plan.run(None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
     got = (calls[0]["qk8"], calls[0]["qk8_chunks"]) if "qk8" in calls[0] else None

@@ -221,7 +221,7 @@ class GluonPlan:
                  ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
                  causal=self.spec.causal,
                  **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
-                 **({"qk8": self.qk8, "qk8_chunks": self.spec.num_heads <= k.HP}
+                 **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
                     if self.qk8 and launch is k.launch else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
