@@ -48,6 +48,44 @@ def test_measurement_builds_compile(kw):
     assert not r["serialized_wgmma"], r["ptxas"]
     assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
     assert sass.count("SR_CLOCKLO") == (12 if "timeline_tiles" in kw else 0)
+    if kw.get("wide_row_sums"):   # the option is live: the wide build without it compiles to other code
+        base, _ = _report(heads=128)
+        assert base["ops"] != r["ops"]
+
+
+_NEW_KEYS = {"QK8", "QKC", "tl_ptr", "TLT", "WLACC", "PVW"}
+
+
+@pytest.mark.parametrize("opts,keys", [
+    ({}, set()), (dict(qk8=2), {"QK8"}), (dict(qk8=2, qk8_chunks=True), {"QK8", "QKC"}),
+    (dict(timeline="T"), {"tl_ptr", "TLT"}), (dict(wide_row_sums=True), set()),
+    (dict(wide_row_sums=True, num_heads=128), {"WLACC"}), (dict(pv_in_flight=2), {"PVW"})])
+def test_launch_passes_new_keywords_only_when_asked(monkeypatch, opts, keys):
+    """The measured kernel's JIT key: a default launch passes none of this session's constexprs (so the kernel
+    it compiles is the measured one), and each option adds exactly its own."""
+    from types import SimpleNamespace
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.update(kw)
+
+    monkeypatch.setattr(k, "mla_decode_sm90_kernel", Recorder())
+    monkeypatch.setattr(k, "launch_merge", lambda *a, **kw: None)
+    H = opts.pop("num_heads", 16)
+    rows = k.padded_heads(H)
+    grid = 132 * k.head_config(H)[1]
+    if opts.get("timeline") == "T":
+        opts["timeline"] = torch.zeros(grid, 2, 4, 8, dtype=torch.int64)
+    q = torch.zeros(1, H, 512)
+    desc = SimpleNamespace(base=None, strides=(576, 1), shape=(64, 512))
+    t = {n: torch.zeros(2, dtype=torch.int32) for n in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len", "cta_ptr",
+                                                        "item_req", "item_t0", "item_t1")}
+    t.update(part_o=torch.empty(1, rows, 512), part_lse=torch.empty(1, rows))
+    k.launch(desc, desc, q, q, None, t, q, torch.zeros(1, H), grid=grid, grid_batch=1, max_rows=H, num_heads=H,
+             sm_scale=0.1, page_size=64, ns=3, **opts)
+    assert seen, "the kernel was not launched"
+    assert _NEW_KEYS & set(seen) == keys, sorted(seen)
 
 
 def _timeline_module():

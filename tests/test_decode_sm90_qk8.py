@@ -90,6 +90,8 @@ def test_plan_routes_the_terms(monkeypatch, H, qk8, max_qo, want):
     new keyword."""
     for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
         monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", False)
+    monkeypatch.setattr(gb, "GLUON_PIPELINED", False)
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
