@@ -59,3 +59,25 @@ def backend(request) -> str:
 def case_seed(request) -> int:
     """A seed of its own for each test case, stable across runs (from the test id)."""
     return zlib.crc32(request.node.nodeid.encode())
+
+
+def compile_report_in_child(module: str = "fp8mla.kernels.decode_sm90", timeout: int = 600,
+                            **kw) -> tuple[dict, str]:
+    """``<module>.compile_report(**kw, sass_path=...)`` for sm_90a in a child process (the CPU suite may run under
+    TRITON_INTERPRET=1, where gluon.jit cannot compile): (the report, the SASS text). Fails the test with the
+    child's stderr when it does not print its report."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    code = ("import json, sys, importlib; k = importlib.import_module(sys.argv[1]); "
+            "r = k.compile_report(sass_path=sys.argv[2], **json.loads(sys.argv[3])); print('REPORT', json.dumps(r))")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as d:
+        sass = os.path.join(d, "k.sass")
+        res = subprocess.run([sys.executable, "-c", code, module, sass, json.dumps(kw)], capture_output=True,
+                             text=True, env=env, timeout=timeout)
+        line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
+        assert res.returncode == 0 and line, res.stderr[-3000:]
+        return json.loads(line[-1][len("REPORT "):]), open(sass).read()

@@ -16,6 +16,7 @@ import torch
 
 import fp8mla
 from fp8mla.kernels import decode_sm90 as k
+from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -47,19 +48,7 @@ def test_schedule_covers_every_tile_once(lens, ctas):
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("page,heads", [(16, 16), (64, 16), (64, 32), (64, 128)])
 def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
-    # In a child process: the CPU suite runs under TRITON_INTERPRET=1, where gluon.jit cannot compile.
-    import json
-    import os
-    import subprocess
-    import sys
-    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=%d, ns=3, heads=%d); "
-            "r.pop('ptxas_full', None); print('REPORT', json.dumps(r))" % (page, heads))
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-    assert res.returncode == 0 and line, res.stderr[-3000:]
-    r = json.loads(line[-1][len("REPORT "):])
+    r, _ = compile_report_in_child(page=page, ns=3, heads=heads)
     assert not r["serialized_wgmma"], r["ptxas"]
     # A few words, not a loop's worth. triton 3.9 / 3.6 (the H200's): H16 0 / 48 B, H32 0 / 40 B, H128 (32 heads
     # per consumer, O^T in 128 of the 240 registers) 28 / 160 B: 1 / 3 reloads per tile per consumer, the rest
@@ -377,23 +366,8 @@ def test_page1_compiles_to_16_byte_cp_async(heads):
     # no wgmma serialization; the page-1 producer's spills stay small (24 registers: its item-loop state spills,
     # a few reloads per tile). Spill stores, triton 3.9 / 3.6: H16 28 / 104 B, H128 80 / 216 B (page 64: 0 / 48,
     # 28 / 160; the consumers' spills are the page-64 ones). Compiled in a child process, as above.
-    import json
-    import os
     import re
-    import subprocess
-    import sys
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        sass = os.path.join(d, "k.sass")
-        code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=1, ns=3, heads=%d, "
-                "sass_path=%r); print('REPORT', json.dumps(r))" % (heads, sass))
-        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-        line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-        assert res.returncode == 0 and line, res.stderr[-3000:]
-        r = json.loads(line[-1][len("REPORT "):])
-        text = open(sass).read()
+    r, text = compile_report_in_child(page=1, ns=3, heads=heads)
     assert not r["serialized_wgmma"], r["ptxas"]
     copies = re.findall(r"LDGSTS\.E\.BYPASS\.128 ", text)
     assert len(copies) == 18, len(copies)
@@ -687,18 +661,7 @@ def test_mtp_is_behind_its_switch(monkeypatch):
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("heads,qo,causal", [(16, 4, True), (128, 2, False)])
 def test_mtp_compiles_for_sm90a(heads, qo, causal):
-    import json
-    import os
-    import subprocess
-    import sys
-    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=64, ns=3, heads=%d, "
-            "max_qo=%d, causal=%s); print('REPORT', json.dumps(r))" % (heads, qo, causal))
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-    assert res.returncode == 0 and line, res.stderr[-3000:]
-    r = json.loads(line[-1][len("REPORT "):])
+    r, _ = compile_report_in_child(page=64, ns=3, heads=heads, max_qo=qo, causal=causal)
     assert not r["serialized_wgmma"], r["ptxas"]
     assert sum(st for st, _ in r["spills"]) <= 256, r["spills"]     # the wide variant's own budget (see above)
     assert sum(v for op, v in r["ops"].items() if op.startswith("HGMMA")) >= 36 + 32, r["ops"]

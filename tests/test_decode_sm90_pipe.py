@@ -11,11 +11,7 @@ replay after a re-plan; each asserts the pipelined kernel actually ran.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +20,7 @@ import torch
 import fp8mla
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.kernels import decode_sm90_pipe as kp
+from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -55,17 +52,8 @@ def _sass_loops(sass: str) -> list[dict]:
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("page,ns,depth", [(64, 5, 11), (1, 5, 11), (64, 4, 11), (64, 5, 22)])
-def test_compiles_for_sm90a(page, ns, depth, tmp_path):
-    # In a child process: the CPU suite may run under TRITON_INTERPRET=1, where gluon.jit cannot compile.
-    sass = tmp_path / "k.sass"
-    code = ("import json, fp8mla.kernels.decode_sm90_pipe as k; r = k.compile_report(page=%d, ns=%d, depth=%d, "
-            "sass_path=%r); print('REPORT', json.dumps(r))" % (page, ns, depth, str(sass)))
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-    assert res.returncode == 0 and line, res.stderr[-3000:]
-    r = json.loads(line[-1][len("REPORT "):])
+def test_compiles_for_sm90a(page, ns, depth):
+    r, sass_text = compile_report_in_child("fp8mla.kernels.decode_sm90_pipe", page=page, ns=ns, depth=depth)
     assert not r["serialized_wgmma"], r["ptxas"]
     # triton 3.6 (the H200's): 48 B of spill at page 64 (depth 22: 236 B); triton 3.9: ~350 B (depth 22: 672 B)
     assert sum(st for st, _ in r["spills"]) <= (512 if depth == 11 else 1024), r["spills"]
@@ -73,8 +61,8 @@ def test_compiles_for_sm90a(page, ns, depth, tmp_path):
     assert [x["HGMMA"] for x in r["loops"]] == [136, 136], r["loops"]
     assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
     # the steady-state loop of each consumer: QK (36) of the next tile + P.V (32) of the current one
-    steady = [x for x in _sass_loops(sass.read_text()) if x["HGMMA"] == 68]
-    assert len(steady) >= 2, _sass_loops(sass.read_text())
+    steady = [x for x in _sass_loops(sass_text) if x["HGMMA"] == 68]
+    assert len(steady) >= 2, _sass_loops(sass_text)
     assert all(x["LDS.U8"] == 0 for x in steady)
     import triton
     if triton.__version__.startswith("3.6"):   # the H200's compiler: no spill code in the steady-state loops,

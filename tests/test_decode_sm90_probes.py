@@ -8,32 +8,19 @@ the device drivers)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import compile_report_in_child
 from fp8mla.kernels import decode_sm90 as k
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def _report(**kw) -> tuple[dict, str]:
-    code = ("import json, sys, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=64, ns=3, aligned_ints=True, "
-            "sass_path=sys.argv[1], **json.loads(sys.argv[2])); print('REPORT', json.dumps(r))")
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        sass = os.path.join(d, "k.sass")
-        res = subprocess.run([sys.executable, "-c", code, sass, json.dumps(kw)], capture_output=True, text=True,
-                             env=env, timeout=600)
-        line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-        assert res.returncode == 0 and line, res.stderr[-3000:]
-        return json.loads(line[-1][len("REPORT "):]), open(sass).read()
+    return compile_report_in_child(page=64, ns=3, aligned_ints=True, **kw)
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")

@@ -11,10 +11,6 @@ through ``launch``): float64 reference over NaN-poisoned shuffled pools through 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +19,7 @@ import torch
 import fp8mla
 from fp8mla.backends import gluon as gb
 from fp8mla.kernels import decode_sm90 as k
+from conftest import compile_report_in_child
 from fp8mla.testing import compare, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -114,15 +111,7 @@ def test_launch_refuses_a_bad_term_count():
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("heads,terms,chunks", [(16, 2, True), (16, 3, False), (128, 2, False)])
 def test_compiles_for_sm90a(heads, terms, chunks):
-    # In a child process: the CPU suite may run under TRITON_INTERPRET=1, where gluon.jit cannot compile.
-    code = ("import json, fp8mla.kernels.decode_sm90 as k; r = k.compile_report(page=64, ns=3, heads=%d, qk8=%d, "
-            "qk8_chunks=%r, aligned_ints=True); print('REPORT', json.dumps(r))" % (heads, terms, chunks))
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-    assert res.returncode == 0 and line, res.stderr[-3000:]
-    r = json.loads(line[-1][len("REPORT "):])
+    r, _ = compile_report_in_child(page=64, ns=3, heads=heads, qk8=terms, qk8_chunks=chunks, aligned_ints=True)
     qg = sum(n for op, n in r["ops"].items() if op.startswith("QGMMA"))
     hg = sum(n for op, n in r["ops"].items() if op.startswith("HGMMA"))
     # per consumer: scores (4 chunks x 4 k32 steps + 2 for k_pe) x terms in e4m3, P.V 8 chunks x 4 k16 steps in fp16

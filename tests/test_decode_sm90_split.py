@@ -9,10 +9,6 @@ re-plan; each asserts the split kernel actually ran.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +17,7 @@ import torch
 import fp8mla
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.kernels import decode_sm90_split as ks
+from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -32,15 +29,7 @@ DEVICE = "cuda" if ON_SM90 else "cpu"
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
 @pytest.mark.parametrize("page", [64, 1])
 def test_compiles_for_sm90a(page):
-    # In a child process: the CPU suite may run under TRITON_INTERPRET=1, where gluon.jit cannot compile.
-    code = ("import json, fp8mla.kernels.decode_sm90_split as k; r = k.compile_report(page=%d, heads=128); "
-            "print('REPORT', json.dumps(r))" % page)
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-    assert res.returncode == 0 and line, res.stderr[-3000:]
-    r = json.loads(line[-1][len("REPORT "):])
+    r, _ = compile_report_in_child("fp8mla.kernels.decode_sm90_split", page=page, heads=128)
     assert not r["serialized_wgmma"], r["ptxas"]
     # triton 3.9 / 3.6 (the H200's): 16 / 4 B of spill at page 64, 40 B at page 1 (the page-1 producer's), all
     # outside the tile loops: no STL/LDL between a consumer's first and last HGMMA
