@@ -36,13 +36,8 @@ class WPlan(tdev.TPlan):
         super().__init__(c, **kw)
         self.sums, self.pvw, self.do_merge = sums, pvw, merge
 
-    def run(self):
-        c = self.c
-        dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
-                   grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
-                   page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
-                   mode=self.mode, merge=self.do_merge, timeline=self.tl, wide_row_sums=self.sums,
-                   pv_in_flight=self.pvw)
+    def launch_kw(self) -> dict:
+        return dict(super().launch_kw(), merge=self.do_merge, wide_row_sums=self.sums, pv_in_flight=self.pvw)
 
 
 def main() -> int:

@@ -144,6 +144,10 @@ class Plan:
         self.out = torch.empty(B, c["H"], DC, dtype=c["q_nope"].dtype, device=DEV)
         self.lse = torch.empty(B, c["H"], dtype=torch.float32, device=DEV)
 
+    def launch_kw(self) -> dict:
+        """The launch options of this plan (subclasses in other device scripts add theirs)."""
+        return dict(mode=self.mode, merge=self.merge)
+
     def run(self):
         c = self.c
         if DEV != "cuda":
@@ -151,7 +155,7 @@ class Plan:
         dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
                    grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
                    page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
-                   mode=self.mode, merge=self.merge)
+                   **self.launch_kw())
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -55,12 +55,8 @@ class FPlan(dv.Plan):
         self.fuse_max = dsm.FUSE_ALL if fuse_max is None else fuse_max
         self.t["merge_cnt"] = torch.zeros(dsm.merge_counters(self.B, c["H"]), dtype=torch.int32, device=DEV)
 
-    def run(self):
-        c = self.c
-        dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
-                   grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
-                   page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
-                   mode=self.mode, merge=self.merge, fused_merge=self.fused, fuse_max=self.fuse_max)
+    def launch_kw(self) -> dict:
+        return dict(super().launch_kw(), fused_merge=self.fused, fuse_max=self.fuse_max)
 
 
 import triton                 # noqa: E402

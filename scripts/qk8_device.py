@@ -34,12 +34,8 @@ class QPlan(dv.Plan):
         super().__init__(c, **kw)
         self.qk8, self.chunks = qk8, chunks
 
-    def run(self):
-        c = self.c
-        dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
-                   grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
-                   page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
-                   mode=self.mode, merge=self.merge, qk8=self.qk8, qk8_chunks=self.chunks)
+    def launch_kw(self) -> dict:
+        return dict(super().launch_kw(), qk8=self.qk8, qk8_chunks=self.chunks)
 
 
 def terms(c):

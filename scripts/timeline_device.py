@@ -36,12 +36,8 @@ class TPlan(q.QPlan):
         super().__init__(c, **kw)
         self.tl = torch.zeros(self.grid, 2, T, 8, dtype=torch.int64, device="cuda") if timeline else None
 
-    def run(self):
-        c = self.c
-        dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
-                   grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
-                   page_size=c["page"], ns=self.ns, regs=self.regs, merge_p=self.merge_p, merge_c=self.merge_c,
-                   mode=self.mode, merge=False, qk8=self.qk8, qk8_chunks=self.chunks, timeline=self.tl)
+    def launch_kw(self) -> dict:
+        return dict(super().launch_kw(), merge=False, timeline=self.tl)
 
 
 def phases(tl: torch.Tensor) -> dict:
