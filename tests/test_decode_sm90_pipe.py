@@ -21,6 +21,7 @@ import fp8mla
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.kernels import decode_sm90_pipe as kp
 from conftest import compile_report_in_child
+from test_decode_sm90 import run_case  # the Gluon tests' one plan/run into NaN-poisoned buffers
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -273,16 +274,6 @@ def pipe(monkeypatch):
 
     monkeypatch.setattr(kp, "launch_for_plan", counted)
     return n
-
-
-def run_case(batch, backend="gluon", **opts):
-    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
-    attn.plan(**batch.plan_args)
-    n, H, Dc = batch.run_args["q_nope"].shape
-    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
-    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
-    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
-    return attn, out, lse
 
 
 @gpu

@@ -18,6 +18,7 @@ import fp8mla
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.kernels import decode_sm90_split as ks
 from conftest import compile_report_in_child
+from test_decode_sm90 import check, run_case  # the Gluon tests' one plan/run and float64 check
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -162,22 +163,6 @@ def split(monkeypatch):
 
     monkeypatch.setattr(ks, "launch", counted)
     return n
-
-
-def run_case(batch, backend="gluon", **opts):
-    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
-    attn.plan(**batch.plan_args)
-    n, H, Dc = batch.run_args["q_nope"].shape
-    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
-    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
-    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
-    return attn, out, lse
-
-
-def check(batch, out, lse, tol=3e-3, lse_tol=1e-4):
-    ref_o, ref_lse = batch.reference()
-    assert_close(out, ref_o, tol, "out")
-    assert_close(lse, ref_lse, lse_tol, "lse")
 
 
 @gpu
