@@ -3,12 +3,13 @@
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16)
 and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
-per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, off: rows = (query token, head)
+per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, on: rows = (query token, head)
 pairs, max qo_len x H <= 512), page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
-16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64, bf16/fp16
-queries. The split schedule is made on the host when the layout has host lengths and the plan uses CUDA-graph
-buffers (``schedule_host``, O(batch) Python, staged in one copy: the decode runner's path), else on the device
-from the layout (no host read, no sync); lengths are clamped to the pages each row lists either way.
+16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales (per-token group scales with
+``GLUON_GROUP``, off), c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
+layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
+copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
+to the pages each row lists either way.
 
 ``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
 device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
@@ -78,6 +79,18 @@ GLUON_FUSED_MAX_PARTS = 16
 # cases measured lse 1.9e-4, rel L2 <= 1.8e-3. FP8MLA_GLUON_QK8=1 turns it on, =0 off. Plans whose terms do not fit
 # shared memory (fp16 queries at more than 32 heads) keep the default kernel.
 GLUON_QK8 = False
+# Per-token group scales (format fp8_e4m3_group: one fp32 scale per token and 128 c_kv columns) in the Gluon kernel
+# (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
+# product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
+# kernel's KV_GROUP numerics). OFF: built and compiled on the CPU (2026-12-01, kernel log 24), never run on a GPU
+# yet; group plans stay on the Triton kernel. FP8MLA_GLUON_GROUP=1 turns it on, =0 off. Its scale array must be
+# rows of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
+GLUON_GROUP = False
+
+
+def group_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_GROUP", "")
+    return env == "1" if env in ("0", "1") else GLUON_GROUP
 
 
 def qk8_enabled() -> bool:
@@ -85,11 +98,11 @@ def qk8_enabled() -> bool:
     return env == "1" if env in ("0", "1") else GLUON_QK8
 
 
-def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool) -> int:
-    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on, and the terms
-    beside an ns-stage ring within shared memory."""
+def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int:
+    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on, the format
+    without group scales, and the terms beside an ns-stage ring within shared memory."""
     from ..kernels import decode_sm90 as k
-    if not qk8_enabled():
+    if not qk8_enabled() or group:
         return 0
     terms = k.qk8_terms(q_dtype)
     return terms if k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
@@ -142,6 +155,16 @@ def _qo_refusal(spec, qo_lens) -> str:
     return ""
 
 
+_GROUP_ROWS_PER_CONSUMER = 16   # decode_sm90.GROUP_MAX_HPW (not imported here: Gluon may not import)
+
+
+def _group_rows_ok(spec, layout) -> bool:
+    """Group scales: the kernel variant has 16 rows per consumer (H <= 32, or multi-token rows max_qo x H <= 32):
+    at 32 the build spills ~1.4 KB or serializes its wgmma (kernel log 24), so those plans stay on Triton."""
+    max_qo = max(layout.qo_lens) if layout.qo_lens else 1
+    return max(1, max_qo) * spec.num_heads <= 2 * _GROUP_ROWS_PER_CONSUMER
+
+
 def wide_heads_enabled() -> bool:
     env = os.environ.get("FP8MLA_GLUON_WIDE", "")
     return env == "1" if env in ("0", "1") else GLUON_WIDE_HEADS
@@ -160,7 +183,8 @@ def supports(spec, layout) -> tuple[bool, str]:
     if (1 <= spec.num_heads <= max_heads and spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK
             and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0
                  or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
-            and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group"
+            and fmt.storage_dtype == torch.float8_e4m3fn
+            and (fmt.scale_kind != "group" or (group_enabled() and _group_rows_ok(spec, layout)))
             and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
             and not _qo_refusal(spec, layout.qo_lens)):
         return True, ""  # every plan asks: the messages below are formatted only when one fails
@@ -173,16 +197,27 @@ def supports(spec, layout) -> tuple[bool, str]:
         (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0 or (spec.page_size == 1 and page1_enabled()),
          f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64" + (
              " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=0)" if spec.page_size == 1 else "")),
-        (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn and fmt.scale_kind != "group",
-         f"kv format {fmt.name}: only FP8 e4m3 with per-tensor scales"),
+        (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn,
+         f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
+        (fmt.scale_kind != "group" or group_enabled(),
+         f"kv format {fmt.name}: group scales in the gluon kernel are off (FP8MLA_GLUON_GROUP=1 turns them on)"),
         (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),
         (layout.qo_lens is not None, "qo_indptr is device-only (one query per request must be known on the host)"),
     ]
     for ok, why in checks:
         if not ok:
             return False, why
-    why = _qo_refusal(spec, layout.qo_lens)
+    why = _layout_refusal(spec, layout)
     return not why, why
+
+
+def _layout_refusal(spec, layout) -> str:
+    """The per-layout checks ("" when taken): the query lengths, and the rows of a group-scale plan."""
+    why = _qo_refusal(spec, layout.qo_lens)
+    if not why and spec.kv_format.scale_kind == "group" and not _group_rows_ok(spec, layout):
+        why = (f"kv format {spec.kv_format.name} at {spec.num_heads} heads x {max(layout.qo_lens)} queries: the "
+               f"gluon kernel's group scales are built for up to {2 * _GROUP_ROWS_PER_CONSUMER} rows per CTA")
+    return why
 
 
 @dataclass
@@ -197,11 +232,22 @@ class GluonPlan:
     max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
     fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
     qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8)
+    group: bool = False   # per-token group scales (fp8_e4m3_group; GLUON_GROUP): run() takes ckv_scale_arr
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
-        if ckv_scale_arr is not None:   # group scales are planned on the Triton kernel; never ignore them here
-            raise ValueError("ckv_scale_arr: the gluon backend takes per-tensor scales only (plan the group format)")
+        scale_desc = None
+        if self.group:
+            if ckv_scale_arr is None:
+                raise ValueError("ckv_scale_arr: this plan's format has per-token group scales; got None")
+            if not k.scale_rows_ok(ckv_scale_arr):
+                raise ValueError(f"ckv_scale_arr: the gluon backend reads group scales with TMA and needs [P, page, "
+                                 f"{k.GROUPS}] fp32 rows of one pool with 16-byte aligned strides; got "
+                                 f"{ckv_scale_arr.dtype} {tuple(ckv_scale_arr.shape)} strides "
+                                 f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or FP8MLA_GLUON_GROUP=0)")
+            scale_desc = k.scale_descriptor(ckv_scale_arr)
+        elif ckv_scale_arr is not None:   # never ignore group scales
+            raise ValueError("ckv_scale_arr: this gluon plan takes per-tensor scales only (plan the group format)")
         for name, c in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             if c.stride(-1) != 1 or c.stride(0) != c.shape[1] * c.stride(1) or (c.stride(1) % 16) \
                     or c.data_ptr() % 16:
@@ -209,7 +255,9 @@ class GluonPlan:
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
         launch = k.launch
-        if self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
+        if self.group:
+            pass   # the default kernel only (the split/pipe variants have no group scales)
+        elif self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
             from ..kernels import decode_sm90_split
             launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
         elif self.max_qo == 1 and self.spec.num_heads <= k.HP and pipelined_enabled():
@@ -222,7 +270,8 @@ class GluonPlan:
                  causal=self.spec.causal,
                  **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
                  **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
-                    if self.qk8 and launch is k.launch else {}))
+                    if self.qk8 and launch is k.launch else {}),
+                 **({"scale_desc": scale_desc} if scale_desc is not None else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -244,10 +293,13 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     ns = int(opts["num_stages"])
     max_qo = plan_max_qo(layout, spec, state)
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo)
-    smem = k.smem_bytes(ns, hpw, wide)
+    group = spec.kv_format.scale_kind == "group"
+    smem = k.smem_bytes(ns, hpw, wide, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
-        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{'3' if wide else '4'} stages at "
-                         f"{spec.num_heads} heads; {ns} stages need {smem} B of shared memory, above {k.SMEM_LIMIT}")
+        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)
+        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
+                         f"{' with group scales' if group else ''}; {ns} stages need {smem} B of shared memory, above "
+                         f"{k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads, max_qo)
@@ -260,14 +312,14 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         parts = None
     mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
     fuse = fused_merge_max_parts()
-    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide)
+    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group)
     if spec.use_cuda_graph:
         if buf is None:
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -280,10 +332,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         if fuse:   # arrival counters: zeros, and back at zero after every complete run
             t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo), dtype=torch.int32,
                                          device=device)
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -352,14 +404,14 @@ def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
     checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
     if checked is not None and checked[0] is spec and checked[1] is layout:
         return True, ""
-    key = (spec, wide_heads_enabled(), mtp_enabled())
+    key = (spec, wide_heads_enabled(), mtp_enabled(), group_enabled())
     if state.get("supported") != key:
         ok, why = supports(spec, layout)
         if not ok:
             return ok, why
         state["supported"] = key
         return True, ""
-    why = _qo_refusal(spec, layout.qo_lens)
+    why = _layout_refusal(spec, layout)
     return not why, why
 
 

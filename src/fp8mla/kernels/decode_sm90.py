@@ -62,9 +62,20 @@ head near 2^8) split into terms whose sum holds a bf16 query exactly at 2 terms 
 scales multiply the two score parts (c_kv, k_pe) instead of Q. P.V is the fp16 path above. Measured on the H200: no
 faster, and the e4m3 accumulation moves the scores by more than the default numerics allow at large scores.
 
+Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; off unless
+the adapter's ``GLUON_GROUP`` switch is on, kernel log 24): the producer brings each tile's [64, 4] scales into the
+stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1, counted in the same
+``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read 0. Scores: one
+fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its per-tensor
+scale folded into Q). P.V: one P^T per group, P x scale / the group's largest scale in the tile (<= 1, so fp16
+keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
+maximum (rescaled by alpha x f_old / f_new with the online softmax, multiplied back at the end of the item): the
+Triton kernel's KV_GROUP numerics; the stored values still convert exactly to fp16 and never meet their scale
+element-wise.
+
 Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
-FP8 e4m3 with per-tensor scales, c_kv 512 + k_pe 64. Anything else: ``supports`` says no and the caller falls back
-to the Triton kernel.
+FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_pe 64. Anything else:
+``supports`` says no and the caller falls back to the Triton kernel.
 """
 from __future__ import annotations
 
@@ -95,17 +106,21 @@ TILE = 64          # tokens per tile (the MMA's M)
 HP = 16            # heads per CTA (the MMA's N), padded
 DC, DK = 512, 64
 ROW_BYTES = DC + DK
+GROUPS = 4         # per-token group scales: one per 128 c_kv columns (fmt fp8_e4m3_group), one per K slab
+GROUP_MAX_HPW = 16  # group scales: heads (rows) per consumer the build is for (H <= 32, MTP rows <= 32)
 STAGE_BYTES = TILE * ROW_BYTES
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
 
 
-def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0) -> int:
+def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
     """Shared memory of one CTA: the ring, two Q^T copies (fp16, or ``qk8`` e4m3 terms each plus an unused
     fp16 chunk), two P^T tiles, the consumers' exchange buffer (o, m, l in fp32; a 64-row token in the wide
-    variant, which has no exchange), barriers (estimate, +1 KB slack)."""
+    variant, which has no exchange), barriers (estimate, +1 KB slack). ``group``: per-token group scales, a
+    [64, 4] fp32 scale tile per ring stage and four P^T tiles per consumer (one per group)."""
     xr = 64 if wide else DC
     q = 2 * hpw * (DC + DK) * 2 if not qk8 else 2 * hpw * (qk8 * (DC + DK) + (128 + DK) * 2)
-    return ns * STAGE_BYTES + q + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024
+    g = ns * TILE * GROUPS * 4 + 2 * (GROUPS - 1) * hpw * TILE * 2 if group else 0
+    return ns * STAGE_BYTES + q + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024 + g
 
 
 def qk8_terms(q_dtype) -> int:
@@ -185,6 +200,7 @@ def mtp_visible(kv_len: int, qo_len: int, i: int, causal: bool) -> int:
 
 
 if gluon is not None:
+    GROUPS_C = gl.constexpr(GROUPS)
 
     @gluon.jit
     def _relabel_k(x):
@@ -266,7 +282,8 @@ if gluon is not None:
     @gluon.jit
     def _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr, kv_len,
                         cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG: gl.constexpr,
-                        NS: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr):
+                        NS: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_ptr=None,
+                        stride_sc_row=None, GROUP: gl.constexpr = False):
         # Page 1 (SGLang's default): a tile's 64 rows are 64 arbitrary pool rows (page id = row), too small for TMA
         # boxes. The 128 producer threads copy with 16-byte cp.async, 4 threads per row (a warp instruction covers 8
         # rows x 64 B: half the cache lines per instruction of 2 threads per row), rows r and r + 32 per thread
@@ -314,26 +331,40 @@ if gluon is not None:
                                   eviction_policy="evict_first")
                     _cp_async(pbuf.index(s), (kpe_ptr + row * stride_kpe_row)[:, None] + pcol[None, :], mask=ok,
                               eviction_policy="evict_first")
+                    if GROUP:   # the rows' group scales (16 B each; the 4 column lanes of a row copy the same)
+                        scol = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, cpl))
+                        _cp_async(sbuf.index(s), (sc_ptr + row * stride_sc_row)[:, None] + scol[None, :], mask=ok,
+                                  eviction_policy="evict_first")
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 g += 1
 
     @gluon.jit
     def _producer(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
                   kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty,
-                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr):
+                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr,
+                  sbuf=None, sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False):
         # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA
         if PAGE == 1:
-            _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
-                            kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS, MODE,
-                            WIDE)
+            if GROUP:
+                _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
+                                kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
+                                MODE, WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
+            else:
+                _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
+                                kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
+                                MODE, WIDE)
         else:
-            _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                          kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)
+            if GROUP:
+                _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
+                              item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, GROUP)
+            else:
+                _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
+                              item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)
 
     @gluon.jit
     def _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                       kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
-                      MODE: gl.constexpr, WIDE: gl.constexpr):
+                      MODE: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_desc=None, GROUP: gl.constexpr = False):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
         # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
@@ -372,7 +403,10 @@ if gluon is not None:
                 if MODE == 2:   # timing probe: consumers compute on whatever the stage holds, no HBM traffic
                     mbarrier.arrive(bar, count=1)
                 else:
-                    mbarrier.expect(bar, 64 * 576)
+                    if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
+                        mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
+                    else:
+                        mbarrier.expect(bar, 64 * 576)
                     for r in gl.static_range(EPT):
                         page = gl.sum(gl.where(ar == k * EPT + r, ids, 0), axis=0)
                         if PAGE < 64:
@@ -384,6 +418,8 @@ if gluon is not None:
                                                             kbuf.index(s * 4 + c).slice(r * ROWS, ROWS, dim=0))
                         _tma_load(kpe_desc, [row, 0], bar,
                                                         pbuf.index(s).slice(r * ROWS, ROWS, dim=0))
+                        if GROUP:
+                            _tma_load(sc_desc, [row, 0], bar, sbuf.index(s).slice(r * ROWS, ROWS, dim=0))
                 g += 1
 
     @gluon.jit
@@ -617,6 +653,53 @@ if gluon is not None:
                                           is_pure=False, pack=1)
 
     @gluon.jit
+    def _k_slab(kbuf, slab, ld_l: gl.constexpr, a_l: gl.constexpr):
+        # one 128-column K slab as the score MMA's A operand: LDS.128 in the relabelled k order, exact fp16
+        a16 = _relabel_k(kbuf.index(slab).load(ld_l).to(gl.float16))
+        return gl.convert_layout(a16, a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _group_col(x, ci, c: gl.constexpr, row_l: gl.constexpr):
+        # column c of the tile's [64, 4] group scales: a [64] token vector in the MMA's row layout (x holds, per
+        # thread, the 4 scales of the same 2 token rows the thread holds in the accumulators)
+        return gl.convert_layout(gl.sum(gl.where(ci[None, :] == c, x, 0.0), axis=1), row_l)
+
+    @gluon.jit
+    def _group_max(mx, ci, c: gl.constexpr):
+        # group c's largest scale in the tile (the P normalization; 1 when the group has none above 0)
+        m = gl.sum(gl.where(ci == c, mx, 0.0), axis=0)
+        return gl.where(m > 0, m, 1.0)
+
+    @gluon.jit
+    def _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid: gl.constexpr, sg0, sg1, sg2, sg3, ld_l: gl.constexpr,
+                      ld64_l: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr, HPW: gl.constexpr):
+        # S^T with per-token group scales: one fp32 product per 128-column slab (= one scale group) times the
+        # slab's [64] token scales, plus the unscaled k_pe product (its per-tensor scale is folded into Q, as in
+        # the default path). One product at a time: the consumers of the default kernel already use ~237 of their
+        # 240 registers, and overlapping the next slab's conversion with the previous product (a second A operand
+        # and accumulator live) spilled ~280 B more at H16 (sm_90a, triton 3.6).
+        z = gl.zeros([64, HPW], gl.float32, mma)
+        ap = gl.convert_layout(_relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16)), a_l, assert_trivial=True)
+        sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), z, is_async=True)
+        sT, ap = warpgroup_mma_wait(0, deps=(sT, ap))
+        a = _k_slab(kbuf, s * 4 + 0, ld_l, a_l)
+        x = warpgroup_mma(a, q_smem.index(cid * 4 + 0).permute((1, 0)), z, is_async=True)
+        x, a = warpgroup_mma_wait(0, deps=(x, a))
+        sT = sT + x * sg0[:, None]
+        a = _k_slab(kbuf, s * 4 + 1, ld_l, a_l)
+        x = warpgroup_mma(a, q_smem.index(cid * 4 + 1).permute((1, 0)), z, is_async=True)
+        x, a = warpgroup_mma_wait(0, deps=(x, a))
+        sT = sT + x * sg1[:, None]
+        a = _k_slab(kbuf, s * 4 + 2, ld_l, a_l)
+        x = warpgroup_mma(a, q_smem.index(cid * 4 + 2).permute((1, 0)), z, is_async=True)
+        x, a = warpgroup_mma_wait(0, deps=(x, a))
+        sT = sT + x * sg2[:, None]
+        a = _k_slab(kbuf, s * 4 + 3, ld_l, a_l)
+        x = warpgroup_mma(a, q_smem.index(cid * 4 + 3).permute((1, 0)), z, is_async=True)
+        x, a = warpgroup_mma_wait(0, deps=(x, a))
+        return sT + x * sg3[:, None]
+
+    @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                   part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
@@ -624,7 +707,7 @@ if gluon is not None:
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
+                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -750,6 +833,13 @@ if gluon is not None:
                 l_i = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
             else:
                 l_acc = gl.zeros([64, HPW], gl.float32, mma)
+            if GROUP:
+                # group g's O^T chunks (2g, 2g + 1) are kept in units of f_g, the scale maximum of the group's
+                # last tile (P carries scale / maximum <= 1): rescaled by alpha x f_old / f_new with each tile
+                f0 = sm_scale_log2 * 0.0 + 1.0
+                f1 = f0
+                f2 = f0
+                f3 = f0
             n = t1 - t0
             if WIDE:
                 j0 = n * 0                # every ring position
@@ -771,6 +861,26 @@ if gluon is not None:
                         # WIDE: both consumers zero the same rows; every write stores either the row's own value
                         # or 0, so the overlap is benign and the stage ends up the same either way.
                         _sanitize_tail(kbuf, pbuf, s, valid)
+                    if GROUP:
+                        # the tile's [64 tokens, 4 groups] fp32 scales, each thread the rows of its accumulator
+                        # rows; rows past kv_len hold whatever the page holds (maybe NaN): 0 (their P is 0)
+                        sc_l: gl.constexpr = gl.DistributedLinearLayout(
+                            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUPS_C])
+                        srow = gl.arange(0, 64, layout=gl.SliceLayout(1, sc_l))
+                        sci = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, sc_l))
+                        xs = sbuf.index(s).load(sc_l)
+                        xs = gl.where((srow[:, None] < valid) & (sci[None, :] >= 0), xs, 0.0)
+                        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+                        sg0 = _group_col(xs, sci, 0, row_l)
+                        sg1 = _group_col(xs, sci, 1, row_l)
+                        sg2 = _group_col(xs, sci, 2, row_l)
+                        sg3 = _group_col(xs, sci, 3, row_l)
+                        mx = gl.max(xs, axis=0)   # one cross-warp reduction for the 4 groups
+                        gm0 = _group_max(mx, sci, 0)
+                        gm1 = _group_max(mx, sci, 1)
+                        gm2 = _group_max(mx, sci, 2)
+                        gm3 = _group_max(mx, sci, 3)
                     # -- S^T = K . Q^T ------------------------------------------------------------------------
                     if QK8:
                         # e4m3 x e4m3 wgmma, both operands in shared memory (K-major): no K conversion at all.
@@ -816,6 +926,9 @@ if gluon is not None:
                             sn, sp = warpgroup_mma_wait(0, deps=(sn, sp))
                         # (an e4m3 wgmma's instruction k is 32: same accumulator registers, another layout name)
                         sT = gl.convert_layout(sn * ckv_scale + sp * kpe_scale, mma, assert_trivial=True)
+                    elif GROUP:
+                        sT = _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid, sg0, sg1, sg2, sg3, ld_l, ld64_l,
+                                           a_l, mma, HPW)
                     else:
                         sT = gl.zeros([64, HPW], gl.float32, mma)
                         for c in gl.static_range(4):
@@ -864,13 +977,60 @@ if gluon is not None:
                     m_i = m_new
                     if TLT:
                         _stamp(tl_ptr, cid, nt, 3, TLT)
-                    my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
+                    if GROUP:   # one P^T per group: P x scale / the group's tile maximum (<= 1 in fp16)
+                        pT_smem.index(cid * 4 + 0).store(gl.permute((p * (sg0 / gm0)[:, None]).to(gl.float16),
+                                                                    (1, 0)))
+                        pT_smem.index(cid * 4 + 1).store(gl.permute((p * (sg1 / gm1)[:, None]).to(gl.float16),
+                                                                    (1, 0)))
+                        pT_smem.index(cid * 4 + 2).store(gl.permute((p * (sg2 / gm2)[:, None]).to(gl.float16),
+                                                                    (1, 0)))
+                        pT_smem.index(cid * 4 + 3).store(gl.permute((p * (sg3 / gm3)[:, None]).to(gl.float16),
+                                                                    (1, 0)))
+                    else:
+                        my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
                     fence_async_shared()
                     if TLT:
                         _stamp(tl_ptr, cid, nt, 4, TLT)
                     # -- O^T += V^T . P^T, 8 chunks of 64 dims; PVW chunk groups stay in flight behind the next
                     # chunk's conversion (1: the measured kernel; 2: an experiment, kernel log 22) --------------
-                    if PVW == 1:
+                    if GROUP:   # each group's two 64-dim chunks against its own P^T, rescaled by f_old / f_new
+                        a2 = (alpha * (f0 / gm0))[None, :]
+                        bPg = pT_smem.index(cid * 4 + 0).permute((1, 0))
+                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
+                        o0 = warpgroup_mma(v0, bPg, o0 * a2, is_async=True)
+                        o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
+                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
+                        o1 = warpgroup_mma(v1, bPg, o1 * a2, is_async=True)
+                        o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
+                        a2 = (alpha * (f1 / gm1))[None, :]
+                        bPg = pT_smem.index(cid * 4 + 1).permute((1, 0))
+                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
+                        o2 = warpgroup_mma(v2, bPg, o2 * a2, is_async=True)
+                        o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
+                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
+                        o3 = warpgroup_mma(v3, bPg, o3 * a2, is_async=True)
+                        o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
+                        a2 = (alpha * (f2 / gm2))[None, :]
+                        bPg = pT_smem.index(cid * 4 + 2).permute((1, 0))
+                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
+                        o4 = warpgroup_mma(v4, bPg, o4 * a2, is_async=True)
+                        o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
+                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
+                        o5 = warpgroup_mma(v5, bPg, o5 * a2, is_async=True)
+                        o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
+                        a2 = (alpha * (f3 / gm3))[None, :]
+                        bPg = pT_smem.index(cid * 4 + 3).permute((1, 0))
+                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
+                        o6 = warpgroup_mma(v6, bPg, o6 * a2, is_async=True)
+                        o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
+                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
+                        o7 = warpgroup_mma(v7, bPg, o7 * a2, is_async=True)
+                        o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                        f0 = gm0
+                        f1 = gm1
+                        f2 = gm2
+                        f3 = gm3
+                    elif PVW == 1:
                         a2 = alpha[None, :]
                         v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
                         o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
@@ -929,6 +1089,15 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
                 nt += 1
             # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
+            if GROUP:   # back from units of f_g (before the exchange: the two consumers' units differ)
+                o0 = o0 * f0
+                o1 = o1 * f0
+                o2 = o2 * f1
+                o3 = o3 * f1
+                o4 = o4 * f2
+                o5 = o5 * f2
+                o6 = o6 * f3
+                o7 = o7 * f3
             if WIDE:
                 if WLACC:
                     l_i = gl.sum(l_acc, axis=0)
@@ -996,12 +1165,12 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -1011,12 +1180,12 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -1029,7 +1198,8 @@ if gluon is not None:
                                MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
                                FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
                                QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                               WLACC: gl.constexpr = False, PVW: gl.constexpr = 1):
+                               WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sc_desc=None, sc_ptr=None,
+                               stride_sc_row=None, GROUP: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -1048,7 +1218,10 @@ if gluon is not None:
         if not QK8:   # placeholders (never read: the partitions' argument lists take no None)
             q8_smem = q_smem
             qpe8_smem = qpe_smem
-        pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
+        if GROUP:   # four P^T tiles per consumer (one per scale group)
+            pT_smem = gl.allocate_shared_memory(gl.float16, [2 * GROUPS_C, HPW, 64], q_l)
+        else:
+            pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers);
@@ -1065,6 +1238,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=ECNT)
         mbarrier.init(xbar.index(0), count=1)
         mbarrier.init(xbar.index(1), count=1)
+        if GROUP:   # each ring stage's [64 tokens, 4] fp32 group scales (TMA boxes of 16-byte rows, or cp.async)
+            sc_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            sbuf = gl.allocate_shared_memory(gl.float32, [NS, 64, GROUPS_C], sc_sl)
         fence_async_shared()
         out = OUT
         lse_out = LSE_OUT
@@ -1075,23 +1251,43 @@ if gluon is not None:
         zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
         ns_t = zero + NS
         mode_t = zero + MODE
-        gl.warp_specialize([
-            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
-            (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
-            (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
-        ], [4, 4], [REGS, REGS])
+        if GROUP:   # (the scale arguments are None otherwise, and a partition's argument list takes no None)
+            gl.warp_specialize([
+                (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                             kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                             kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, sc_ptr,
+                             stride_sc_row, GROUP)),
+                (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                              QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+                (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                              QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+            ], [4, 4], [REGS, REGS])
+        else:
+            gl.warp_specialize([
+                (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                             kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                             kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
+                (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                              QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
+                (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                              QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
+            ], [4, 4], [REGS, REGS])
 
 
 @triton.jit
@@ -1347,11 +1543,31 @@ def kv_descriptors(ckv_cache, kpe_cache):
     return kv, kpe
 
 
+def scale_descriptor(ckv_scale_arr):
+    """TMA descriptor over the per-token group scales ``[P, page, 4]`` fp32 (fmt ``fp8_e4m3_group``), as rows of
+    16 bytes (one per pool row, like the c_kv boxes): boxes [min(64, page) x 4]. The rows must be one pool with
+    16-byte aligned strides (``scale_rows_ok``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    P, page, g = ckv_scale_arr.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(ckv_scale_arr, [P * page, g], [ckv_scale_arr.stride(1), 1], [min(64, page), g], layout)
+
+
+def scale_rows_ok(ckv_scale_arr) -> bool:
+    """The group scales as TMA reads them: [P, page, 4] fp32, a contiguous last dimension, rows of one pool (page
+    stride = page x row stride) with 16-byte aligned row stride and base."""
+    import torch
+    a = ckv_scale_arr
+    return (a.dim() == 3 and a.shape[2] == GROUPS and a.dtype == torch.float32 and a.stride(2) == 1
+            and a.stride(0) == a.shape[1] * a.stride(1) and a.stride(1) % 4 == 0 and a.data_ptr() % 16 == 0)
+
+
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
-           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1):
+           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
+           scale_desc=None):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1375,7 +1591,12 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     3 softmax done, 4 P stored and fenced, 5 P.V done).
     ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
     item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
-    P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel)."""
+    P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
+
+    ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
+    (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
+    per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
+    (the Triton kernel's KV_GROUP numerics). Not with ``qk8``, ``pv_in_flight`` 2 or ``wide_row_sums``."""
     LOG2E = 1.4426950408889634
     hpw, nhg, wide = row_config(num_heads, max_qo)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
@@ -1388,6 +1609,20 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     if qk8 and smem_bytes(ns, hpw, wide, qk8) > SMEM_LIMIT:
         raise ValueError(f"qk8: {qk8} e4m3 terms at {num_heads} heads and {ns} stages need "
                          f"{smem_bytes(ns, hpw, wide, qk8)} B of shared memory, above {SMEM_LIMIT}")
+    if scale_desc is not None:
+        if qk8 or pv_in_flight != 1 or wide_row_sums:
+            raise ValueError("scale_desc: group scales run on the default kernel only (not with qk8, pv_in_flight "
+                             "2 or wide_row_sums)")
+        if hpw > GROUP_MAX_HPW:
+            raise ValueError(f"scale_desc: group scales are built for up to {2 * GROUP_MAX_HPW} rows per CTA (16 per "
+                             f"consumer); {num_heads} heads x {max_qo} queries take {2 * hpw} (kernel log 24: at 32 "
+                             "per consumer the build spills ~1.4 KB or serializes its wgmma)")
+        if scale_desc.block_shape != [min(64, page_size), GROUPS]:
+            raise ValueError(f"scale_desc: expected boxes [{min(64, page_size)}, {GROUPS}] (scale_descriptor of a "
+                             f"[P, {page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
+        if smem_bytes(ns, hpw, wide, group=True) > SMEM_LIMIT:
+            raise ValueError(f"scale_desc: group scales at {num_heads} heads and {ns} stages need "
+                             f"{smem_bytes(ns, hpw, wide, group=True)} B of shared memory, above {SMEM_LIMIT}")
     if timeline is not None:
         import torch as _torch
         if (timeline.dtype != _torch.int64 or timeline.dim() != 4 or tuple(timeline.shape[:2]) != (grid, 2)
@@ -1420,6 +1655,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         **({"tl_ptr": timeline, "TLT": timeline.shape[2]} if timeline is not None else {}),
         **({"WLACC": True} if wide and wide_row_sums else {}),
         **({"PVW": int(pv_in_flight)} if pv_in_flight != 1 else {}),
+        **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0], "GROUP": True}
+           if scale_desc is not None else {}),
         num_warps=4)
     if not merge or (fused_merge and fuse_max >= FUSE_ALL):
         return
@@ -1461,7 +1698,10 @@ KERNEL_SIGNATURE = {
     # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
     "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr",
     "QK8": "constexpr", "QKC": "constexpr", "tl_ptr": "*i64", "TLT": "constexpr", "WLACC": "constexpr",
-    "PVW": "constexpr"}
+    "PVW": "constexpr",
+    # group scales (compile_report(group=True)); constexpr None / False otherwise
+    "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1473,13 +1713,14 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
-                   timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1) -> dict:
+                   timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1,
+                   group: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
     ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
-    last-arriver merge (``FUSED_MERGE``)."""
+    last-arriver merge (``FUSED_MERGE``). ``group``: with per-token group scales (``GROUP``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
@@ -1489,6 +1730,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     rows = min(64, page)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
+    sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
     hpw, nhg, wide = row_config(heads, max_qo)
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
@@ -1501,6 +1743,11 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     if not timeline_tiles:
         sig["tl_ptr"] = "constexpr"
         consts["tl_ptr"] = None
+    consts["GROUP"] = bool(group)
+    if not group:
+        for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
+            sig[n] = "constexpr"
+            consts[n] = None
     if not fused_merge:   # as launch() passes them when off: absent, i.e. the defaults (constexpr None)
         for n in ("m_ptr", "m_list", "merge_cnt", "fuse_max"):
             sig[n] = "constexpr"

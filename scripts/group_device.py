@@ -1,0 +1,189 @@
+"""Per-token group scales in the Gluon decode kernel (``launch(scale_desc=...)``, kernel log 24 of
+docs/benchmarks.md; written 2026-12-01 without a GPU: NOT RUN yet). One device call, <= ~4 min:
+
+    PYTHONPATH=$PWD/src python3 scripts/group_device.py
+
+1. Checks against float64 on the dequantized KV (stored e4m3 x each token's group scale), through the kernel's
+   ``launch``: odd lengths over NaN pools (NaN also in the unused slots' scale rows), pages 1/16/64, H 8/16/32,
+   7 CTAs (items wrap the ring), B1 L32k (many splits), NS 2, group scales spread over e^+-8 within a tile (the P
+   normalization), bit-identical reruns.
+2. CUDA-graph timings (L2 flushed, median of 50): the group kernel against the per-tensor Gluon kernel on the same
+   stored values (the cost of the scales) and the Triton kernel's group path through MLAPagedAttention (what group
+   plans run today), with the read ceiling of the same process.
+
+The group build is for 16 rows per consumer (H <= 32; at 32 per consumer, H > 32, it spills 1.4 KB under triton
+3.6 and serializes its wgmma under 3.9, so those plans stay on the Triton kernel).
+
+Prediction (before any run; sm_90a SASS under triton 3.6: H16 696 B of spill, 18 reloads per tile per consumer;
+H32 596 B): per tile the group path adds the scale tile's loads and one cross-warp max, four P^T stores instead of
+one, and loses the QK overlap of the next slab's conversion with the previous slab's MMA (the default kernel's
+registers are full). H16 B64 L8k .111 -> ~.14-.16 ms; the Triton group path ~2x slower. Error like the
+per-tensor kernel's (rel L2 ~1.7e-3).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_spec = importlib.util.spec_from_file_location("decode_v2_device", os.path.join(ROOT, "scripts/decode_v2_device.py"))
+dv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dv)
+dsm, log, DC, DK = dv.dsm, dv.log, dv.DC, dv.DK
+RESULTS = {"checks": [], "bench": []}
+
+
+def group_case(kv_lens, H, page, *, seed=0, spread=1.0, kpe_scale=1.0, **kw):
+    """``dv.make_case`` with per-token group scales: the stored e4m3 values stay, each (token, group) gets the
+    scale 0.02 x e^U(-spread, spread); slots no request uses hold NaN scales (as their NaN rows)."""
+    c = dv.make_case(kv_lens, H, page, seed=seed, kpe_scale=kpe_scale, **kw)
+    P = c["pool"].shape[0]
+    g = torch.Generator(device=dv.DEV).manual_seed(seed + 7)
+    sa = 0.02 * torch.exp((torch.rand(P, page, dsm.GROUPS, device=dv.DEV, generator=g) * 2 - 1) * spread)
+    unused = torch.isnan(c["pool"][..., 0].float())
+    sa[unused] = float("nan")
+    c["scale_arr"] = sa.contiguous()
+    c["scales"] = torch.tensor([1.0, kpe_scale], dtype=torch.float32, device=dv.DEV)
+    return c
+
+
+def reference(c, nreq=None):
+    """float64 (out, lse base 2): c_kv = stored x its group scale, k_pe = stored x kpe_scale."""
+    B = len(c["kv_lens"]) if nreq is None else nreq
+    H = c["H"]
+    out = torch.zeros(B, H, DC, dtype=torch.float64, device=dv.DEV)
+    lse = torch.full((B, H), -math.inf, dtype=torch.float64, device=dv.DEV)
+    ind, ptr, page = c["kv_indices"].long(), c["kv_indptr"].tolist(), c["page"]
+    kps = float(c["scales"][1])
+    for b in range(B):
+        L = c["kv_lens"][b]
+        if L == 0:
+            continue
+        pos = torch.arange(L, device=dv.DEV)
+        pg = ind[ptr[b]:ptr[b + 1]][pos // page]
+        rows = c["pool"][pg, pos % page].double()
+        sc = c["scale_arr"][pg, pos % page].double().repeat_interleave(128, dim=-1)
+        ck, kp = rows[:, :DC] * sc, rows[:, DC:] * kps
+        s = (c["q_nope"][b].double() @ ck.T + c["q_pe"][b].double() @ kp.T) * c["sm_scale"]
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        den = p.sum(-1, keepdim=True)
+        out[b] = (p @ ck) / den
+        lse[b] = (m + torch.log(den)).squeeze(-1) / math.log(2.0)
+    return out, lse
+
+
+class GPlan(dv.Plan):
+    def __init__(self, c, *, group=True, **kw):
+        super().__init__(c, **kw)
+        self.sdesc = dsm.scale_descriptor(c["scale_arr"]) if group else None
+
+    def launch_kw(self) -> dict:
+        return dict(super().launch_kw(), **({"scale_desc": self.sdesc} if self.sdesc is not None else {}))
+
+
+def check(name, c, **plan_kw):
+    t0 = time.time()
+    p = GPlan(c, **plan_kw)
+    p.out.fill_(float("nan"))
+    p.lse.fill_(float("nan"))
+    p.t["part_o"].fill_(float("nan"))
+    p.run()
+    torch.cuda.synchronize()
+    ref_o, ref_l = reference(c)
+    o, lse = p.out.double(), p.lse.double()
+    empty = torch.tensor([L == 0 for L in c["kv_lens"]], device=dv.DEV)
+    fin = ~empty
+    nan_bad = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
+    rel = float((o[fin] - ref_o[fin]).norm() / ref_o[fin].norm()) if fin.any() else 0.0
+    lse_err = float((lse[fin] - ref_l[fin]).abs().max() / ref_l[fin].abs().max().clamp_min(8.0)) if fin.any() else 0.0
+    empty_ok = bool((o[empty] == 0).all() and (lse[empty] == -math.inf).all()) if empty.any() else True
+    o1, l1 = p.out.clone(), p.lse.clone()
+    p.run()
+    torch.cuda.synchronize()
+    same = bool(torch.equal(o1, p.out) and torch.equal(l1.nan_to_num(), p.lse.nan_to_num()))
+    ok = nan_bad == 0 and rel <= 3e-3 and lse_err <= 6e-4 and empty_ok and same
+    RESULTS["checks"].append(dict(name=name, ok=ok, rel_l2=rel, lse=lse_err, nan=nan_bad, same=same))
+    log(f"CHECK {'PASS' if ok else 'FAIL'} {name:40s} relL2 {rel:.2e} lse {lse_err:.1e} nan {nan_bad} "
+        f"empty {empty_ok} rerun-identical {same} grid {p.grid} items {p.n_items} ({time.time() - t0:.1f} s)")
+    return ok
+
+
+def run_checks() -> bool:
+    odd = [1, 63, 65, 97, 514, 0, 4096, 130]
+    ok = True
+    for H in (8, 16, 32):
+        ok &= check(f"H{H} p64 odd lens", group_case(odd, H, 64, seed=H))
+    ok &= check("H16 p16 odd lens", group_case(odd, 16, 16, seed=3))
+    ok &= check("H16 p1 odd lens", group_case([1, 63, 65, 0, 700, 130], 16, 1, seed=4))
+    ok &= check("H32 p1 odd lens", group_case([1, 65, 0, 700], 32, 1, seed=5))
+    ok &= check("H16 p64 7 CTAs", group_case(odd, 16, 64, seed=6), num_ctas=7)
+    ok &= check("H16 p64 B1 L32k many splits", group_case([32768], 16, 64, seed=8))
+    ok &= check("H16 p64 NS2", group_case(odd, 16, 64, seed=9), ns=2)
+    ok &= check("H16 p64 scales e^+-8", group_case(odd, 16, 64, seed=10, spread=8.0))
+    ok &= check("H32 p64 scales e^+-8, kpe 3", group_case(odd, 32, 64, seed=11, spread=8.0, kpe_scale=3.0))
+    return ok
+
+
+def triton_group(c):
+    """The Triton kernel's group path through MLAPagedAttention (what group plans run today)."""
+    from fp8mla.attention import MLAPagedAttention
+    a = MLAPagedAttention(backend="triton")
+    B = len(c["kv_lens"])
+    a.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["H"], DC, DK, c["page"], True,
+           c["sm_scale"], c["q_nope"].dtype, "fp8_e4m3_group")
+    out = torch.empty(B, c["H"], DC, dtype=c["q_nope"].dtype, device=dv.DEV)
+    kps = float(c["scales"][1])
+    return lambda: a.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, kpe_scale=kps,
+                         ckv_scale_arr=c["scale_arr"]), out
+
+
+SHAPES = [(16, 64, 8192), (16, 1, 32768), (16, 8, 8192), (16, 128, 2048), (32, 64, 8192)]
+
+
+def run_bench():
+    flush = dv.Flush()
+    read, mm = dv.ceilings(flush)
+    log(f"ceilings: read {read:.0f} GB/s, bf16 mm {mm:.0f} TFLOP/s")
+    RESULTS["ceilings"] = dict(read_gbs=read, mm_tflops=mm)
+    for H, B, L in SHAPES:
+        c = group_case([L] * B, H, 64, seed=B, nan_pool=False)
+        floor = B * L * (576 + 16) / (read * 1e9) * 1e3
+        g, p = GPlan(c), GPlan(c, group=False)
+        t_g = dv.graph_ms(g.run, flush)
+        c_pt = dict(c, scales=torch.tensor([0.02, 1.0], dtype=torch.float32, device=dv.DEV))
+        t_p = dv.graph_ms(GPlan(c_pt, group=False).run, flush)
+        fn, out = triton_group(c)
+        t_t = dv.graph_ms(fn, flush)
+        o_g = g.out.double()
+        rel = float((o_g - out.double()).norm() / out.double().norm())
+        row = dict(H=H, B=B, L=L, floor_ms=floor, gluon_group=t_g, gluon_tensor=t_p, triton_group=t_t,
+                   gluon_vs_triton_rel=rel)
+        RESULTS["bench"].append(row)
+        log(f"BENCH H{H} B{B} L{L}: floor {floor:.4f}  gluon group {t_g:.4f} ({floor / t_g:.0%} of floor)  "
+            f"gluon per-tensor {t_p:.4f} (group/tensor {t_g / t_p:.2f}x)  triton group {t_t:.4f} "
+            f"(gluon {t_t / t_g:.2f}x faster)  rel(gluon, triton) {rel:.1e}")
+        del p
+
+
+def main():
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    ok = run_checks()
+    if ok or "--bench-anyway" in sys.argv:
+        run_bench()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "group_device.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    log("ALL CHECKS PASS" if ok else "SOME CHECKS FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

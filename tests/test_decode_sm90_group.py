@@ -1,0 +1,302 @@
+"""Per-token group scales (format fp8_e4m3_group) in the Gluon sm_90 decode kernel (``GROUP``; behind
+``FP8MLA_GLUON_GROUP``, off; kernel log 24 of docs/benchmarks.md).
+
+CPU: the group builds compile for sm_90a with the kernel's MMA counts and one more TMA box (or cp.async) per page
+for the scales; the launch, plan and run checks (the switch, the scale array's layout, shared memory, the options
+the group kernel does not take). GPU (an sm_90 device with Gluon): float64 checks through MLAPagedAttention over
+NaN-poisoned pools (NaN scales in unused slots too), pages 1/16/64, 16/32/128 heads, scales spread over e^+-8
+within a tile, many splits with bit-identical reruns, multi-token decode, routing, CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8mla
+from conftest import compile_report_in_child
+from fp8mla.kernels import decode_sm90 as k
+from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
+
+ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
+gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
+DEVICE = "cuda" if ON_SM90 else "cpu"
+needs_gluon = pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+
+
+# -- CPU --------------------------------------------------------------------------------------------------------
+@needs_gluon
+@pytest.mark.parametrize("page,heads", [(64, 16), (16, 16), (64, 32), (1, 16)])
+def test_group_build_compiles_with_the_scale_copies(page, heads):
+    r, sass = compile_report_in_child(page=page, ns=3, heads=heads, group=True)
+    assert not r["serialized_wgmma"], r["ptxas"]
+    assert sum(n for op, n in r["ops"].items() if op.startswith("HGMMA")) == 136, r["ops"]   # 2 x (36 QK + 32 PV)
+    assert all(x["LDS.U8"] == 0 for x in r["loops"]), r["loops"]
+    assert r["smem"] <= k.SMEM_LIMIT
+    base, base_sass = compile_report_in_child(page=page, ns=3, heads=heads)
+    if page == 1:   # one more cp.async per row and tile (the row's 16 bytes of scales)
+        assert sass.count("LDGSTS") > base_sass.count("LDGSTS"), (sass.count("LDGSTS"), base_sass.count("LDGSTS"))
+    else:           # one more TMA box per page: 5 -> 6 per row box
+        rows_boxes = 64 // page if page < 64 else 1
+        assert sass.count("UTMALDG") - base_sass.count("UTMALDG") == rows_boxes, (sass.count("UTMALDG"),
+                                                                                   base_sass.count("UTMALDG"))
+    # triton 3.6 (the H200's): H16 696 B of spill (18 reloads per tile per consumer), H32 596 B: the default kernel's
+    # consumers already use ~237 of their 240 registers. A bound, so that a blow-up is seen.
+    assert sum(st for st, _ in r["spills"]) <= 1024, r["spills"]
+
+
+def test_group_smem_fits_three_stages():
+    for hpw, wide in ((16, False), (16, True)):
+        assert k.smem_bytes(3, hpw, wide, group=True) <= k.SMEM_LIMIT
+        assert k.smem_bytes(3, hpw, wide, group=True) - k.smem_bytes(3, hpw, wide) == 3 * 64 * 16 + 6 * hpw * 64 * 2
+    assert k.smem_bytes(4, 16, True, group=True) <= k.SMEM_LIMIT < k.smem_bytes(4, 16, False, group=True)
+
+
+def test_scale_rows_ok():
+    a = torch.rand(10, 64, 4)
+    assert k.scale_rows_ok(a)
+    assert k.scale_rows_ok(torch.rand(10, 64, 8)[..., :4])          # 32-byte rows of one pool: fine for TMA
+    assert not k.scale_rows_ok(torch.rand(10, 64, 5)[..., :4])      # 20-byte rows: not 16-byte aligned
+    assert not k.scale_rows_ok(torch.rand(10, 70, 4)[:, :64])       # pages not adjacent rows of one pool
+    assert not k.scale_rows_ok(a.double())
+    assert not k.scale_rows_ok(torch.rand(4, 10, 64).permute(1, 2, 0))
+    assert not k.scale_rows_ok(torch.rand(10, 64, 2))
+
+
+def _launch_args(H=16, page=64):
+    from types import SimpleNamespace
+    q = torch.zeros(1, H, 512)
+    desc = SimpleNamespace(base=None, strides=(576, 1), shape=(64, 512))
+    t = {n: torch.zeros(2, dtype=torch.int32) for n in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len", "cta_ptr",
+                                                        "item_req", "item_t0", "item_t1")}
+    t.update(part_o=torch.empty(1, k.padded_heads(H), 512), part_lse=torch.empty(1, k.padded_heads(H)))
+    sdesc = SimpleNamespace(base=None, strides=(4, 1), block_shape=[min(64, page), 4])
+    return (desc, desc, q, q, None, t, q, torch.zeros(1, H)), dict(
+        grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1, page_size=page, ns=3), sdesc
+
+
+@pytest.mark.parametrize("bad,match", [(dict(qk8=2), "qk8"), (dict(pv_in_flight=2), "pv_in_flight"),
+                                       (dict(wide_row_sums=True), "wide_row_sums"), (dict(ns=4), "shared"),
+                                       (dict(heads=64), "rows per CTA"), (dict(box=[32, 4]), "boxes")])
+def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
+    monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
+    H = bad.pop("heads", 16)
+    a, kw, sdesc = _launch_args(H)
+    if "box" in bad:
+        sdesc.block_shape = bad.pop("box")
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        k.launch(*a, **kw, scale_desc=sdesc)
+
+
+def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw)
+
+    monkeypatch.setattr(k, "mla_decode_sm90_kernel", Recorder())
+    monkeypatch.setattr(k, "launch_merge", lambda *a, **kw: None)
+    a, kw, sdesc = _launch_args()
+    k.launch(*a, **kw)
+    k.launch(*a, **kw, scale_desc=sdesc)
+    keys = {"sc_desc", "sc_ptr", "stride_sc_row", "GROUP"}
+    assert not keys & set(seen[0]) and keys <= set(seen[1])
+    assert seen[1]["GROUP"] is True and seen[1]["sc_desc"] is sdesc and seen[1]["stride_sc_row"] == 4
+
+
+def _spec_layout(fmt_name, page=64, H=16):
+    from fp8mla.backends import AttentionSpec
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    spec = AttentionSpec(H, 512, 64, page, True, 192 ** -0.5, torch.bfloat16, get_format(fmt_name),
+                         torch.device("cpu"))
+    lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
+                                       torch.tensor([130], dtype=torch.int32), page)
+    return spec, lay
+
+
+@needs_gluon
+def test_group_is_behind_its_switch(monkeypatch):
+    """supports() refuses the group format unless GLUON_GROUP or FP8MLA_GLUON_GROUP=1 (=0 refuses even when
+    switched on) and says how to turn it on; per-tensor plans are unaffected."""
+    from fp8mla.backends import gluon as gb
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    for fmt in ("fp8_e4m3_group", "fp8_e4m3"):
+        spec, lay = _spec_layout(fmt)
+        for switch, env, want in ((False, None, fmt == "fp8_e4m3"), (True, None, True), (False, "1", True),
+                                  (True, "0", fmt == "fp8_e4m3")):
+            monkeypatch.setattr(gb, "GLUON_GROUP", switch)
+            if env is None:
+                monkeypatch.delenv("FP8MLA_GLUON_GROUP", raising=False)
+            else:
+                monkeypatch.setenv("FP8MLA_GLUON_GROUP", env)
+            ok, why = gb.supports(spec, lay)
+            assert ok == want, (fmt, switch, env, why)
+            if not ok:
+                assert "FP8MLA_GLUON_GROUP" in why, why
+    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # built for 16 rows per consumer: H <= 32 (and MTP rows <= 32)
+    for H, want in ((32, True), (33, False), (128, False)):
+        ok, why = gb.supports(*_spec_layout("fp8_e4m3_group", H=H))
+        assert ok == want and (ok or "rows per CTA" in why), (H, why)
+        assert gb.supports(*_spec_layout("fp8_e4m3", H=H))[0]
+    monkeypatch.setenv("FP8MLA_GLUON_QK8", "1")   # FP8 scores never take group plans
+    assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True) == 0
+
+
+def test_group_plan_run_refuses_scales_it_cannot_read():
+    """A group plan names ckv_scale_arr when it is missing or not TMA-readable; a per-tensor plan never ignores
+    group scales given to it."""
+    from fp8mla.backends import gluon as gb
+    spec, _ = _spec_layout("fp8_e4m3_group")
+    plan = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {}, group=True)
+    args = [torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), None, None, None]
+    with pytest.raises(ValueError, match="ckv_scale_arr.*got None"):
+        plan.run(*args, None, None, None, False)
+    with pytest.raises(ValueError, match="ckv_scale_arr.*16-byte"):
+        plan.run(*args, torch.rand(4, 64, 5)[..., :4], None, None, False)
+    plain = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {})
+    with pytest.raises(ValueError, match="ckv_scale_arr.*per-tensor"):
+        plain.run(*args, torch.rand(4, 64, 4), None, None, False)
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def group_on(monkeypatch):
+    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
+
+
+def _run(batch, backend="gluon", **opts):
+    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
+    attn.plan(**batch.plan_args)
+    n, H, Dc = batch.run_args["q_nope"].shape
+    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
+    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
+    return attn, out, lse
+
+
+def _check(batch, out, lse, tol=3e-3, lse_tol=1e-4):
+    ref_o, ref_lse = batch.reference()
+    assert_close(out, ref_o, tol, "out")
+    assert_close(lse, ref_lse, lse_tol, "lse")
+
+
+def _spread(batch, seed, spread=8.0):
+    """Multiply every used token's group scales by e^U(-spread, spread) in place (the reference reads them too):
+    tiles whose tokens' scales differ by up to e^16, the P normalization's case."""
+    sa = batch.run_args["ckv_scale_arr"]
+    g = torch.Generator(device=sa.device).manual_seed(seed)
+    sa.mul_(torch.exp((torch.rand(sa.shape, device=sa.device, generator=g) * 2 - 1) * spread))
+
+
+@gpu
+@pytest.mark.parametrize("H", [1, 16, 32])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_group_odd_lengths_nan_pools(group_on, H, page):
+    lens = [0, 1, 63, 65, 97, 514, 3000] if page > 1 else [0, 1, 63, 65, 700]
+    b = make_paged_batch(lens, [1] * len(lens), H, page, "fp8_e4m3_group", device=DEVICE, seed=H + page,
+                         extra_pages=1 if page > 1 else 0)
+    attn, out, lse = _run(b)
+    assert type(attn._plan.impl).__name__ == "GluonPlan" and attn._plan.impl.group
+    _check(b, out, lse)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@gpu
+@pytest.mark.parametrize("H", [16, 32])
+def test_group_scales_spread_within_tiles(group_on, H):
+    b = make_paged_batch([777, 65, 2500], [1] * 3, H, 64, "fp8_e4m3_group", device=DEVICE, seed=5, kpe_scale=3.0,
+                         value_scale=2.0)
+    _spread(b, seed=H)
+    _check(b, *_run(b)[1:], lse_tol=2e-4)
+
+
+@gpu
+@pytest.mark.parametrize("min_chunk", [64, 4096])
+def test_group_many_splits_and_bit_identical_reruns(group_on, min_chunk):
+    b = make_paged_batch([20000, 1, 4097], [1] * 3, 16, 64, "fp8_e4m3_group", device=DEVICE, seed=7)
+    attn, out, lse = _run(b, min_chunk=min_chunk)
+    _check(b, out, lse)
+    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+@gpu
+def test_group_multi_token_decode(group_on):
+    """qo_len 1..2 at 16 heads (32 rows), causal; kv_len 1 < qo_len 2 for the last request."""
+    b = make_paged_batch([300, 65, 1000, 1], [2, 1, 2, 2], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=11)
+    _check(b, *_run(b)[1:])
+
+
+@gpu
+def test_group_routing_and_a_plain_e4m3_plan_with_group_scales(monkeypatch):
+    """auto: the Gluon kernel with the switch on, the Triton kernel with it off, the same answer; FlashInfer's
+    way (an e4m3 plan given ckv_scale_arr at run) builds the group plan on first use, on the same kernel."""
+    b = make_paged_batch([500, 70], [1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=3)
+    outs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("FP8MLA_GLUON_GROUP", env)
+        attn, outs[env], lse = _run(b, backend="auto")
+        assert type(attn._plan.impl).__name__ == ("GluonPlan" if env == "1" else "TritonPlan")
+        _check(b, outs[env], lse)
+    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
+    attn = fp8mla.MLAPagedAttention(backend="auto")
+    attn.plan(**dict(b.plan_args, kv_data_type=torch.float8_e4m3fn))
+    out = attn.run(**b.run_args)
+    assert type(attn._plan.group_impl).__name__ == "GluonPlan"
+    assert torch.equal(out, outs["1"])
+
+
+@gpu
+def test_group_past_32_rows_stays_on_triton(group_on):
+    """H128 (and multi-token rows past 32): auto plans the Triton kernel; backend='gluon' refuses by name."""
+    b = make_paged_batch([300, 65], [1, 1], 128, 64, "fp8_e4m3_group", device=DEVICE, seed=4)
+    attn, out, lse = _run(b, backend="auto")
+    assert type(attn._plan.impl).__name__ == "TritonPlan"
+    _check(b, out, lse)
+    with pytest.raises(ValueError, match="rows per CTA"):
+        _run(b, backend="gluon")
+    m = make_paged_batch([300, 65], [3, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=4)   # 48 rows
+    assert type(_run(m, backend="auto")[0]._plan.impl).__name__ == "TritonPlan"
+
+
+@gpu
+def test_group_refuses_a_scale_array_tma_cannot_read(group_on):
+    b = make_paged_batch([100], [1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=2)
+    sa = b.run_args["ckv_scale_arr"]
+    wide = torch.zeros(*sa.shape[:2], 5, device=DEVICE)
+    wide[..., :4] = sa
+    attn = fp8mla.MLAPagedAttention(backend="gluon")
+    attn.plan(**b.plan_args)
+    with pytest.raises(ValueError, match="ckv_scale_arr"):
+        attn.run(**dict(b.run_args, ckv_scale_arr=wide[..., :4]))
+
+
+@gpu
+def test_group_cuda_graph_capture_then_replan(group_on):
+    """Capture run() with group scales, re-plan other lengths and page lists over the same pool, replay."""
+    from fp8mla.reference import mla_reference
+    b = make_paged_batch([100, 3000, 17], [1, 1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=21, spare_pages=60)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    attn.plan(**b.plan_args)
+    r = b.run_args
+    out, lse = torch.empty_like(r["q_nope"]), torch.empty(3, 16, device=DEVICE)
+    g = capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
+    _check(b, out, lse)
+    a = dict(b.plan_args)
+    pages = a["kv_indices"]
+    a.update(kv_len_arr=torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE),
+             kv_indptr=torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE),
+             kv_indices=torch.cat([pages[3:49]] + [pages[:1]]))
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
+                           a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True,
+                           kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"])
+    assert_close(out, ref, 3e-3, "replay after re-plan")
