@@ -35,6 +35,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _spec = importlib.util.spec_from_file_location("decode_v2_device", os.path.join(ROOT, "scripts/decode_v2_device.py"))
 dv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dv)
+sys.path.insert(0, os.path.join(ROOT, "src"))   # fp8mla (the Triton group path), when PYTHONPATH does not have it
 dsm, log, DC, DK = dv.dsm, dv.log, dv.DC, dv.DK
 RESULTS = {"checks": [], "bench": []}
 
@@ -121,6 +122,9 @@ def run_checks() -> bool:
     for H in (8, 16, 32):
         ok &= check(f"H{H} p64 odd lens", group_case(odd, H, 64, seed=H))
     ok &= check("H16 p16 odd lens", group_case(odd, 16, 16, seed=3))
+    ok &= check("H16 p32 odd lens", group_case(odd, 16, 32, seed=12))
+    ok &= check("H16 p128 odd lens", group_case(odd, 16, 128, seed=13))
+    ok &= check("H16 p64 fp16 q, kpe 7", group_case(odd, 16, 64, seed=14, kpe_scale=7.0, q_dtype=torch.float16))
     ok &= check("H16 p1 odd lens", group_case([1, 63, 65, 0, 700, 130], 16, 1, seed=4))
     ok &= check("H32 p1 odd lens", group_case([1, 65, 0, 700], 32, 1, seed=5))
     ok &= check("H16 p64 7 CTAs", group_case(odd, 16, 64, seed=6), num_ctas=7)
@@ -155,7 +159,7 @@ def run_bench():
     for H, B, L in SHAPES:
         c = group_case([L] * B, H, 64, seed=B, nan_pool=False)
         floor = B * L * (576 + 16) / (read * 1e9) * 1e3
-        g, p = GPlan(c), GPlan(c, group=False)
+        g = GPlan(c)
         t_g = dv.graph_ms(g.run, flush)
         c_pt = dict(c, scales=torch.tensor([0.02, 1.0], dtype=torch.float32, device=dv.DEV))
         t_p = dv.graph_ms(GPlan(c_pt, group=False).run, flush)
@@ -169,18 +173,23 @@ def run_bench():
         log(f"BENCH H{H} B{B} L{L}: floor {floor:.4f}  gluon group {t_g:.4f} ({floor / t_g:.0%} of floor)  "
             f"gluon per-tensor {t_p:.4f} (group/tensor {t_g / t_p:.2f}x)  triton group {t_t:.4f} "
             f"(gluon {t_t / t_g:.2f}x faster)  rel(gluon, triton) {rel:.1e}")
-        del p
+        save()
+
+
+def save():
+    """$OUT/group_device.json, rewritten after the checks and after each timing (a timeout keeps what ran)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "group_device.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 def main():
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     ok = run_checks()
+    save()
     if ok or "--bench-anyway" in sys.argv:
         run_bench()
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "group_device.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
     log("ALL CHECKS PASS" if ok else "SOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
 

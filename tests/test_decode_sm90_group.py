@@ -49,7 +49,6 @@ def test_group_build_compiles_with_the_scale_copies(page, heads):
 def test_group_smem_fits_three_stages():
     for hpw, wide in ((16, False), (16, True)):
         assert k.smem_bytes(3, hpw, wide, group=True) <= k.SMEM_LIMIT
-        assert k.smem_bytes(3, hpw, wide, group=True) - k.smem_bytes(3, hpw, wide) == 3 * 64 * 16 + 6 * hpw * 64 * 2
     assert k.smem_bytes(4, 16, True, group=True) <= k.SMEM_LIMIT < k.smem_bytes(4, 16, False, group=True)
 
 
@@ -194,7 +193,7 @@ def _spread(batch, seed, spread=8.0):
 
 @gpu
 @pytest.mark.parametrize("H", [1, 16, 32])
-@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("page", [1, 16, 32, 64, 128])
 def test_group_odd_lengths_nan_pools(group_on, H, page):
     lens = [0, 1, 63, 65, 97, 514, 3000] if page > 1 else [0, 1, 63, 65, 700]
     b = make_paged_batch(lens, [1] * len(lens), H, page, "fp8_e4m3_group", device=DEVICE, seed=H + page,
@@ -212,6 +211,17 @@ def test_group_scales_spread_within_tiles(group_on, H):
                          value_scale=2.0)
     _spread(b, seed=H)
     _check(b, *_run(b)[1:], lse_tol=2e-4)
+
+
+@gpu
+def test_group_fp16_queries_and_four_stages_asked(group_on):
+    """fp16 queries with k_pe scaled; num_stages=4 (fits per-tensor at 16 heads, not with the group tiles) is
+    lowered to what fits instead of failing the plan."""
+    b = make_paged_batch([777, 65, 2500], [1] * 3, 16, 64, "fp8_e4m3_group", q_dtype=torch.float16, device=DEVICE,
+                         seed=6, kpe_scale=7.0, value_scale=3.0)
+    attn, out, lse = _run(b, num_stages=4)
+    assert attn._plan.impl.ns == 3
+    _check(b, out, lse, lse_tol=2e-4)
 
 
 @gpu

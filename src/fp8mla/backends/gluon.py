@@ -245,6 +245,9 @@ class GluonPlan:
                                  f"{k.GROUPS}] fp32 rows of one pool with 16-byte aligned strides; got "
                                  f"{ckv_scale_arr.dtype} {tuple(ckv_scale_arr.shape)} strides "
                                  f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or FP8MLA_GLUON_GROUP=0)")
+            if tuple(ckv_scale_arr.shape[:2]) != tuple(ckv_cache.shape[:2]):   # the kernel reads one row per pool row
+                raise ValueError(f"ckv_scale_arr: expected [{ckv_cache.shape[0]}, {ckv_cache.shape[1]}, {k.GROUPS}] "
+                                 f"(the pool's pages and slots), got {tuple(ckv_scale_arr.shape)}")
             scale_desc = k.scale_descriptor(ckv_scale_arr)
         elif ckv_scale_arr is not None:   # never ignore group scales
             raise ValueError("ckv_scale_arr: this gluon plan takes per-tensor scales only (plan the group format)")
@@ -294,6 +297,16 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     max_qo = plan_max_qo(layout, spec, state)
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo)
     group = spec.kv_format.scale_kind == "group"
+    if group:
+        # (a CUDA-graph wrapper keeps its first plan's max qo_len; supports() saw this plan's)
+        if hpw > k.GROUP_MAX_HPW:
+            raise ValueError(f"backend 'gluon': group scales are built for up to {2 * k.GROUP_MAX_HPW} rows per CTA; "
+                             f"{spec.num_heads} heads x {max_qo} queries (this wrapper's kernel variant) take "
+                             f"{2 * hpw}: use the triton backend")
+        # the group tiles take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at
+        # 16 heads) is lowered to what fits, as the same wrapper's group plan is built from its options
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
+            ns -= 1
     smem = k.smem_bytes(ns, hpw, wide, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)
