@@ -117,11 +117,12 @@ def reference(c, nreq=None):
 class Plan:
     """Host schedule -> device arrays, sized once (run() only launches)."""
 
-    def __init__(self, c, *, num_ctas=None, min_tiles=4, ns=3, regs=240, mode=0, merge=True):
+    def __init__(self, c, *, num_ctas=None, min_tiles=4, ns=3, regs=240, mode=0, merge=True, max_hpw=32):
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
         # H > 16 (wide variant): nhg head-group CTAs per schedule slot, partial rows padded to the head groups
-        _, nhg, _ = dsm.head_config(c["H"])
-        rows = dsm.padded_heads(c["H"])
+        # (max_hpw 16: the group-scale build's variant, dsm.GROUP_MAX_HPW)
+        _, nhg, _ = dsm.head_config(c["H"], max_hpw)
+        rows = dsm.padded_heads(c["H"], 1, max_hpw)
         slots, cta_ptr, items, m_ptr, m_list = dsm.schedule(c["kv_lens"], max(1, (num_ctas or n_sm) // nhg),
                                                             min_tiles)
         grid = slots * nhg

@@ -4,21 +4,24 @@ docs/benchmarks.md; written 2026-12-01 without a GPU: NOT RUN yet). One device c
     PYTHONPATH=$PWD/src python3 scripts/group_device.py
 
 1. Checks against float64 on the dequantized KV (stored e4m3 x each token's group scale), through the kernel's
-   ``launch``: odd lengths over NaN pools (NaN also in the unused slots' scale rows), pages 1/16/64, H 8/16/32,
+   ``launch``: odd lengths over NaN pools (NaN also in the unused slots' scale rows), pages 1/16/32/64/128, H
+   8/16/32/40/128, fp16 queries,
    7 CTAs (items wrap the ring), B1 L32k (many splits), NS 2, group scales spread over e^+-8 within a tile (the P
    normalization), bit-identical reruns.
 2. CUDA-graph timings (L2 flushed, median of 50): the group kernel against the per-tensor Gluon kernel on the same
    stored values (the cost of the scales) and the Triton kernel's group path through MLAPagedAttention (what group
    plans run today), with the read ceiling of the same process.
 
-The group build is for 16 rows per consumer (H <= 32; at 32 per consumer, H > 32, it spills 1.4 KB under triton
-3.6 and serializes its wgmma under 3.9, so those plans stay on the Triton kernel).
+The group build has 16 rows per consumer at any head count (at 32 per consumer it spills 1.4 KB under triton 3.6
+and serializes its wgmma under 3.9): H > 32 takes ceil(H / 32) head-group CTAs per schedule slot (H128: 4, where
+the per-tensor kernel takes 2 of 32 heads per consumer).
 
 Prediction (before any run; sm_90a SASS under triton 3.6: H16 696 B of spill, 18 reloads per tile per consumer;
-H32 596 B): per tile the group path adds the scale tile's loads and one cross-warp max, four P^T stores instead of
-one, and loses the QK overlap of the next slab's conversion with the previous slab's MMA (the default kernel's
-registers are full). H16 B64 L8k .111 -> ~.14-.16 ms; the Triton group path ~2x slower. Error like the
-per-tensor kernel's (rel L2 ~1.7e-3).
+H32 596 B; H128 544 B, 11): per tile the group path adds the scale tile's loads and one cross-warp max, four P^T
+stores instead of one, and loses the QK overlap of the next slab's conversion with the previous slab's MMA (the
+default kernel's registers are full). H16 B64 L8k .111 -> ~.14-.16 ms; H128 B64 L8k .42 -> ~.7-.9 ms (twice the
+CTA-tiles, each ~0.75x the 32-head one, times the group overhead); the Triton group path ~1.5-2x slower than the
+group kernel. Error like the per-tensor kernel's (rel L2 ~1.7e-3).
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def reference(c, nreq=None):
 
 class GPlan(dv.Plan):
     def __init__(self, c, *, group=True, **kw):
-        super().__init__(c, **kw)
+        super().__init__(c, **kw, **({"max_hpw": dsm.GROUP_MAX_HPW} if group else {}))
         self.sdesc = dsm.scale_descriptor(c["scale_arr"]) if group else None
 
     def launch_kw(self) -> dict:
@@ -119,19 +122,19 @@ def check(name, c, **plan_kw):
 def run_checks() -> bool:
     odd = [1, 63, 65, 97, 514, 0, 4096, 130]
     ok = True
-    for H in (8, 16, 32):
+    for H in (8, 16, 32, 40, 128):
         ok &= check(f"H{H} p64 odd lens", group_case(odd, H, 64, seed=H))
     ok &= check("H16 p16 odd lens", group_case(odd, 16, 16, seed=3))
     ok &= check("H16 p32 odd lens", group_case(odd, 16, 32, seed=12))
     ok &= check("H16 p128 odd lens", group_case(odd, 16, 128, seed=13))
     ok &= check("H16 p64 fp16 q, kpe 7", group_case(odd, 16, 64, seed=14, kpe_scale=7.0, q_dtype=torch.float16))
     ok &= check("H16 p1 odd lens", group_case([1, 63, 65, 0, 700, 130], 16, 1, seed=4))
-    ok &= check("H32 p1 odd lens", group_case([1, 65, 0, 700], 32, 1, seed=5))
+    ok &= check("H128 p1 odd lens", group_case([1, 65, 0, 700], 128, 1, seed=5))
     ok &= check("H16 p64 7 CTAs", group_case(odd, 16, 64, seed=6), num_ctas=7)
     ok &= check("H16 p64 B1 L32k many splits", group_case([32768], 16, 64, seed=8))
     ok &= check("H16 p64 NS2", group_case(odd, 16, 64, seed=9), ns=2)
     ok &= check("H16 p64 scales e^+-8", group_case(odd, 16, 64, seed=10, spread=8.0))
-    ok &= check("H32 p64 scales e^+-8, kpe 3", group_case(odd, 32, 64, seed=11, spread=8.0, kpe_scale=3.0))
+    ok &= check("H128 p64 scales e^+-8, kpe 3", group_case(odd, 128, 64, seed=11, spread=8.0, kpe_scale=3.0))
     return ok
 
 
@@ -148,7 +151,7 @@ def triton_group(c):
                          ckv_scale_arr=c["scale_arr"]), out
 
 
-SHAPES = [(16, 64, 8192), (16, 1, 32768), (16, 8, 8192), (16, 128, 2048), (32, 64, 8192)]
+SHAPES = [(16, 64, 8192), (16, 1, 32768), (16, 8, 8192), (16, 128, 2048), (128, 64, 8192), (128, 8, 8192)]
 
 
 def run_bench():

@@ -27,7 +27,7 @@ needs_gluon = pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import
 
 # -- CPU --------------------------------------------------------------------------------------------------------
 @needs_gluon
-@pytest.mark.parametrize("page,heads", [(64, 16), (16, 16), (64, 32), (1, 16)])
+@pytest.mark.parametrize("page,heads", [(64, 16), (16, 16), (64, 128), (1, 16)])
 def test_group_build_compiles_with_the_scale_copies(page, heads):
     r, sass = compile_report_in_child(page=page, ns=3, heads=heads, group=True)
     assert not r["serialized_wgmma"], r["ptxas"]
@@ -41,8 +41,9 @@ def test_group_build_compiles_with_the_scale_copies(page, heads):
         rows_boxes = 64 // page if page < 64 else 1
         assert sass.count("UTMALDG") - base_sass.count("UTMALDG") == rows_boxes, (sass.count("UTMALDG"),
                                                                                    base_sass.count("UTMALDG"))
-    # triton 3.6 (the H200's): H16 696 B of spill (18 reloads per tile per consumer), H32 596 B: the default kernel's
-    # consumers already use ~237 of their 240 registers. A bound, so that a blow-up is seen.
+    # triton 3.6 (the H200's): H16 696 B of spill (18 reloads per tile per consumer), H32 and H128 (16 heads per
+    # consumer, 4 head-group CTAs) 596 B: the default kernel's consumers already use ~237 of their 240 registers. A
+    # bound, so that a blow-up (32 heads per consumer: 1.4 KB, or serialized wgmma) is seen.
     assert sum(st for st, _ in r["spills"]) <= 1024, r["spills"]
 
 
@@ -77,7 +78,7 @@ def _launch_args(H=16, page=64):
 
 @pytest.mark.parametrize("bad,match", [(dict(qk8=2), "qk8"), (dict(pv_in_flight=2), "pv_in_flight"),
                                        (dict(wide_row_sums=True), "wide_row_sums"), (dict(ns=4), "shared"),
-                                       (dict(heads=64), "rows per CTA"), (dict(box=[32, 4]), "boxes")])
+                                       (dict(box=[32, 4]), "boxes")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
     monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
     H = bad.pop("heads", 16)
@@ -136,13 +137,24 @@ def test_group_is_behind_its_switch(monkeypatch):
             assert ok == want, (fmt, switch, env, why)
             if not ok:
                 assert "FP8MLA_GLUON_GROUP" in why, why
-    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # built for 16 rows per consumer: H <= 32 (and MTP rows <= 32)
-    for H, want in ((32, True), (33, False), (128, False)):
-        ok, why = gb.supports(*_spec_layout("fp8_e4m3_group", H=H))
-        assert ok == want and (ok or "rows per CTA" in why), (H, why)
-        assert gb.supports(*_spec_layout("fp8_e4m3", H=H))[0]
+    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # every head count (16 rows per consumer, more head groups)
+    for H in (32, 33, 128):
+        assert gb.supports(*_spec_layout("fp8_e4m3_group", H=H))[0]
     monkeypatch.setenv("FP8MLA_GLUON_QK8", "1")   # FP8 scores never take group plans
     assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True) == 0
+
+
+def test_group_build_has_16_rows_per_consumer():
+    """The group build's variant: 16 heads per consumer at any H (ceil(H / 32) head-group CTAs), so its partial
+    rows never exceed the per-tensor variant's (a CUDA-graph wrapper sizes them once, from its first plan)."""
+    for H in (8, 16, 17, 32, 33, 40, 64, 72, 100, 128):
+        hpw, nhg, wide = k.row_config(H, 1, k.GROUP_MAX_HPW)
+        assert hpw == 16 and nhg == max(1, -(-H // 32)) and wide == (H > 16)
+        assert k.padded_heads(H, 1, k.GROUP_MAX_HPW) <= k.padded_heads(H)
+    for H, qo in ((16, 3), (128, 4), (64, 8)):
+        hpw, nhg, _ = k.row_config(H, qo, k.GROUP_MAX_HPW)
+        assert hpw == 16 and nhg == -(-H * qo // 32)
+        assert k.padded_heads(H, qo, k.GROUP_MAX_HPW) <= k.padded_heads(H, qo)
 
 
 def test_group_plan_run_refuses_scales_it_cannot_read():
@@ -192,7 +204,7 @@ def _spread(batch, seed, spread=8.0):
 
 
 @gpu
-@pytest.mark.parametrize("H", [1, 16, 32])
+@pytest.mark.parametrize("H", [1, 16, 32, 40, 128])
 @pytest.mark.parametrize("page", [1, 16, 32, 64, 128])
 def test_group_odd_lengths_nan_pools(group_on, H, page):
     lens = [0, 1, 63, 65, 97, 514, 3000] if page > 1 else [0, 1, 63, 65, 700]
@@ -205,7 +217,7 @@ def test_group_odd_lengths_nan_pools(group_on, H, page):
 
 
 @gpu
-@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("H", [16, 128])
 def test_group_scales_spread_within_tiles(group_on, H):
     b = make_paged_batch([777, 65, 2500], [1] * 3, H, 64, "fp8_e4m3_group", device=DEVICE, seed=5, kpe_scale=3.0,
                          value_scale=2.0)
@@ -262,16 +274,13 @@ def test_group_routing_and_a_plain_e4m3_plan_with_group_scales(monkeypatch):
 
 
 @gpu
-def test_group_past_32_rows_stays_on_triton(group_on):
-    """H128 (and multi-token rows past 32): auto plans the Triton kernel; backend='gluon' refuses by name."""
-    b = make_paged_batch([300, 65], [1, 1], 128, 64, "fp8_e4m3_group", device=DEVICE, seed=4)
-    attn, out, lse = _run(b, backend="auto")
-    assert type(attn._plan.impl).__name__ == "TritonPlan"
+@pytest.mark.parametrize("H,qo", [(16, 3), (128, 2)])
+def test_group_wide_multi_token_decode(group_on, H, qo):
+    """Multi-token rows past 32 (48 and 256): 16 per consumer, 2 and 8 row-group CTAs per schedule slot."""
+    b = make_paged_batch([300, 65, 1000], [qo, 1, qo], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H + qo)
+    attn, out, lse = _run(b)
+    assert type(attn._plan.impl).__name__ == "GluonPlan"
     _check(b, out, lse)
-    with pytest.raises(ValueError, match="rows per CTA"):
-        _run(b, backend="gluon")
-    m = make_paged_batch([300, 65], [3, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=4)   # 48 rows
-    assert type(_run(m, backend="auto")[0]._plan.impl).__name__ == "TritonPlan"
 
 
 @gpu

@@ -83,8 +83,10 @@ GLUON_QK8 = False
 # (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
 # product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
 # kernel's KV_GROUP numerics). OFF: built and compiled on the CPU (2026-12-01, kernel log 24), never run on a GPU
-# yet; group plans stay on the Triton kernel. FP8MLA_GLUON_GROUP=1 turns it on, =0 off. Its scale array must be
-# rows of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
+# yet; group plans stay on the Triton kernel. FP8MLA_GLUON_GROUP=1 turns it on, =0 off. The group build has 16 rows
+# per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it
+# spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own is); another
+# layout is refused by name at run().
 GLUON_GROUP = False
 
 
@@ -155,16 +157,6 @@ def _qo_refusal(spec, qo_lens) -> str:
     return ""
 
 
-_GROUP_ROWS_PER_CONSUMER = 16   # decode_sm90.GROUP_MAX_HPW (not imported here: Gluon may not import)
-
-
-def _group_rows_ok(spec, layout) -> bool:
-    """Group scales: the kernel variant has 16 rows per consumer (H <= 32, or multi-token rows max_qo x H <= 32):
-    at 32 the build spills ~1.4 KB or serializes its wgmma (kernel log 24), so those plans stay on Triton."""
-    max_qo = max(layout.qo_lens) if layout.qo_lens else 1
-    return max(1, max_qo) * spec.num_heads <= 2 * _GROUP_ROWS_PER_CONSUMER
-
-
 def wide_heads_enabled() -> bool:
     env = os.environ.get("FP8MLA_GLUON_WIDE", "")
     return env == "1" if env in ("0", "1") else GLUON_WIDE_HEADS
@@ -184,7 +176,7 @@ def supports(spec, layout) -> tuple[bool, str]:
             and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0
                  or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
             and fmt.storage_dtype == torch.float8_e4m3fn
-            and (fmt.scale_kind != "group" or (group_enabled() and _group_rows_ok(spec, layout)))
+            and (fmt.scale_kind != "group" or group_enabled())
             and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
             and not _qo_refusal(spec, layout.qo_lens)):
         return True, ""  # every plan asks: the messages below are formatted only when one fails
@@ -207,17 +199,8 @@ def supports(spec, layout) -> tuple[bool, str]:
     for ok, why in checks:
         if not ok:
             return False, why
-    why = _layout_refusal(spec, layout)
-    return not why, why
-
-
-def _layout_refusal(spec, layout) -> str:
-    """The per-layout checks ("" when taken): the query lengths, and the rows of a group-scale plan."""
     why = _qo_refusal(spec, layout.qo_lens)
-    if not why and spec.kv_format.scale_kind == "group" and not _group_rows_ok(spec, layout):
-        why = (f"kv format {spec.kv_format.name} at {spec.num_heads} heads x {max(layout.qo_lens)} queries: the "
-               f"gluon kernel's group scales are built for up to {2 * _GROUP_ROWS_PER_CONSUMER} rows per CTA")
-    return why
+    return not why, why
 
 
 @dataclass
@@ -295,14 +278,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
     ns = int(opts["num_stages"])
     max_qo = plan_max_qo(layout, spec, state)
-    hpw, nhg, wide = k.row_config(spec.num_heads, max_qo)
     group = spec.kv_format.scale_kind == "group"
+    max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
+    hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
     if group:
-        # (a CUDA-graph wrapper keeps its first plan's max qo_len; supports() saw this plan's)
-        if hpw > k.GROUP_MAX_HPW:
-            raise ValueError(f"backend 'gluon': group scales are built for up to {2 * k.GROUP_MAX_HPW} rows per CTA; "
-                             f"{spec.num_heads} heads x {max_qo} queries (this wrapper's kernel variant) take "
-                             f"{2 * hpw}: use the triton backend")
         # the group tiles take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at
         # 16 heads) is lowered to what fits, as the same wrapper's group plan is built from its options
         while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
@@ -315,7 +294,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                          f"{k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
-    rows = k.padded_heads(spec.num_heads, max_qo)
+    rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)
     h = None
     if layout.host is not None:
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
@@ -343,7 +322,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
         if fuse:   # arrival counters: zeros, and back at zero after every complete run
-            t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo), dtype=torch.int32,
+            t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo, max_hpw), dtype=torch.int32,
                                          device=device)
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
@@ -364,7 +343,7 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     buf, opts = state.get("graph"), state.get("opts")
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
         return None
-    nhg = k.row_config(plan.spec.num_heads, plan.max_qo)[1]
+    nhg = k.row_config(plan.spec.num_heads, plan.max_qo, k.GROUP_MAX_HPW if plan.group else 32)[1]
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE))
     last = state.get("rows_items")
@@ -424,7 +403,7 @@ def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
             return ok, why
         state["supported"] = key
         return True, ""
-    why = _layout_refusal(spec, layout)
+    why = _qo_refusal(spec, layout.qo_lens)
     return not why, why
 
 

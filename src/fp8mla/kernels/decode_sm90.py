@@ -71,7 +71,9 @@ scale folded into Q). P.V: one P^T per group, P x scale / the group's largest sc
 keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
 maximum (rescaled by alpha x f_old / f_new with the online softmax, multiplied back at the end of the item): the
 Triton kernel's KV_GROUP numerics; the stored values still convert exactly to fp16 and never meet their scale
-element-wise.
+element-wise. The group build has 16 rows per consumer at any head count (``GROUP_MAX_HPW``; H > 32: ceil(H / 32)
+head-group CTAs per schedule slot): at 32 per consumer its consumers spill ~1.4 KB (triton 3.6) or serialize their
+wgmma (3.9).
 
 Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
 FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_pe 64. Anything else:
@@ -107,7 +109,7 @@ HP = 16            # heads per CTA (the MMA's N), padded
 DC, DK = 512, 64
 ROW_BYTES = DC + DK
 GROUPS = 4         # per-token group scales: one per 128 c_kv columns (fmt fp8_e4m3_group), one per K slab
-GROUP_MAX_HPW = 16  # group scales: heads (rows) per consumer the build is for (H <= 32, MTP rows <= 32)
+GROUP_MAX_HPW = 16  # group scales: heads (rows) per consumer of the build (H > 32: more head-group CTAs per slot)
 STAGE_BYTES = TILE * ROW_BYTES
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
 
@@ -133,15 +135,16 @@ def qk8_terms(q_dtype) -> int:
 MAX_WIDE_HEADS = 128
 
 
-def head_config(num_heads: int) -> tuple[int, int, bool]:
+def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:
     """(hpw, nhg, wide) for ``num_heads``: H <= 16 -> the alternating-tile kernel (16 heads, one CTA per slot);
     17..32 -> wide with 16 heads per consumer (one head group of 32); 33..128 -> wide with 32 heads per consumer,
-    ceil(H / 64) head groups of 64 (H = 128: two CTAs per schedule slot)."""
+    ceil(H / 64) head groups of 64 (H = 128: two CTAs per schedule slot). ``max_hpw`` 16 (the group-scale build,
+    ``GROUP_MAX_HPW``): 16 heads per consumer at any H, ceil(H / 32) head groups (H = 128: four CTAs per slot)."""
     if num_heads < 1 or num_heads > MAX_WIDE_HEADS:
         raise ValueError(f"num_heads: expected 1..{MAX_WIDE_HEADS}, got {num_heads}")
     if num_heads <= HP:
         return HP, 1, False
-    hpw = 16 if num_heads <= 32 else 32
+    hpw = 16 if num_heads <= 32 or max_hpw < 32 else 32
     return hpw, -(-num_heads // (2 * hpw)), True
 
 
@@ -149,36 +152,36 @@ MAX_MTP_QO = 8       # multi-token decode: query tokens per request
 MAX_MTP_ROWS = 512   # virtual heads max_qo * H (H16 up to qo 8, H128 up to qo 4)
 
 
-def mtp_config(num_heads: int, max_qo: int) -> tuple[int, int, bool]:
+def mtp_config(num_heads: int, max_qo: int, max_hpw: int = 32) -> tuple[int, int, bool]:
     """(hpw, nhg, wide) of multi-token decode (max_qo >= 2): rows r = query token r // H, head r % H of a request
-    ("virtual heads" Hv = max_qo * H) on the wide variant: 16 rows per consumer for Hv <= 32, else 32, and
-    ceil(Hv / (2 hpw)) row-group CTAs per schedule slot."""
+    ("virtual heads" Hv = max_qo * H) on the wide variant: 16 rows per consumer for Hv <= 32 (or ``max_hpw`` 16),
+    else 32, and ceil(Hv / (2 hpw)) row-group CTAs per schedule slot."""
     if num_heads < 1 or max_qo < 2 or max_qo > MAX_MTP_QO or max_qo * num_heads > MAX_MTP_ROWS:
         raise ValueError(f"num_heads, max_qo: expected 2 <= max_qo <= {MAX_MTP_QO} and max_qo * num_heads <= "
                          f"{MAX_MTP_ROWS}, got num_heads {num_heads}, max_qo {max_qo}")
     hv = max_qo * num_heads
-    hpw = 16 if hv <= 32 else 32
+    hpw = 16 if hv <= 32 or max_hpw < 32 else 32
     return hpw, -(-hv // (2 * hpw)), True
 
 
-def row_config(num_heads: int, max_qo: int = 1) -> tuple[int, int, bool]:
+def row_config(num_heads: int, max_qo: int = 1, max_hpw: int = 32) -> tuple[int, int, bool]:
     """``head_config`` for one query token per request, ``mtp_config`` for more."""
-    return head_config(num_heads) if max_qo <= 1 else mtp_config(num_heads, max_qo)
+    return head_config(num_heads, max_hpw) if max_qo <= 1 else mtp_config(num_heads, max_qo, max_hpw)
 
 
-def padded_heads(num_heads: int, max_qo: int = 1) -> int:
+def padded_heads(num_heads: int, max_qo: int = 1, max_hpw: int = 32) -> int:
     """Rows per work item of the partial buffers (part_o [items, rows, 512], part_lse [items, rows])."""
-    hpw, nhg, wide = row_config(num_heads, max_qo)
+    hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
     return 2 * hpw * nhg if wide else HP
 
 
 FUSE_ALL = 1 << 30   # fuse_max meaning "every split request": the merge kernel is not launched
 
 
-def merge_counters(batch: int, num_heads: int, max_qo: int = 1) -> int:
+def merge_counters(batch: int, num_heads: int, max_qo: int = 1, max_hpw: int = 32) -> int:
     """int32 arrival counters the fused merge needs for ``batch`` requests: one per (request, head group,
     consumer, warp) = batch x NHG x 2 x 4 (the H16 kernel uses consumer 0's)."""
-    _, nhg, _ = row_config(num_heads, max_qo)
+    _, nhg, _ = row_config(num_heads, max_qo, max_hpw)
     return max(1, batch) * nhg * 2 * 4
 
 
@@ -1598,7 +1601,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
     (the Triton kernel's KV_GROUP numerics). Not with ``qk8``, ``pv_in_flight`` 2 or ``wide_row_sums``."""
     LOG2E = 1.4426950408889634
-    hpw, nhg, wide = row_config(num_heads, max_qo)
+    max_hpw = GROUP_MAX_HPW if scale_desc is not None else 32   # the group build: 16 rows per consumer at any H
+    hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
@@ -1613,10 +1617,6 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         if qk8 or pv_in_flight != 1 or wide_row_sums:
             raise ValueError("scale_desc: group scales run on the default kernel only (not with qk8, pv_in_flight "
                              "2 or wide_row_sums)")
-        if hpw > GROUP_MAX_HPW:
-            raise ValueError(f"scale_desc: group scales are built for up to {2 * GROUP_MAX_HPW} rows per CTA (16 per "
-                             f"consumer); {num_heads} heads x {max_qo} queries take {2 * hpw} (kernel log 24: at 32 "
-                             "per consumer the build spills ~1.4 KB or serializes its wgmma)")
         if scale_desc.block_shape != [min(64, page_size), GROUPS]:
             raise ValueError(f"scale_desc: expected boxes [{min(64, page_size)}, {GROUPS}] (scale_descriptor of a "
                              f"[P, {page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
@@ -1630,14 +1630,15 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
             raise ValueError(f"timeline: expected a contiguous int64 tensor [grid={grid}, 2, T, 8] on "
                              f"{q_nope.device}, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
     po, pl = t["part_o"], t["part_lse"]
-    if po.shape[1] < padded_heads(num_heads, max_qo) or pl.shape[1] < padded_heads(num_heads, max_qo):
-        raise ValueError(f"part_o/part_lse: need {padded_heads(num_heads, max_qo)} head rows per item, got "
+    rows = padded_heads(num_heads, max_qo, max_hpw)
+    if po.shape[1] < rows or pl.shape[1] < rows:
+        raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
     import torch
     fused = {}
     if fused_merge:   # (not passed when off: the JIT key and the SASS stay those of the measured kernel)
         cnt = t.get("merge_cnt")
-        need = merge_counters(grid_batch, num_heads, max_qo)
+        need = merge_counters(grid_batch, num_heads, max_qo, max_hpw)
         if cnt is None or cnt.dtype != torch.int32 or cnt.numel() < need:
             raise ValueError(f"t['merge_cnt']: fused merge needs an int32 tensor of >= {need} zeros, got "
                              f"{None if cnt is None else (cnt.dtype, cnt.numel())}")
@@ -1731,7 +1732,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
     sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
-    hpw, nhg, wide = row_config(heads, max_qo)
+    hpw, nhg, wide = row_config(heads, max_qo, GROUP_MAX_HPW if group else 32)
     consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
     consts["FUSED_MERGE"] = bool(fused_merge)
