@@ -41,8 +41,8 @@ def test_group_build_compiles_with_the_scale_copies(page, heads):
         rows_boxes = 64 // page if page < 64 else 1
         assert sass.count("UTMALDG") - base_sass.count("UTMALDG") == rows_boxes, (sass.count("UTMALDG"),
                                                                                    base_sass.count("UTMALDG"))
-    # triton 3.6 (the H200's): H16 696 B of spill (18 reloads per tile per consumer), H32 and H128 (16 heads per
-    # consumer, 4 head-group CTAs) 596 B: the default kernel's consumers already use ~237 of their 240 registers. A
+    # triton 3.6 (the H200's): H16 696 B of spill (18 reloads per tile per consumer), H32 596 B, H128 (16 heads per
+    # consumer, 4 head-group CTAs) 544 B: the default kernel's consumers already use ~237 of their 240 registers. A
     # bound, so that a blow-up (32 heads per consumer: 1.4 KB, or serialized wgmma) is seen.
     assert sum(st for st, _ in r["spills"]) <= 1024, r["spills"]
 
@@ -81,8 +81,7 @@ def _launch_args(H=16, page=64):
                                        (dict(box=[32, 4]), "boxes")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
     monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
-    H = bad.pop("heads", 16)
-    a, kw, sdesc = _launch_args(H)
+    a, kw, sdesc = _launch_args()
     if "box" in bad:
         sdesc.block_shape = bad.pop("box")
     kw.update(bad)
@@ -171,6 +170,24 @@ def test_group_plan_run_refuses_scales_it_cannot_read():
     plain = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {})
     with pytest.raises(ValueError, match="ckv_scale_arr.*per-tensor"):
         plain.run(*args, torch.rand(4, 64, 4), None, None, False)
+
+
+def test_graph_wrapper_run_with_group_scales_replans_its_group_plan():
+    """FlashInfer's way (an e4m3 plan, ckv_scale_arr at run) on a CUDA-graph wrapper: once run with group scales,
+    every plan() builds the group plan too (a captured run replays its kernels and calls no run()); a wrapper never
+    run with them builds none, and neither does one without CUDA graphs (its run() builds it when needed)."""
+    b = make_paged_batch([100, 65], [1, 1], 16, 64, "fp8_e4m3_group", seed=1)
+    plain = dict(b.plan_args, kv_data_type=torch.float8_e4m3fn)
+    for graph in (True, False):
+        attn = fp8mla.MLAPagedAttention(use_cuda_graph=graph, backend="torch")
+        attn.plan(**plain)
+        attn.plan(**plain)
+        assert attn._plan.group_impl is None
+        out = attn.run(**b.run_args)
+        assert attn._plan.group_impl is not None
+        attn.plan(**dict(plain, kv_len_arr=torch.tensor([90, 1], dtype=torch.int32)))
+        assert (attn._plan.group_impl is not None) == graph
+        assert_close(out, b.reference()[0], 3e-3)
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------
@@ -318,4 +335,36 @@ def test_group_cuda_graph_capture_then_replan(group_on):
     ref, _ = mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True,
                            kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"])
+    assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+@gpu
+@pytest.mark.parametrize("switch,H", [("1", 16), ("1", 40), ("1", 128), ("0", 40)])
+def test_group_scales_flashinfer_way_in_a_cuda_graph(monkeypatch, switch, H):
+    """An e4m3 CUDA-graph wrapper run with ckv_scale_arr (the group plan built on that first run: gluon with the
+    switch on, where at H > 32 it has fewer schedule slots than the per-tensor plan; triton with it off), captured,
+    re-planned with other lengths and page lists, replayed: the replay computes the new plan."""
+    from fp8mla.reference import mla_reference
+    monkeypatch.setenv("FP8MLA_GLUON_GROUP", switch)
+    b = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H, spare_pages=60)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="auto", max_batch_size=8)
+    plain = dict(b.plan_args, kv_data_type=torch.float8_e4m3fn)
+    attn.plan(**plain)
+    r = b.run_args
+    out = torch.empty_like(r["q_nope"])
+    g = capture_then_replay(lambda: attn.run(**r, out=out), out)
+    _check(b, out, attn.run(**r, return_lse=True)[1])
+    want = "GluonPlan" if switch == "1" else "TritonPlan"
+    assert type(attn._plan.group_impl).__name__ == want
+    pages = plain["kv_indices"]
+    plain.update(kv_len_arr=torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE),
+                 kv_indptr=torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE),
+                 kv_indices=torch.cat([pages[3:49]] + [pages[:1]]))
+    attn.plan(**plain)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], plain["qo_indptr"],
+                           plain["kv_indptr"], plain["kv_indices"], plain["kv_len_arr"], sm_scale=plain["sm_scale"],
+                           causal=True, kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"])
     assert_close(out, ref, 3e-3, "replay after re-plan")

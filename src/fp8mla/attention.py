@@ -199,7 +199,13 @@ class MLAPagedAttention:
         spec = AttentionSpec(num_heads, head_dim_ckv, head_dim_kpe, layout.page_size, bool(causal),
                              float(sm_scale), q_data_type, fmt, layout.device, self._use_cuda_graph)
         name, impl = self._build(layout, spec)
-        self._plan = _Plan(layout, spec, name, impl)
+        prev, self._plan = self._plan, _Plan(layout, spec, name, impl)
+        if spec.use_cuda_graph and prev is not None and prev.group_impl is not None and self._takes_group(fmt):
+            # A CUDA-graph wrapper run with group scales FlashInfer's way (an e4m3 plan, ckv_scale_arr at run): its
+            # captured run replays the group plan's kernels, which read the arrays a plan stages, and a replay calls
+            # no run(): so plan() builds the group plan too, after the per-tensor one (its arrays are staged last;
+            # the gluon kernels' shared schedule is then the group one, which both kernels read correctly).
+            self._plan.group_impl = self._build_group(layout, spec)
 
     # -- the decode runner's re-plan: every step, trusted ---------------------------------------------------------
     def _rows_buffers(self):
@@ -259,6 +265,15 @@ class MLAPagedAttention:
         finally:
             buf.sink = None
         self._plan = _Plan(layout, p.spec, p.backend, impl)
+
+    @staticmethod
+    def _takes_group(fmt: KVFormat) -> bool:
+        """A plain e4m3 plan, which FlashInfer runs with group scales when run() gets ckv_scale_arr."""
+        return fmt.scale_kind == "tensor" and fmt.storage_dtype == torch.float8_e4m3fn
+
+    def _build_group(self, layout: PagedLayout, spec: AttentionSpec):
+        """The group-scale plan (format fp8_e4m3_group) of a plain e4m3 plan's layout and spec."""
+        return self._build(layout, AttentionSpec(**{**spec.__dict__, "kv_format": FORMATS["fp8_e4m3_group"]}))[1]
 
     def _build(self, layout: PagedLayout, spec: AttentionSpec):
         opts = self._kernel_options
@@ -351,11 +366,10 @@ class MLAPagedAttention:
         self._check_given_table(kv_len, page_table, layout)
 
         impl, fmt = p.impl, spec.kv_format
-        if ckv_scale_arr is not None and fmt.scale_kind == "tensor" and fmt.storage_dtype == torch.float8_e4m3fn:
+        if ckv_scale_arr is not None and self._takes_group(fmt):
             # FlashInfer plans group scales under the plain e4m3 dtype: build the group plan once, on first use.
             if p.group_impl is None:
-                gspec = AttentionSpec(**{**spec.__dict__, "kv_format": FORMATS["fp8_e4m3_group"]})
-                p.group_impl = self._build(layout, gspec)[1]
+                p.group_impl = self._build_group(layout, spec)
             impl, fmt = p.group_impl, FORMATS["fp8_e4m3_group"]
         scales = self._resolve_scales(fmt, ckv_scale, kpe_scale, ckv_scale_arr, P, spec)
         if out is None:

@@ -31,9 +31,10 @@ Tail tiles (kv_len not a multiple of 64): the consumer zeroes the stage's rows p
 before using it (unused slots may hold NaN, and 0 x NaN in P.V would poison the output), then masks the scores.
 
 Wide-heads variant (``WIDE``, H 17..128; ``head_config``): a CTA owns a head group of 2 x HPW heads (HPW = 16 for
-H <= 32, else 32) and BOTH consumers take every tile, each for its own HPW heads (S^T [64, HPW], O^T [512, HPW];
-at HPW 32 that is 128 fp32 registers), so there is no cross-consumer softmax state and no exchange; a stage is
-released after both consumers arrive. H > 64: NHG = ceil(H / 64) CTAs per schedule slot, adjacent in the grid, so
+H <= 32, else 32; 16 at every H in the group-scale build) and BOTH consumers take every tile, each for its own HPW
+heads (S^T [64, HPW], O^T [512, HPW]; at HPW 32 that is 128 fp32 registers), so there is no cross-consumer softmax
+state and no exchange; a stage is released after both consumers arrive. H > 2 x HPW: NHG = ceil(H / (2 x HPW))
+CTAs per schedule slot, adjacent in the grid, so
 the later reads of a tile should hit L2. Each consumer writes its own normalized partial (padded heads: zero Q
 rows, never written).
 
@@ -1531,6 +1532,9 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
         return {key: v.to(torch.int32) for key, v in res.items()}
     for key, v in res.items():
         out[key][: v.numel()].copy_(v)
+    # the slots past num_ctas, empty: a kernel launched with more slots (a per-tensor and a group plan of one
+    # CUDA-graph wrapper share these buffers, the group one with fewer slots at H > 32) reads no stale items there
+    out["cta_ptr"][cta_ptr.numel():].copy_(cta_ptr[-1:].expand(out["cta_ptr"].numel() - cta_ptr.numel()))
     return out
 
 
@@ -1717,7 +1721,8 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
                    timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1,
                    group: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
-    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32).
+    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
+    with ``group``, HPW 16 at every H: 128 -> 4 head groups).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
     ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
