@@ -307,7 +307,9 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group)
     if spec.use_cuda_graph:
         if buf is None:
-            buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}), rows)
+            # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
+            buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}),
+                                                 max(rows, k.padded_heads(spec.num_heads, max_qo)))
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
