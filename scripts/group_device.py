@@ -85,7 +85,7 @@ def reference(c, nreq=None):
 
 class GPlan(dv.Plan):
     def __init__(self, c, *, group=True, **kw):
-        super().__init__(c, **kw, **({"max_hpw": dsm.GROUP_MAX_HPW} if group else {}))
+        super().__init__(c, **kw, **({"max_hpw": dsm.GROUP_MAX_HPW, "group": True} if group else {}))
         self.sdesc = dsm.scale_descriptor(c["scale_arr"]) if group else None
 
     def launch_kw(self) -> dict:
@@ -132,7 +132,7 @@ def run_checks() -> bool:
     ok &= check("H128 p1 odd lens", group_case([1, 65, 0, 700], 128, 1, seed=5))
     ok &= check("H16 p64 7 CTAs", group_case(odd, 16, 64, seed=6), num_ctas=7)
     ok &= check("H16 p64 B1 L32k many splits", group_case([32768], 16, 64, seed=8))
-    ok &= check("H16 p64 NS2", group_case(odd, 16, 64, seed=9), ns=2)
+    ok &= check("H32 p64 NS2", group_case(odd, 32, 64, seed=9), ns=2)
     ok &= check("H16 p64 scales e^+-8", group_case(odd, 16, 64, seed=10, spread=8.0))
     ok &= check("H128 p64 scales e^+-8, kpe 3", group_case(odd, 128, 64, seed=11, spread=8.0, kpe_scale=3.0))
     return ok

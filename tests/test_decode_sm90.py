@@ -60,6 +60,24 @@ def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
     assert r["smem"] <= k.SMEM_LIMIT
 
 
+def test_ring_depth_is_even_for_the_alternating_kernel():
+    """H <= 16: two consumers take alternate tiles and wait on each stage's ready barrier by phase parity; with an
+    odd ring a stage's phases alternate between the consumers and a wait can pass a phase early (kernel log 25).
+    ring_depth gives the next even depth that fits (else the one below); launch refuses an odd one unless asked to
+    reproduce the race; the wide variant (both consumers on every phase) takes any depth."""
+    assert [k.ring_depth(n) for n in (2, 3, 4, 5)] == [2, 4, 4, 4]
+    assert k.ring_depth(3, 16, False, group=True) == 2      # 4 stages and the group tiles do not fit
+    assert [k.ring_depth(n, 32, True) for n in (2, 3)] == [2, 3]
+    for n in (2, 3, 4, 5):
+        d = k.ring_depth(n)
+        assert d % 2 == 0 and k.smem_bytes(d) <= k.SMEM_LIMIT
+    q = torch.zeros(1, 16, 512)
+    t = dict(part_o=torch.empty(1, 16, 512), part_lse=torch.empty(1, 16))
+    with pytest.raises(ValueError, match="even ring depth"):
+        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
+                 sm_scale=0.1, page_size=64, ns=3)
+
+
 def test_head_config():
     assert k.head_config(1) == (16, 1, False) and k.head_config(16) == (16, 1, False)
     assert k.head_config(17) == (16, 1, True) and k.head_config(32) == (16, 1, True)
@@ -132,7 +150,9 @@ def test_many_splits_and_bit_identical_reruns(min_chunk):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_ring_depths(stages):
     b = make_paged_batch([1000, 63, 5000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=stages)
-    check(b, *run_case(b, num_stages=stages)[1:])
+    attn, out, lse = run_case(b, num_stages=stages)
+    assert attn._plan.impl.ns == {2: 2, 3: 4, 4: 4}[stages]   # the alternating-tile kernel: even depths only
+    check(b, out, lse)
 
 
 @gpu

@@ -28,6 +28,8 @@ from ..runtime import LN2, gluon_usable, num_sms
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
+# (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 2 with group scales:
+# an even depth, decode_sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 PAGE_MULTIPLE = 64
 # The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
@@ -52,6 +54,8 @@ GLUON_SPLIT_DIMS = False
 # 15/15 checks passed, but H16 B64 L8k 0.126 ms vs 0.110 for the default, and the timing run hit an "unspecified launch
 # failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
 # on, =0 off. One query per request only.
+# Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits race as the H16 kernel's did at 3
+# (decode_sm90.ring_depth, kernel log 25); it needs per-consumer ready barriers before it can be turned on.
 GLUON_PIPELINED = False
 
 
@@ -286,6 +290,8 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         # 16 heads) is lowered to what fits, as the same wrapper's group plan is built from its options
         while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
             ns -= 1
+    # the alternating-tile kernel (H <= 16) takes an even ring depth (an odd one races: decode_sm90.ring_depth)
+    ns = k.ring_depth(ns, hpw, wide, group=group)
     smem = k.smem_bytes(ns, hpw, wide, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)

@@ -136,6 +136,20 @@ def qk8_terms(q_dtype) -> int:
 MAX_WIDE_HEADS = 128
 
 
+def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
+    """The ring depth a plan asking for ``ns`` stages gets. The alternating-tile kernel (H <= 16, not ``wide``)
+    needs an even depth: its two consumers take alternate tiles and wait on a stage's ready barrier by phase
+    parity, and with an odd depth a stage's consecutive phases belong to alternating consumers, so a consumer can
+    reach phase k while the barrier is still in phase k - 1 (the other consumer's tile not landed yet) and its
+    parity wait passes on phase k - 2: it reads the other tile's stage and releases the stage early (kernel log
+    25). An odd request becomes the next even depth that fits shared memory, else the one below (at least 2);
+    the wide variant (both consumers wait on every phase) takes any depth."""
+    if wide or ns % 2 == 0:
+        return ns
+    up = ns + 1
+    return up if smem_bytes(up, hpw, wide, qk8, group) <= SMEM_LIMIT else max(2, ns - 1)
+
+
 def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:
     """(hpw, nhg, wide) for ``num_heads``: H <= 16 -> the alternating-tile kernel (16 heads, one CTA per slot);
     17..32 -> wide with 16 heads per consumer (one head group of 32); 33..128 -> wide with 32 heads per consumer,
@@ -1574,7 +1588,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
            qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
-           scale_desc=None):
+           scale_desc=None, allow_odd_ring: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1600,6 +1614,9 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
     P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
 
+    ``ns``: the ring depth; the alternating-tile kernel (H <= 16) refuses an odd one (``ring_depth``) unless
+    ``allow_odd_ring`` (a repro of that race, never a served path).
+
     ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
     (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
     per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
@@ -1610,6 +1627,10 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
+    if not wide and ns % 2 and not allow_odd_ring:
+        raise ValueError(f"ns: the alternating-tile kernel ({num_heads} heads) needs an even ring depth, got {ns} (an "
+                         "odd one lets a consumer pass a ready-barrier parity wait a phase early: ring_depth, kernel "
+                         "log 25; allow_odd_ring=True only to reproduce that)")
     if pv_in_flight not in (1, 2):
         raise ValueError(f"pv_in_flight: expected 1 (the measured kernel) or 2, got {pv_in_flight}")
     if qk8 not in (0, 2, 3):
