@@ -262,6 +262,18 @@ if gluon is not None:
         return gl.convert_layout(v, a_l, assert_trivial=True)
 
     @gluon.jit
+    def _pv_slab(kbuf, slab, bP, a2, oa, ob, a_l: gl.constexpr, L16: gl.constexpr, kv16_l: gl.constexpr):
+        # O^T chunks (oa, ob) = the two 64-dim halves of one 128-column slab: each rescaled by a2 and added V^T.P^T,
+        # one chunk left in flight while the next one's V^T is converted (wait(1))
+        va = _vt_chunk(kbuf, slab, 0, a_l, L16, kv16_l)
+        oa = warpgroup_mma(va, bP, oa * a2, is_async=True)
+        oa, va = warpgroup_mma_wait(1, deps=(oa, va))
+        vb = _vt_chunk(kbuf, slab, 1, a_l, L16, kv16_l)
+        ob = warpgroup_mma(vb, bP, ob * a2, is_async=True)
+        ob, vb = warpgroup_mma_wait(1, deps=(ob, vb))
+        return oa, ob
+
+    @gluon.jit
     def _stamp(tl_ptr, cid: gl.constexpr, n, phase: gl.constexpr, TLT: gl.constexpr):
         # timing probe (TLT > 0): this SM's clock64 at `phase` of the consumer's n-th tile, into
         # tl_ptr[pid, cid, n, phase] ([grid, 2, TLT, 8] int64; tiles past TLT are not recorded)
@@ -1012,68 +1024,24 @@ if gluon is not None:
                     # -- O^T += V^T . P^T, 8 chunks of 64 dims; PVW chunk groups stay in flight behind the next
                     # chunk's conversion (1: the measured kernel; 2: an experiment, kernel log 22) --------------
                     if GROUP:   # each group's two 64-dim chunks against its own P^T, rescaled by f_old / f_new
-                        a2 = (alpha * (f0 / gm0))[None, :]
-                        bPg = pT_smem.index(cid * 4 + 0).permute((1, 0))
-                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
-                        o0 = warpgroup_mma(v0, bPg, o0 * a2, is_async=True)
-                        o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
-                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
-                        o1 = warpgroup_mma(v1, bPg, o1 * a2, is_async=True)
-                        o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
-                        a2 = (alpha * (f1 / gm1))[None, :]
-                        bPg = pT_smem.index(cid * 4 + 1).permute((1, 0))
-                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
-                        o2 = warpgroup_mma(v2, bPg, o2 * a2, is_async=True)
-                        o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
-                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
-                        o3 = warpgroup_mma(v3, bPg, o3 * a2, is_async=True)
-                        o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
-                        a2 = (alpha * (f2 / gm2))[None, :]
-                        bPg = pT_smem.index(cid * 4 + 2).permute((1, 0))
-                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
-                        o4 = warpgroup_mma(v4, bPg, o4 * a2, is_async=True)
-                        o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
-                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
-                        o5 = warpgroup_mma(v5, bPg, o5 * a2, is_async=True)
-                        o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
-                        a2 = (alpha * (f3 / gm3))[None, :]
-                        bPg = pT_smem.index(cid * 4 + 3).permute((1, 0))
-                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
-                        o6 = warpgroup_mma(v6, bPg, o6 * a2, is_async=True)
-                        o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
-                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
-                        o7 = warpgroup_mma(v7, bPg, o7 * a2, is_async=True)
-                        o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                        o0, o1 = _pv_slab(kbuf, s * 4 + 0, pT_smem.index(cid * 4 + 0).permute((1, 0)),
+                                          (alpha * (f0 / gm0))[None, :], o0, o1, a_l, L16, kv16_l)
+                        o2, o3 = _pv_slab(kbuf, s * 4 + 1, pT_smem.index(cid * 4 + 1).permute((1, 0)),
+                                          (alpha * (f1 / gm1))[None, :], o2, o3, a_l, L16, kv16_l)
+                        o4, o5 = _pv_slab(kbuf, s * 4 + 2, pT_smem.index(cid * 4 + 2).permute((1, 0)),
+                                          (alpha * (f2 / gm2))[None, :], o4, o5, a_l, L16, kv16_l)
+                        o6, o7 = _pv_slab(kbuf, s * 4 + 3, pT_smem.index(cid * 4 + 3).permute((1, 0)),
+                                          (alpha * (f3 / gm3))[None, :], o6, o7, a_l, L16, kv16_l)
                         f0 = gm0
                         f1 = gm1
                         f2 = gm2
                         f3 = gm3
                     elif PVW == 1:
                         a2 = alpha[None, :]
-                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
-                        o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
-                        o0, v0 = warpgroup_mma_wait(1, deps=(o0, v0))
-                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
-                        o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
-                        o1, v1 = warpgroup_mma_wait(1, deps=(o1, v1))
-                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
-                        o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
-                        o2, v2 = warpgroup_mma_wait(1, deps=(o2, v2))
-                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
-                        o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
-                        o3, v3 = warpgroup_mma_wait(1, deps=(o3, v3))
-                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
-                        o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
-                        o4, v4 = warpgroup_mma_wait(1, deps=(o4, v4))
-                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
-                        o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
-                        o5, v5 = warpgroup_mma_wait(1, deps=(o5, v5))
-                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
-                        o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
-                        o6, v6 = warpgroup_mma_wait(1, deps=(o6, v6))
-                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
-                        o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
-                        o7, v7 = warpgroup_mma_wait(1, deps=(o7, v7))
+                        o0, o1 = _pv_slab(kbuf, s * 4 + 0, bP, a2, o0, o1, a_l, L16, kv16_l)
+                        o2, o3 = _pv_slab(kbuf, s * 4 + 1, bP, a2, o2, o3, a_l, L16, kv16_l)
+                        o4, o5 = _pv_slab(kbuf, s * 4 + 2, bP, a2, o4, o5, a_l, L16, kv16_l)
+                        o6, o7 = _pv_slab(kbuf, s * 4 + 3, bP, a2, o6, o7, a_l, L16, kv16_l)
                     else:   # the A fragments of the chunks still in flight stay live (deps) until their wait
                         a2 = alpha[None, :]
                         v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
