@@ -712,22 +712,18 @@ if gluon is not None:
         ap = gl.convert_layout(_relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16)), a_l, assert_trivial=True)
         sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), z, is_async=True)
         sT, ap = warpgroup_mma_wait(0, deps=(sT, ap))
-        a = _k_slab(kbuf, s * 4 + 0, ld_l, a_l)
-        x = warpgroup_mma(a, q_smem.index(cid * 4 + 0).permute((1, 0)), z, is_async=True)
+        sT = _add_slab_score(sT, kbuf, s * 4 + 0, q_smem.index(cid * 4 + 0), sg0, z, ld_l, a_l)
+        sT = _add_slab_score(sT, kbuf, s * 4 + 1, q_smem.index(cid * 4 + 1), sg1, z, ld_l, a_l)
+        sT = _add_slab_score(sT, kbuf, s * 4 + 2, q_smem.index(cid * 4 + 2), sg2, z, ld_l, a_l)
+        return _add_slab_score(sT, kbuf, s * 4 + 3, q_smem.index(cid * 4 + 3), sg3, z, ld_l, a_l)
+
+    @gluon.jit
+    def _add_slab_score(sT, kbuf, slab, qT, sg, z, ld_l: gl.constexpr, a_l: gl.constexpr):
+        # sT + (slab's K . Q^T) x the slab's [64] token scales, the product alone in flight
+        a = _k_slab(kbuf, slab, ld_l, a_l)
+        x = warpgroup_mma(a, qT.permute((1, 0)), z, is_async=True)
         x, a = warpgroup_mma_wait(0, deps=(x, a))
-        sT = sT + x * sg0[:, None]
-        a = _k_slab(kbuf, s * 4 + 1, ld_l, a_l)
-        x = warpgroup_mma(a, q_smem.index(cid * 4 + 1).permute((1, 0)), z, is_async=True)
-        x, a = warpgroup_mma_wait(0, deps=(x, a))
-        sT = sT + x * sg1[:, None]
-        a = _k_slab(kbuf, s * 4 + 2, ld_l, a_l)
-        x = warpgroup_mma(a, q_smem.index(cid * 4 + 2).permute((1, 0)), z, is_async=True)
-        x, a = warpgroup_mma_wait(0, deps=(x, a))
-        sT = sT + x * sg2[:, None]
-        a = _k_slab(kbuf, s * 4 + 3, ld_l, a_l)
-        x = warpgroup_mma(a, q_smem.index(cid * 4 + 3).permute((1, 0)), z, is_async=True)
-        x, a = warpgroup_mma_wait(0, deps=(x, a))
-        return sT + x * sg3[:, None]
+        return sT + x * sg[:, None]
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
