@@ -9,13 +9,13 @@ within a tile, many splits with bit-identical reruns, multi-token decode, routin
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 import fp8mla
 from conftest import compile_report_in_child
+from test_decode_sm90 import check, run_case
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -210,22 +210,6 @@ def group_on(monkeypatch):
     monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
 
 
-def _run(batch, backend="gluon", **opts):
-    attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
-    attn.plan(**batch.plan_args)
-    n, H, Dc = batch.run_args["q_nope"].shape
-    out = torch.full((n, H, Dc), float("nan"), dtype=batch.plan_args["q_data_type"], device=DEVICE)
-    lse = torch.full((n, H), float("nan"), dtype=torch.float32, device=DEVICE)
-    attn.run(**batch.run_args, out=out, lse=lse, return_lse=True)
-    return attn, out, lse
-
-
-def _check(batch, out, lse, tol=3e-3, lse_tol=1e-4):
-    ref_o, ref_lse = batch.reference()
-    assert_close(out, ref_o, tol, "out")
-    assert_close(lse, ref_lse, lse_tol, "lse")
-
-
 def _spread(batch, seed, spread=8.0):
     """Multiply every used token's group scales by e^U(-spread, spread) in place (the reference reads them too):
     tiles whose tokens' scales differ by up to e^16, the P normalization's case."""
@@ -241,9 +225,9 @@ def test_group_odd_lengths_nan_pools(group_on, H, page):
     lens = [0, 1, 63, 65, 97, 514, 3000] if page > 1 else [0, 1, 63, 65, 700]
     b = make_paged_batch(lens, [1] * len(lens), H, page, "fp8_e4m3_group", device=DEVICE, seed=H + page,
                          extra_pages=1 if page > 1 else 0)
-    attn, out, lse = _run(b)
+    attn, out, lse = run_case(b)
     assert type(attn._plan.impl).__name__ == "GluonPlan" and attn._plan.impl.group
-    _check(b, out, lse)
+    check(b, out, lse)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
 
 
@@ -253,7 +237,7 @@ def test_group_scales_spread_within_tiles(group_on, H):
     b = make_paged_batch([777, 65, 2500], [1] * 3, H, 64, "fp8_e4m3_group", device=DEVICE, seed=5, kpe_scale=3.0,
                          value_scale=2.0)
     _spread(b, seed=H)
-    _check(b, *_run(b)[1:], lse_tol=2e-4)
+    check(b, *run_case(b)[1:], lse_tol=2e-4)
 
 
 @gpu
@@ -262,17 +246,17 @@ def test_group_fp16_queries_and_four_stages_asked(group_on):
     lowered to what fits, an even depth (the alternating-tile kernel's rule), instead of failing the plan."""
     b = make_paged_batch([777, 65, 2500], [1] * 3, 16, 64, "fp8_e4m3_group", q_dtype=torch.float16, device=DEVICE,
                          seed=6, kpe_scale=7.0, value_scale=3.0)
-    attn, out, lse = _run(b, num_stages=4)
+    attn, out, lse = run_case(b, num_stages=4)
     assert attn._plan.impl.ns == 2
-    _check(b, out, lse, lse_tol=2e-4)
+    check(b, out, lse, lse_tol=2e-4)
 
 
 @gpu
 @pytest.mark.parametrize("min_chunk", [64, 4096])
 def test_group_many_splits_and_bit_identical_reruns(group_on, min_chunk):
     b = make_paged_batch([20000, 1, 4097], [1] * 3, 16, 64, "fp8_e4m3_group", device=DEVICE, seed=7)
-    attn, out, lse = _run(b, min_chunk=min_chunk)
-    _check(b, out, lse)
+    attn, out, lse = run_case(b, min_chunk=min_chunk)
+    check(b, out, lse)
     o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
     attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
     assert torch.equal(out, o2) and torch.equal(lse, l2)
@@ -282,7 +266,7 @@ def test_group_many_splits_and_bit_identical_reruns(group_on, min_chunk):
 def test_group_multi_token_decode(group_on):
     """qo_len 1..2 at 16 heads (32 rows), causal; kv_len 1 < qo_len 2 for the last request."""
     b = make_paged_batch([300, 65, 1000, 1], [2, 1, 2, 2], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=11)
-    _check(b, *_run(b)[1:])
+    check(b, *run_case(b)[1:])
 
 
 @gpu
@@ -293,9 +277,9 @@ def test_group_routing_and_a_plain_e4m3_plan_with_group_scales(monkeypatch):
     outs = {}
     for env in ("1", "0"):
         monkeypatch.setenv("FP8MLA_GLUON_GROUP", env)
-        attn, outs[env], lse = _run(b, backend="auto")
+        attn, outs[env], lse = run_case(b, backend="auto")
         assert type(attn._plan.impl).__name__ == ("GluonPlan" if env == "1" else "TritonPlan")
-        _check(b, outs[env], lse)
+        check(b, outs[env], lse)
     monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
     attn = fp8mla.MLAPagedAttention(backend="auto")
     attn.plan(**dict(b.plan_args, kv_data_type=torch.float8_e4m3fn))
@@ -309,9 +293,9 @@ def test_group_routing_and_a_plain_e4m3_plan_with_group_scales(monkeypatch):
 def test_group_wide_multi_token_decode(group_on, H, qo):
     """Multi-token rows past 32 (48 and 256): 16 per consumer, 2 and 8 row-group CTAs per schedule slot."""
     b = make_paged_batch([300, 65, 1000], [qo, 1, qo], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H + qo)
-    attn, out, lse = _run(b)
+    attn, out, lse = run_case(b)
     assert type(attn._plan.impl).__name__ == "GluonPlan"
-    _check(b, out, lse)
+    check(b, out, lse)
 
 
 @gpu
@@ -326,30 +310,37 @@ def test_group_refuses_a_scale_array_tma_cannot_read(group_on):
         attn.run(**dict(b.run_args, ckv_scale_arr=wide[..., :4]))
 
 
-@gpu
-def test_group_cuda_graph_capture_then_replan(group_on):
-    """Capture run() with group scales, re-plan other lengths and page lists over the same pool, replay."""
+def _replan_and_replay(attn, plan_args, run_args, graph, out):
+    """Re-plan other lengths and page lists over the same pool (3 requests: 2900, 5, 0 tokens), replay ``graph``
+    over a poisoned ``out`` and compare with float64 on the group scales."""
     from fp8mla.reference import mla_reference
-    b = make_paged_batch([100, 3000, 17], [1, 1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=21, spare_pages=60)
-    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
-    attn.plan(**b.plan_args)
-    r = b.run_args
-    out, lse = torch.empty_like(r["q_nope"]), torch.empty(3, 16, device=DEVICE)
-    g = capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
-    _check(b, out, lse)
-    a = dict(b.plan_args)
+    a = dict(plan_args)
     pages = a["kv_indices"]
     a.update(kv_len_arr=torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE),
              kv_indptr=torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE),
              kv_indices=torch.cat([pages[3:49]] + [pages[:1]]))
     attn.plan(**a)
     out.fill_(float("nan"))
-    g.replay()
+    graph.replay()
     torch.cuda.synchronize()
+    r = run_args
     ref, _ = mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], a["qo_indptr"], a["kv_indptr"],
                            a["kv_indices"], a["kv_len_arr"], sm_scale=a["sm_scale"], causal=True,
                            kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"])
     assert_close(out, ref, 3e-3, "replay after re-plan")
+
+
+@gpu
+def test_group_cuda_graph_capture_then_replan(group_on):
+    """Capture run() with group scales, re-plan other lengths and page lists over the same pool, replay."""
+    b = make_paged_batch([100, 3000, 17], [1, 1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=21, spare_pages=60)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    attn.plan(**b.plan_args)
+    r = b.run_args
+    out, lse = torch.empty_like(r["q_nope"]), torch.empty(3, 16, device=DEVICE)
+    g = capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
+    check(b, out, lse)
+    _replan_and_replay(attn, b.plan_args, r, g, out)
 
 
 @gpu
@@ -358,7 +349,6 @@ def test_group_scales_flashinfer_way_in_a_cuda_graph(monkeypatch, switch, H):
     """An e4m3 CUDA-graph wrapper run with ckv_scale_arr (the group plan built on that first run: gluon with the
     switch on, where at H > 32 it has fewer schedule slots than the per-tensor plan; triton with it off), captured,
     re-planned with other lengths and page lists, replayed: the replay computes the new plan."""
-    from fp8mla.reference import mla_reference
     monkeypatch.setenv("FP8MLA_GLUON_GROUP", switch)
     b = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H, spare_pages=60)
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="auto", max_batch_size=8)
@@ -367,18 +357,7 @@ def test_group_scales_flashinfer_way_in_a_cuda_graph(monkeypatch, switch, H):
     r = b.run_args
     out = torch.empty_like(r["q_nope"])
     g = capture_then_replay(lambda: attn.run(**r, out=out), out)
-    _check(b, out, attn.run(**r, return_lse=True)[1])
+    check(b, out, attn.run(**r, return_lse=True)[1])
     want = "GluonPlan" if switch == "1" else "TritonPlan"
     assert type(attn._plan.group_impl).__name__ == want
-    pages = plain["kv_indices"]
-    plain.update(kv_len_arr=torch.tensor([2900, 5, 0], dtype=torch.int32, device=DEVICE),
-                 kv_indptr=torch.tensor([0, 46, 47, 47], dtype=torch.int32, device=DEVICE),
-                 kv_indices=torch.cat([pages[3:49]] + [pages[:1]]))
-    attn.plan(**plain)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    ref, _ = mla_reference(r["q_nope"], r["q_pe"], r["ckv_cache"], r["kpe_cache"], plain["qo_indptr"],
-                           plain["kv_indptr"], plain["kv_indices"], plain["kv_len_arr"], sm_scale=plain["sm_scale"],
-                           causal=True, kpe_scale=r["kpe_scale"], ckv_scale_arr=r["ckv_scale_arr"])
-    assert_close(out, ref, 3e-3, "replay after re-plan")
+    _replan_and_replay(attn, plain, r, g, out)
