@@ -9,7 +9,6 @@ within a tile, many splits with bit-identical reruns, multi-token decode, routin
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
