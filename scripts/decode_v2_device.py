@@ -167,15 +167,17 @@ class Plan:
 # ------------------------------------------------------------------------------------------------------------
 # correctness
 # ------------------------------------------------------------------------------------------------------------
-def check_case(name, c, **plan_kw):
+def check_case(name, c, plan_cls=None, ref=None, **plan_kw):
+    """Plan ``c`` (``plan_cls``, default ``Plan``), run it over poisoned outputs and compare with float64 (``ref``,
+    default ``reference``): rel L2, lse, NaN, empty requests, bit-identical reruns. A row in RESULTS["checks"]."""
     t0 = time.time()
-    p = Plan(c, **plan_kw)
+    p = (plan_cls or Plan)(c, **plan_kw)
     p.out.fill_(float("nan"))
     p.lse.fill_(float("nan"))
     p.t["part_o"].fill_(float("nan"))
     p.run()
     torch.cuda.synchronize()
-    ref_o, ref_l = reference(c)
+    ref_o, ref_l = (ref or reference)(c)
     o, lse = p.out.double(), p.lse.double()
     empty = torch.tensor([L == 0 for L in c["kv_lens"]], device=DEV)
     nan_bad = int(torch.isnan(o).sum() + torch.isnan(lse).sum())

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import torch
 
@@ -40,7 +39,7 @@ dv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dv)
 sys.path.insert(0, os.path.join(ROOT, "src"))   # fp8mla (the Triton group path), when PYTHONPATH does not have it
 dsm, log, DC, DK = dv.dsm, dv.log, dv.DC, dv.DK
-RESULTS = {"checks": [], "bench": []}
+RESULTS = {"checks": dv.RESULTS["checks"], "bench": []}   # (check_case appends its rows there)
 
 
 def group_case(kv_lens, H, page, *, seed=0, spread=1.0, kpe_scale=1.0, **kw):
@@ -93,30 +92,8 @@ class GPlan(dv.Plan):
 
 
 def check(name, c, **plan_kw):
-    t0 = time.time()
-    p = GPlan(c, **plan_kw)
-    p.out.fill_(float("nan"))
-    p.lse.fill_(float("nan"))
-    p.t["part_o"].fill_(float("nan"))
-    p.run()
-    torch.cuda.synchronize()
-    ref_o, ref_l = reference(c)
-    o, lse = p.out.double(), p.lse.double()
-    empty = torch.tensor([L == 0 for L in c["kv_lens"]], device=dv.DEV)
-    fin = ~empty
-    nan_bad = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
-    rel = float((o[fin] - ref_o[fin]).norm() / ref_o[fin].norm()) if fin.any() else 0.0
-    lse_err = float((lse[fin] - ref_l[fin]).abs().max() / ref_l[fin].abs().max().clamp_min(8.0)) if fin.any() else 0.0
-    empty_ok = bool((o[empty] == 0).all() and (lse[empty] == -math.inf).all()) if empty.any() else True
-    o1, l1 = p.out.clone(), p.lse.clone()
-    p.run()
-    torch.cuda.synchronize()
-    same = bool(torch.equal(o1, p.out) and torch.equal(l1.nan_to_num(), p.lse.nan_to_num()))
-    ok = nan_bad == 0 and rel <= 3e-3 and lse_err <= 6e-4 and empty_ok and same
-    RESULTS["checks"].append(dict(name=name, ok=ok, rel_l2=rel, lse=lse_err, nan=nan_bad, same=same))
-    log(f"CHECK {'PASS' if ok else 'FAIL'} {name:40s} relL2 {rel:.2e} lse {lse_err:.1e} nan {nan_bad} "
-        f"empty {empty_ok} rerun-identical {same} grid {p.grid} items {p.n_items} ({time.time() - t0:.1f} s)")
-    return ok
+    """``dv.check_case`` with the group plan and reference (its row goes to RESULTS["checks"])."""
+    return dv.check_case(name, c, plan_cls=GPlan, ref=reference, **plan_kw)
 
 
 def run_checks() -> bool:
