@@ -58,17 +58,14 @@ def main() -> int:
                 ("H40 p64 odd lens", dv.make_case(odd, 40, 64, seed=22)),
                 ("H128 p1 odd lens", dv.to_page1(dv.make_case([1, 65, 514, 0, 97], 128, 64, seed=25), seed=25,
                                                  past=2)),
-                ("H128 p64 B1 L32768", dv.make_case([32768], 128, 64, seed=26)))),
-            ("ns=4", dict(ns=4), (
-                ("H16 p64 odd lens", dv.make_case(odd, 16, 64, seed=10)),))):
+                ("H128 p64 B1 L32768", dv.make_case([32768], 128, 64, seed=26))))):
         for name, c in cases:
             ok &= bool(dv.check_case(f"{exp} {name}", c, **kw))
     log(f"EXPERIMENT CHECKS {'ALL PASS' if ok else 'SOME FAIL'}")
     flush = dv.Flush()
     for H, B, L, kw in [(16, 64, 8192, dict(pvw=2)), (16, 8, 8192, dict(pvw=2)), (16, 1, 32768, dict(pvw=2)),
                         (128, 64, 8192, dict(sums=True)), (128, 8, 8192, dict(sums=True)),
-                        (128, 1, 32768, dict(sums=True)),
-                        (16, 64, 8192, dict(ns=4)), (16, 8, 8192, dict(ns=4)), (16, 1, 32768, dict(ns=4))]:
+                        (128, 1, 32768, dict(sums=True))]:
         c = dv.make_case([L] * B, H, 64, seed=B + H, nan_pool=False, spare=8)
         a = dv.graph_ms(WPlan(c).run, flush, reps=30)
         b = dv.graph_ms(WPlan(c, **kw).run, flush, reps=30)

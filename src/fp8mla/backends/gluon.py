@@ -5,8 +5,8 @@ refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_9
 and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
 per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, on: rows = (query token, head)
 pairs, max qo_len x H <= 512), page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
-16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor scales (per-token group scales with
-``GLUON_GROUP``, off), c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
+16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group scales (the latter
+``GLUON_GROUP``, on), c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
 layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
 copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
 to the pages each row lists either way.
@@ -86,12 +86,14 @@ GLUON_QK8 = False
 # Per-token group scales (format fp8_e4m3_group: one fp32 scale per token and 128 c_kv columns) in the Gluon kernel
 # (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
 # product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
-# kernel's KV_GROUP numerics). OFF: built and compiled on the CPU (2026-12-01, kernel log 24), never run on a GPU
-# yet; group plans stay on the Triton kernel. FP8MLA_GLUON_GROUP=1 turns it on, =0 off. The group build has 16 rows
+# kernel's KV_GROUP numerics). ON: H200 2026-12-01 (kernel log 24): 16 float64 checks (H 8-128, pages 1-128, odd
+# lengths over NaN pools, B1 L32k splits, scales e^+-8) rel L2 <= 1.96e-3, bit-identical reruns; 1.23-2.93x faster
+# than the Triton group kernel (H16 B64 L8k .210 vs .477 ms, H128 B64 .917 vs 2.69), 1.35-2.2x slower than the
+# per-tensor Gluon kernel. FP8MLA_GLUON_GROUP=0 turns it off (group plans then run the Triton kernel). The group build has 16 rows
 # per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it
 # spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own is); another
 # layout is refused by name at run().
-GLUON_GROUP = False
+GLUON_GROUP = True
 
 
 def group_enabled() -> bool:
@@ -112,6 +114,20 @@ def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int
         return 0
     terms = k.qk8_terms(q_dtype)
     return terms if k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
+
+
+def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> int:
+    """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles take shared memory from the
+    ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered to what fits, as the same
+    wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes an even depth
+    (an odd one races: decode_sm90.ring_depth), one that fits the FP8-scores variant's Q terms when its switch is on
+    (the default 3 stages -> 2 there, not 4, so that ``plan_qk8`` still finds room for the terms)."""
+    from ..kernels import decode_sm90 as k
+    terms = 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
+    if group:
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
+            ns -= 1
+    return k.ring_depth(ns, hpw, wide, terms, group)
 
 
 def fused_merge_max_parts() -> int:
@@ -285,13 +301,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     group = spec.kv_format.scale_kind == "group"
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
-    if group:
-        # the group tiles take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at
-        # 16 heads) is lowered to what fits, as the same wrapper's group plan is built from its options
-        while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
-            ns -= 1
-    # the alternating-tile kernel (H <= 16) takes an even ring depth (an odd one races: decode_sm90.ring_depth)
-    ns = k.ring_depth(ns, hpw, wide, group=group)
+    ns = plan_ring(ns, hpw, wide, spec.q_dtype, group)
     smem = k.smem_bytes(ns, hpw, wide, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)

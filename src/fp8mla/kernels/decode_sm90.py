@@ -63,8 +63,8 @@ head near 2^8) split into terms whose sum holds a bf16 query exactly at 2 terms 
 scales multiply the two score parts (c_kv, k_pe) instead of Q. P.V is the fp16 path above. Measured on the H200: no
 faster, and the e4m3 accumulation moves the scores by more than the default numerics allow at large scores.
 
-Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; off unless
-the adapter's ``GLUON_GROUP`` switch is on, kernel log 24): the producer brings each tile's [64, 4] scales into the
+Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; taken
+while the adapter's ``GLUON_GROUP`` switch is on, as it is by default since kernel log 24): the producer brings each tile's [64, 4] scales into the
 stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1, counted in the same
 ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read 0. Scores: one
 fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its per-tensor
