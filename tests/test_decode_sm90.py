@@ -28,8 +28,9 @@ DEVICE = "cuda" if ON_SM90 else "cpu"
 @pytest.mark.parametrize("lens,ctas", [([1, 63, 65, 97, 514, 0, 4096, 130], 132), ([1, 63, 65, 97, 514, 0], 3),
                                        ([32768], 132), ([8192] * 64, 132), ([0, 0], 5), ([], 8),
                                        ([2048] * 128, 132)])
-def test_schedule_covers_every_tile_once(lens, ctas):
-    grid, cta_ptr, items, m_ptr, m_list = k.schedule(lens, ctas, 4)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_schedule_covers_every_tile_once(lens, ctas, aligned):
+    grid, cta_ptr, items, m_ptr, m_list = k.schedule(lens, ctas, 4, aligned=aligned)
     tiles = [-(-L // 64) for L in lens]
     assert 1 <= grid <= ctas and len(cta_ptr) == grid + 1 and cta_ptr[0] == 0 and cta_ptr[-1] == len(items)
     assert all(a <= b for a, b in zip(cta_ptr, cta_ptr[1:]))
@@ -41,8 +42,60 @@ def test_schedule_covers_every_tile_once(lens, ctas):
         assert spans[0][0] == 0 and spans[-1][1] == tiles[b]
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
     loads = [sum(items[i][2] - items[i][1] for i in range(cta_ptr[c], cta_ptr[c + 1])) for c in range(grid)]
-    assert max(loads) - min(loads) <= 1   # balanced to one tile
+    if k.aligned_pieces(tiles, ctas, 4) is not None and aligned:   # one item per CTA, within a tile of the cut
+        share = -(-sum(tiles) // max(1, min(ctas, -(-sum(tiles) // 4))))
+        assert cta_ptr == list(range(len(items) + 1)) and max(loads) <= share + k.ALIGNED_SLACK, (loads, share)
+    else:
+        assert max(loads) - min(loads) <= 1   # balanced to one tile
     assert m_ptr[-1] == len(m_list) == len(items) and sorted(m_list) == list(range(len(items)))
+
+
+@pytest.mark.parametrize("lens,ctas,want", [
+    ([8192] * 8, 132, [16] * 8),          # 16 CTAs of 8 tiles per request (the cut: 7.76 tiles across requests)
+    ([2048] * 128, 132, [1] * 128),       # every request whole in one CTA: no partials, no merge
+    ([4096] * 32, 132, [4] * 32),
+    ([8192] * 64, 132, [2] * 64),         # 64 tiles per CTA, one over the cut's 63
+    ([32768], 132, [128]),                # min_tiles 4: 128 pieces of 4
+    ([8192] * 8, 66, [8] * 8),            # H128's 66 slots
+    ([64] * 200, 132, None),              # more requests than CTAs: the cut
+    ([64 * 8, 64 * 556], 132, None),      # the short one's share rounds down to 1 CTA: 8 tiles, the cut's 5
+])
+def test_aligned_pieces(lens, ctas, want):
+    tiles = [-(-L // 64) for L in lens]
+    assert k.aligned_pieces(tiles, ctas, 4) == want
+    grid, cta_ptr, items, m_ptr, _ = k.schedule(lens, ctas, 4)
+    if want is not None:
+        assert grid == sum(want) and len(items) == grid and m_ptr[-1] == grid
+        sizes = {t1 - t0 for _, t0, t1 in items}
+        assert max(sizes) - min(sizes) <= 1, sizes   # a request's pieces differ by at most a tile
+
+
+def test_device_schedule_matches_host_schedule_both_cuts():
+    """schedule_device (torch ops, no host read) gives schedule's items for either cut, on random lengths. (The
+    contiguous cuts differ in one thing, both valid: where an empty request's item goes at a CTA boundary, the
+    CTA before it in ``schedule``, the one of the next tile on the device; so they are compared without empty
+    requests. gluon.schedule_host follows the device: test_host_schedule_matches_device_schedule.)"""
+    g = torch.Generator().manual_seed(5)
+    seen = set()
+    for trial in range(150):
+        B = int(torch.randint(1, [4, 40, 150][trial % 3], (1,), generator=g))
+        lens = torch.randint(0, [300, 5000, 40000][trial % 3], (B,), generator=g)
+        if trial % 4 == 0:
+            lens[:] = lens[0]   # equal lengths: the aligned cut's case
+        lens[torch.rand(B, generator=g) < 0.1] = 0
+        ctas, mt = [132, 66, 33, 7][trial % 4], [1, 4, 8][trial % 3]
+        for aligned in (True, False):
+            taken = aligned and k.aligned_pieces([-(-x // 64) for x in lens.tolist()], ctas, mt) is not None
+            if not taken and (lens == 0).any():
+                continue
+            grid, cta_ptr, items, m_ptr, _ = k.schedule(lens.tolist(), ctas, mt, aligned=aligned)
+            d = k.schedule_device(lens.to(torch.int32), ctas, mt, aligned=aligned)
+            n = int(d["m_ptr"][-1])
+            assert d["cta_ptr"].tolist() == cta_ptr + [cta_ptr[-1]] * (ctas - grid), (trial, aligned)
+            got = list(zip(d["item_req"][:n].tolist(), d["item_t0"][:n].tolist(), d["item_t1"][:n].tolist()))
+            assert got == items and d["m_ptr"].tolist() == m_ptr, (trial, aligned)
+            seen.add(taken)
+    assert seen == {True, False}   # both cuts were exercised
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
@@ -293,9 +346,10 @@ def test_host_schedule_matches_device_schedule():
         lay = PagedLayout(qo, kv, torch.zeros(num_indices, dtype=torch.int32), kv_len.to(torch.int32), ps,
                           torch.device("cpu"))
         L = _device_kv_len(lay)
-        dev = k.schedule_device(L, ctas, min_tiles)
+        aligned = trial % 2 == 0   # both cuts (the aligned one is taken where it fits)
+        dev = k.schedule_device(L, ctas, min_tiles, aligned=aligned)
         host = schedule_host(dict(qo_indptr=qo, kv_indptr=kv, kv_len=kv_len.to(torch.int32)), ps,
-                             num_indices=num_indices, num_ctas=ctas, min_tiles=min_tiles)
+                             num_indices=num_indices, num_ctas=ctas, min_tiles=min_tiles, aligned=aligned)
         n = int(dev["m_ptr"][-1])
         assert host["kv_len"] == L.tolist() and host["batch_size"] == [B], trial
         assert host["qo_indptr"] == qo.tolist() and host["kv_indptr"] == kv.tolist(), trial

@@ -189,17 +189,19 @@ def test_graph_wrapper_run_with_group_scales_replans_its_group_plan():
         assert_close(out, b.reference()[0], 3e-3)
 
 
-def test_device_schedule_empties_the_slots_past_it():
+@pytest.mark.parametrize("lens,aligned", [([100, 3000, 0, 65], False), ([4096, 4096], True)])
+def test_device_schedule_empties_the_slots_past_it(lens, aligned):
     """schedule_device into larger buffers (a CUDA-graph wrapper's, shared by a per-tensor and a group plan whose
     grids differ): every slot past the schedule is an empty range (cta_ptr repeats the item count), so a kernel
-    launched with more slots reads no stale items there."""
-    kv = torch.tensor([100, 3000, 0, 65], dtype=torch.int32)
+    launched with more slots reads no stale items there; for either cut (contiguous, request-aligned)."""
+    kv = torch.tensor(lens, dtype=torch.int32)
+    assert (k.aligned_pieces([-(-x // 64) for x in lens], 8, 4) is not None) == aligned
     out = {n: torch.full((40,), -7, dtype=torch.int32) for n in
            ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr", "m_list")}
     k.schedule_device(kv, 8, 4, out=out)
     ptr = out["cta_ptr"]
-    n_items = int(ptr[8])
-    assert n_items > 0 and (ptr[9:] == n_items).all(), ptr
+    n_items = int(out["m_ptr"][len(lens)])
+    assert n_items > 0 and int(ptr[8]) == n_items and (ptr[9:] == n_items).all(), ptr
     assert (ptr[1:] >= ptr[:-1]).all()
 
 

@@ -96,6 +96,17 @@ GLUON_QK8 = False
 GLUON_GROUP = True
 
 
+# The request-aligned split schedule (decode_sm90.aligned_pieces: one work item per CTA, requests cut into equal
+# pieces, a request of one CTA's share not split at all) where it is within a tile of the contiguous cut's balance;
+# the contiguous cut otherwise. FP8MLA_GLUON_ALIGNED=0 keeps the contiguous cut everywhere (kernel log 27).
+GLUON_ALIGNED = True
+
+
+def aligned_enabled() -> bool:
+    env = os.environ.get("FP8MLA_GLUON_ALIGNED", "")
+    return env == "1" if env in ("0", "1") else GLUON_ALIGNED
+
+
 def group_enabled() -> bool:
     env = os.environ.get("FP8MLA_GLUON_GROUP", "")
     return env == "1" if env in ("0", "1") else GLUON_GROUP
@@ -334,7 +345,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(kv_len, slots, min_tiles)
+        t = k.schedule_device(kv_len, slots, min_tiles, aligned=aligned_enabled())
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
@@ -344,7 +355,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                                          device=device)
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, aligned=aligned_enabled())
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group)
 
 
@@ -433,13 +444,15 @@ def _device_kv_len(layout) -> torch.Tensor:
     return torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
 
 
-def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int) -> dict:
+def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
+                  aligned: bool | None = None) -> dict:
     """``decode_sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
-    from ..kernels.decode_sm90 import TILE
+    from ..kernels.decode_sm90 import TILE, aligned_pieces
+    aligned = aligned_enabled() if aligned is None else aligned
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
@@ -452,8 +465,21 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
     # (shared with that call's result: read only)
     last = _LAST_ITEMS
-    if last is not None and last[0] == (num_ctas, min_tiles) and last[1] == ntiles:
+    if last is not None and last[0] == (num_ctas, min_tiles, aligned) and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
+    ks = aligned_pieces(ntiles, num_ctas, min_tiles) if aligned else None
+    if ks is not None:   # one item per CTA, requests cut into their pieces (decode_sm90.aligned_pieces)
+        req, t0s, t1s, m_ptr = [], [], [], [0]
+        for b, (nt, kb) in enumerate(zip(ntiles, ks)):
+            req += [b] * kb
+            t0s += [j * nt // kb for j in range(kb)]
+            t1s += [(j + 1) * nt // kb for j in range(kb)]
+            m_ptr.append(m_ptr[-1] + kb)
+        n = m_ptr[-1]
+        items = dict(cta_ptr=list(range(n + 1)) + [n] * (num_ctas - n), item_req=req, item_t0=t0s, item_t1=t1s,
+                     m_ptr=m_ptr)
+        _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)
+        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
@@ -489,7 +515,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
         s = e
     ptr[G:] = [n] * (num_ctas + 1 - G)
     items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
-    _LAST_ITEMS = ((num_ctas, min_tiles), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
+    _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
 
 

@@ -1422,8 +1422,42 @@ def merge_tile(block_c: int) -> int:
     return max(1, 1024 // block_c) if block_c >= 128 else 1
 
 
-def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
-    """Cut the concatenated 64-token tiles of all requests into contiguous per-CTA ranges.
+# The request-aligned schedule (``aligned_pieces``) may give a CTA this many tiles more than the contiguous cut's
+# largest share: a CTA that runs two items (the contiguous cut splits requests at CTA boundaries) pays a second
+# Q prologue, first-load latency and partial write-out, about a tile's time (kernel log 27).
+ALIGNED_SLACK = 1
+
+
+def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int] | None:
+    """Pieces per request for the request-aligned schedule, or None where the contiguous cut is used.
+
+    Request b gets ``k_b = max(1, min(n_b * num_ctas // T, n_b // min_tiles))`` CTAs (its share of the CTAs,
+    rounded down, pieces of at least ``min_tiles`` tiles; an empty request one CTA for its empty item), each piece
+    ``[j * n_b // k_b, (j + 1) * n_b // k_b)`` its own CTA: one work item per CTA, and a request whose share is
+    one CTA is not split at all (no partial, no merge). Taken when the pieces fit ``num_ctas`` and the largest
+    piece is at most ``ALIGNED_SLACK`` tiles over the contiguous cut's share ``ceil(T / G)``, which splits
+    requests wherever CTA boundaries fall (up to two items per CTA). Equal lengths always fit (B8 L8k on 132
+    CTAs: 16 pieces of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request
+    boundaries); many short requests (B > num_ctas) never do. ``schedule_device`` computes the same on the
+    device, ``gluon.schedule_host`` on the host."""
+    B, T = len(tiles), sum(tiles)
+    if B == 0 or B > num_ctas:
+        return None
+    G = min(max(-(-T // min_tiles), 1), num_ctas)
+    share = -(-T // G)
+    ks, most = [], 0
+    for n in tiles:
+        kb = max(1, min(n * num_ctas // T if T else 0, n // min_tiles))
+        ks.append(kb)
+        most = max(most, -(-n // kb))
+    if sum(ks) > num_ctas or most > share + ALIGNED_SLACK:
+        return None
+    return ks
+
+
+def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True):
+    """Cut the concatenated 64-token tiles of all requests into per-CTA ranges: request-aligned pieces, one item
+    per CTA (``aligned_pieces``, when ``aligned`` and they fit), else contiguous per-CTA ranges.
 
     Returns ``(grid, cta_ptr, items, m_ptr, m_list)``: CTA c runs items ``cta_ptr[c]:cta_ptr[c+1]``; an item is
     ``(request, first tile, end tile)``; item i writes partial i (both consumers' states merged in shared
@@ -1432,6 +1466,13 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
     gets one empty item, which writes 0 and lse = -inf.
     """
     tiles = [-(-L // TILE) for L in kv_lens]
+    ks = aligned_pieces(tiles, num_ctas, max(1, min_tiles_per_cta)) if aligned else None
+    if ks is not None:
+        items = [(b, j * n // kb, (j + 1) * n // kb) for b, (n, kb) in enumerate(zip(tiles, ks)) for j in range(kb)]
+        m_ptr = [0]
+        for kb in ks:
+            m_ptr.append(m_ptr[-1] + kb)
+        return len(items), list(range(len(items) + 1)), items, m_ptr, list(range(len(items)))
     T = sum(tiles)
     grid = max(1, min(num_ctas, -(-T // max(1, min_tiles_per_cta))))
     bounds = [(c * T) // grid for c in range(grid + 1)]   # CTA c owns global tiles [bounds[c], bounds[c+1])
@@ -1461,8 +1502,11 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4):
     return grid, cta_ptr, items, m_ptr, m_list
 
 
-def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None) -> dict:
+def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
+                    aligned: bool = True) -> dict:
     """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
+    Both cuts are computed and the request-aligned one (``aligned_pieces``) is selected element-wise where it is
+    taken, so the choice needs no host read either.
 
     Same cut as ``schedule`` (CTA c owns global tiles [c*T//G, (c+1)*T//G), G = min(num_ctas, ceil(T/min))),
     but the launch grid is always ``num_ctas`` (CTAs past G get empty ranges) and the arrays have fixed sizes:
@@ -1506,13 +1550,28 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     zero = torch.zeros(1, **i64)
     res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
                item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, it_end]), m_list=torch.arange(cap, **i64))
+    if aligned and 0 < B <= num_ctas:   # the request-aligned cut, where aligned_pieces takes it
+        kb = torch.clamp(torch.minimum(tiles * num_ctas // torch.clamp(T, min=1), tiles // min_tiles_per_cta), min=1)
+        pe = torch.cumsum(kb, 0)
+        P = pe[-1:]
+        share = (T + G - 1) // G
+        take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= share + ALIGNED_SLACK)
+        ab = torch.clamp(torch.searchsorted(pe, i, right=True), max=B - 1)
+        aj = i - (pe - kb)[ab]
+        aok = i < P
+        al = dict(cta_ptr=torch.minimum(c, P), item_req=torch.where(aok, ab, 0),
+                  item_t0=torch.where(aok, aj * tiles[ab] // kb[ab], 0),
+                  item_t1=torch.where(aok, (aj + 1) * tiles[ab] // kb[ab], 0), m_ptr=torch.cat([zero, pe]))
+        for key, v in al.items():
+            res[key] = torch.where(take, v, res[key])
     if out is None:
         return {key: v.to(torch.int32) for key, v in res.items()}
     for key, v in res.items():
         out[key][: v.numel()].copy_(v)
     # the slots past num_ctas, empty: a kernel launched with more slots (a per-tensor and a group plan of one
     # CUDA-graph wrapper share these buffers, the group one with fewer slots at H > 32) reads no stale items there
-    out["cta_ptr"][cta_ptr.numel():].copy_(cta_ptr[-1:].expand(out["cta_ptr"].numel() - cta_ptr.numel()))
+    last = res["cta_ptr"][-1:]
+    out["cta_ptr"][last.numel() + num_ctas:].copy_(last.expand(out["cta_ptr"].numel() - num_ctas - 1))
     return out
 
 
