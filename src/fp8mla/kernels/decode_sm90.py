@@ -322,9 +322,11 @@ if gluon is not None:
         # arrives on the stage's ready barrier when its copies land (cp.async.mbarrier.arrive.noinc; the barrier
         # counts 128 arrivals at PAGE 1, one expect-tx arrival otherwise). Rows past kv_len and page ids outside
         # [0, num_rows) are never read: their copies are masked, which writes zeros (as TMA zero-fills out-of-range
-        # rows). The next tile's 64 page ids are loaded before this tile's copies are issued, so their latency
-        # hides behind the empty-wait and the issue (the producer has 24 registers: its item-loop state spills,
-        # a few reloads per tile).
+        # rows). Page ids are loaded two tiles ahead (tile t + 2's while tile t's copies are issued): their load
+        # feeds the copies' addresses, and under a full memory system its latency (~2-4K cycles) is longer than
+        # the two consumers take per tile (~2.1K per SM), so one tile ahead left the producer waiting on each
+        # load (kernel log 28: page 1 at 2.3 TB/s against page 64's 3.0; the producer has 24 registers: its
+        # item-loop state spills, a few reloads per tile).
         cpl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rr = gl.arange(0, 64, layout=gl.SliceLayout(1, cpl))
         ccol = gl.arange(0, 128, layout=gl.SliceLayout(0, cpl))
@@ -345,10 +347,13 @@ if gluon is not None:
             L = gl.load(kv_len + b)
             tok = t0 * 64 + rr
             nxt = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t0 < t1), other=-1)
+            tok = tok + 64
+            nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t0 + 1 < t1), other=-1)
             for t in range(t0, t1):
                 ids = nxt
-                tok = (t + 1) * 64 + rr
-                nxt = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 1 < t1), other=-1)
+                nxt = nxt2
+                tok = (t + 2) * 64 + rr
+                nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 2 < t1), other=-1)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
                 bar = ready.index(s)
