@@ -1,36 +1,33 @@
 #!/usr/bin/env bash
-# The next decode-v2 device call, prepared after the device time was spent (kernel logs 20, 22, 24 and 25 of
-# docs/benchmarks.md; updated 2026-12-01). On nvidia-h200-x2, <= 9.5 min:
-#   GPU 1: scripts/ring_parity_device.py (log 25: the alternating-tile kernel's ready-barrier parity race at an odd
-#          ring depth, NS 3 against NS 4, 1,000 bit-compared graph replays and the ring-only probe, each in its own
-#          process), <= 5 min; then scripts/group_device.py (per-token group scales, never run yet: float64
-#          checks, then timings against the per-tensor kernel and the Triton group path), <= 3.5 min.
-#   GPU 0: scripts/consumer_experiments_device.py (pv_in_flight=2 at H16, wide_row_sums at H128, ns=4 at H16:
-#          float64 checks, CUDA-graph timings, tile timelines), <= 7 min; then the GPU tests of
-#          tests/test_decode_sm90_group.py (FP8MLA_GLUON_GROUP=1 inside) with what is left, <= 2.5 min.
-# The launch-failure repro of log 20 (qk8_device.py chunks) is left out: log 25's race explains it, and
-# ring_parity_device.py tests that directly.
-# On one GPU: the race, then the group script, then the experiments with what is left of 9.5 min.
-# Usage (repo root):  bash scripts/next_session_device.sh OUTDIR
+# The next device call, prepared at the end of 2026-12-01's session (kernel logs 24-28 of docs/benchmarks.md ran
+# that session; nothing here is new code). It refreshes what that session measured only in pieces:
+#   1. the side-by-side in one process per page size (README table): `fp8mla bench decode` with FlashInfer, page
+#      64 (per-tensor, group, BF16) and page 1, with the request-aligned schedule (log 27) and page ids two tiles
+#      ahead (log 28) in every row; <= 4 min;
+#   2. the GPU suite's files phase (scripts/gpu_suite_device.sh OUT files), <= 5 min;
+#   3. with two GPUs (nvidia-h200-x2), the grid phase on the other GPU in parallel and the model step with TP 2
+#      (scripts/step_device.sh).
+# Usage (repo root, FlashInfer and pytest-xdist wheels in .whl: ../shared/tools/flashinfer-wheels, then
+# `pip download pytest-xdist execnet hypothesis sortedcontainers attrs` for cp312 into .whl; carry [".whl"]):
+#   bash scripts/next_session_device.sh OUTDIR
 set -u
 out=${1:-out/next}; mkdir -p "$out"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$out/pip.txt" 2>&1
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-race_and_group() {
-  timeout 300 python3 scripts/ring_parity_device.py > "$out/ring_parity.txt" 2>&1; echo "rc $?" >> "$out/ring_parity.txt"
-  timeout 210 python3 scripts/group_device.py > "$out/group.txt" 2>&1; echo "rc $?" >> "$out/group.txt"
+bench() {
+  timeout 300 python3 -m fp8mla bench decode --heads 16 128 --pages 64 --kv fp8_e4m3 fp8_e4m3_group bf16 \
+      --compare flashinfer --reps 20 --out "$out/p64" > "$out/p64.txt" 2>&1; echo "rc $?" >> "$out/p64.txt"
+  timeout 100 python3 -m fp8mla bench decode --heads 16 128 --pages 1 --kv fp8_e4m3 --reps 20 --out "$out/p1" \
+      > "$out/p1.txt" 2>&1; echo "rc $?" >> "$out/p1.txt"
 }
 if [ "$ngpu" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=1; race_and_group ) &
-  ( export CUDA_VISIBLE_DEVICES=0
-    timeout 420 python3 scripts/consumer_experiments_device.py > "$out/experiments.txt" 2>&1
-    echo "rc $?" >> "$out/experiments.txt"
-    timeout 150 python3 -m pytest -q -x -k "not compiles" tests/test_decode_sm90_group.py > "$out/group_tests.txt" 2>&1
-    echo "rc $?" >> "$out/group_tests.txt" ) &
+  ( export CUDA_VISIBLE_DEVICES=0; bench; SUITE_TIMEOUT=300 WORKERS=12 bash scripts/gpu_suite_device.sh "$out/suite" files ) &
+  ( export CUDA_VISIBLE_DEVICES=1; SUITE_TIMEOUT=540 WORKERS=15 bash scripts/gpu_suite_device.sh "$out/grid" grid ) &
   wait
 else
-  race_and_group
-  timeout 100 python3 scripts/consumer_experiments_device.py > "$out/experiments.txt" 2>&1
-  echo "rc $?" >> "$out/experiments.txt"
+  bench
+  SUITE_TIMEOUT=280 WORKERS=10 bash scripts/gpu_suite_device.sh "$out/suite" files
 fi
-grep -hE "RESULT|ring|replays|CHECK|BENCH|TIMELINE|rc |timing|passed|failed|Error" "$out"/*.txt | head -100
+grep -h "gluon\|rc \|ceil" "$out"/p64.txt "$out"/p1.txt | head -60
