@@ -118,15 +118,14 @@ class Plan:
     """Host schedule -> device arrays, sized once (run() only launches)."""
 
     def __init__(self, c, *, num_ctas=None, min_tiles=4, ns=None, regs=240, mode=0, merge=True, max_hpw=32,
-                 group=False, allow_odd_ring=False):
+                 group=False):
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
         # H > 16 (wide variant): nhg head-group CTAs per schedule slot, partial rows padded to the head groups
         # (max_hpw 16: the group-scale build's variant, dsm.GROUP_MAX_HPW)
         hpw, nhg, wide = dsm.head_config(c["H"], max_hpw)
-        # ns None: what the adapter plans (3; the alternating-tile kernel an even depth, dsm.ring_depth, kernel
-        # log 25); an odd ns at H <= 16 needs allow_odd_ring (the race's repro)
+        # ns None: what the adapter plans (3; the alternating-tile kernel the even depth above where it fits,
+        # dsm.ring_depth; an odd depth has per-consumer ready barriers there, kernel logs 25 and 29)
         ns = dsm.ring_depth(3, hpw, wide, group=group) if ns is None else ns
-        self.allow_odd_ring = allow_odd_ring
         rows = dsm.padded_heads(c["H"], 1, max_hpw)
         slots, cta_ptr, items, m_ptr, m_list = dsm.schedule(c["kv_lens"], max(1, (num_ctas or n_sm) // nhg),
                                                             min_tiles)
@@ -152,7 +151,7 @@ class Plan:
 
     def launch_kw(self) -> dict:
         """The launch options of this plan (subclasses in other device scripts add theirs)."""
-        return dict(mode=self.mode, merge=self.merge, **({"allow_odd_ring": True} if self.allow_odd_ring else {}))
+        return dict(mode=self.mode, merge=self.merge)
 
     def run(self):
         c = self.c

@@ -4,8 +4,8 @@ and the alternating-tile kernel's parity wait races at an odd depth, kernel log 
 
     PYTHONPATH=$PWD/src python3 scripts/group_ring_probe.py
 
-CUDA-graph timings (L2 flushed) of the group and per-tensor builds at H16 for NS 2, NS 3 (allow_odd_ring: timing
-only, the race makes a rare replay wrong) and, per-tensor, NS 4; plus compute-only (MODE 2: consumers compute on
+CUDA-graph timings (L2 flushed) of the group and per-tensor builds at H16 for NS 2, NS 3 (ran 03:26 UTC with the
+racy single ready barrier per stage, timing only; since kernel log 29 an odd ring has per-consumer barriers) and, per-tensor, NS 4; plus compute-only (MODE 2: consumers compute on
 whatever the stage holds, the producer does not copy) at NS 2. Prediction: if the ring depth is the cause, group NS 3
 is ~1.4-1.6x faster than NS 2 and per-tensor NS 2 is about as slow as group NS 2; if the consumers are, group
 compute-only NS 2 stays near group NS 2."""
@@ -30,10 +30,10 @@ def main() -> int:
         c = gd.group_case([L] * B, 16, 64, seed=B, nan_pool=False)
         c_pt = dict(c, scales=torch.tensor([0.02, 1.0], dtype=torch.float32, device=dv.DEV))
         row = []
-        for name, cc, kw in (("group ns2", c, dict(ns=2)), ("group ns3", c, dict(ns=3, allow_odd_ring=True)),
+        for name, cc, kw in (("group ns2", c, dict(ns=2)), ("group ns3", c, dict(ns=3)),
                              ("group ns2 compute-only", c, dict(ns=2, mode=2)),
                              ("tensor ns2", c_pt, dict(ns=2, group=False)),
-                             ("tensor ns3", c_pt, dict(ns=3, allow_odd_ring=True, group=False)),
+                             ("tensor ns3", c_pt, dict(ns=3, group=False)),
                              ("tensor ns4", c_pt, dict(ns=4, group=False)),
                              ("tensor ns2 compute-only", c_pt, dict(ns=2, mode=2, group=False))):
             try:

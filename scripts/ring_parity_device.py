@@ -1,22 +1,23 @@
-"""The ready-barrier parity race of the alternating-tile (H <= 16) Gluon kernel at an odd ring depth (kernel log 25 of
-docs/benchmarks.md; found by reading the code on 2026-12-01, NOT RUN yet). One device call, <= 5 min (four processes, each compiling its kernel):
+"""The ready-barrier parity race of the alternating-tile (H <= 16) Gluon kernel at an odd ring depth (kernel log 25
+of docs/benchmarks.md) and its fix (log 29). One device call, <= 5 min (four processes, each compiling its kernel):
 
     PYTHONPATH=$PWD/src python3 scripts/ring_parity_device.py
 
-The two consumers take alternate tiles and wait on stage s's ready barrier with the parity of the tile's phase.
-With NS odd, a stage's consecutive phases belong to alternating consumers, so a consumer can reach phase k while
-the barrier is still in phase k - 1 (the other consumer's tile not landed) and its parity wait passes on phase
-k - 2: it computes on the other tile's stage and releases the stage early. With NS even every phase of a stage is
-one consumer's. Each run below is its own process (a fault ends a CUDA context):
+The two consumers take alternate tiles and wait on a ready barrier with the parity of the tile's phase. With one
+barrier per stage and NS odd, a stage's consecutive phases belong to alternating consumers, so a consumer can reach
+phase k while the barrier is still in phase k - 1 (the other consumer's tile not landed) and its parity wait passes
+on phase k - 2. Run on the H200 (2026-12-01 03:08 UTC) with that kernel: NS 3 gave 2 differing replays in 1,000 and
+the ring-only probe faulted; NS 4 was clean. Since log 29 an odd ring gives each consumer its own ready barrier per
+stage (every phase of a barrier is then one consumer's, in order). Each run below is its own process (a fault ends
+a CUDA context):
 
   * ``replays NS``: H16 B64 L8k (the shape of every "unspecified launch failure"), one eager run checked against
     float64 on 4 requests, then 1,000 CUDA-graph replays, each output compared bit for bit with the first run's
     (the kernel is otherwise deterministic: any difference is a wrong read).
-  * ``ring NS``: the ring-only probe (MODE 1: consumers arrive without computing, the race's widest window; it
-    crashed once at NS 3, kernel log 2), 200 launches.
+  * ``ring NS``: the ring-only probe (MODE 1: consumers arrive without computing, the race's widest window), 200
+    launches.
 
-Prediction: NS 3 shows differing replays (or faults / hangs); NS 4 none. If NS 3 stays clean in all runs, the race
-is rare beyond these counts, not absent: the reasoning in log 25 stands on the PTX semantics of a parity wait.
+Prediction with the fix: NS 3 and NS 4 both clean (0 differing replays, no fault, no hang).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _dv():
 def replays(ns: int, n: int = 1000) -> None:
     dv = _dv()
     c = dv.make_case([8192] * 64, 16, 64, seed=3, nan_pool=False)
-    p = dv.Plan(c, ns=ns, allow_odd_ring=ns % 2 == 1)
+    p = dv.Plan(c, ns=ns)
     p.run()
     torch.cuda.synchronize()
     ref_o, _ = dv.reference(c, nreq=4)
@@ -68,7 +69,7 @@ def replays(ns: int, n: int = 1000) -> None:
 def ring(ns: int, n: int = 200) -> None:
     dv = _dv()
     c = dv.make_case([8192] * 64, 16, 64, seed=3, nan_pool=False)
-    p = dv.Plan(c, ns=ns, mode=1, merge=False, allow_odd_ring=ns % 2 == 1)
+    p = dv.Plan(c, ns=ns, mode=1, merge=False)
     t0 = time.time()
     for _ in range(n):
         p.run()

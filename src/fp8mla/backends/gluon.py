@@ -28,8 +28,8 @@ from ..runtime import LN2, gluon_usable, num_sms
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
-# (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 2 with group scales:
-# an even depth, decode_sm90.ring_depth)
+# (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales,
+# where 4 do not fit: decode_sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 PAGE_MULTIPLE = 64
 # The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
@@ -55,7 +55,7 @@ GLUON_SPLIT_DIMS = False
 # failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
 # on, =0 off. One query per request only.
 # Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits race as the H16 kernel's did at 3
-# (decode_sm90.ring_depth, kernel log 25); it needs per-consumer ready barriers before it can be turned on.
+# (kernel log 25); it needs the per-consumer ready barriers decode_sm90 now has (log 29) before it can be turned on.
 GLUON_PIPELINED = False
 
 
@@ -130,9 +130,9 @@ def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int
 def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> int:
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles take shared memory from the
     ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered to what fits, as the same
-    wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes an even depth
-    (an odd one races: decode_sm90.ring_depth), one that fits the FP8-scores variant's Q terms when its switch is on
-    (the default 3 stages -> 2 there, not 4, so that ``plan_qk8`` still finds room for the terms)."""
+    wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
+    above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
+    its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
     from ..kernels import decode_sm90 as k
     terms = 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
     if group:

@@ -137,17 +137,29 @@ MAX_WIDE_HEADS = 128
 
 
 def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
-    """The ring depth a plan asking for ``ns`` stages gets. The alternating-tile kernel (H <= 16, not ``wide``)
-    needs an even depth: its two consumers take alternate tiles and wait on a stage's ready barrier by phase
-    parity, and with an odd depth a stage's consecutive phases belong to alternating consumers, so a consumer can
-    reach phase k while the barrier is still in phase k - 1 (the other consumer's tile not landed yet) and its
-    parity wait passes on phase k - 2: it reads the other tile's stage and releases the stage early (kernel log
-    25). An odd request becomes the next even depth that fits shared memory, else the one below (at least 2);
-    the wide variant (both consumers wait on every phase) takes any depth."""
+    """The ring depth a plan asking for ``ns`` stages gets. Any depth is safe: the alternating-tile kernel (H <= 16,
+    not ``wide``) gives each consumer its own ready barrier per stage at an odd depth (with one barrier per stage,
+    a stage's consecutive phases belong to alternating consumers and a parity wait can pass a phase early: kernel
+    log 25, confirmed on the H200). An odd request at H <= 16 still becomes the next even depth where that fits
+    shared memory (4 for the default 3: the configuration timed since), else it stays odd (the group build's 3,
+    where 4 does not fit)."""
     if wide or ns % 2 == 0:
         return ns
-    up = ns + 1
-    return up if smem_bytes(up, hpw, wide, qk8, group) <= SMEM_LIMIT else max(2, ns - 1)
+    for d in (ns + 1, ns, ns - 1):   # the even depth above, the odd one asked for, the even one below
+        if d >= 2 and smem_bytes(d, hpw, wide, qk8, group) <= SMEM_LIMIT:
+            return d
+    return 2
+
+
+def ready_barrier(gg: int, ns: int, wide: bool = False) -> tuple[int, int]:
+    """(ready barrier, wait parity) of ring position ``gg``, as the kernel computes them (producer and consumers):
+    one barrier per stage (``gg % ns``, parity ``(gg // ns) & 1``), except for an odd ring of the alternating-tile
+    kernel, where position gg's consumer (gg % 2) has its own barrier per stage (``(gg % 2) * ns + gg % ns``,
+    parity ``(gg // (2 ns)) & 1``): every phase of a barrier is then one consumer's, in order (kernel log 29). The
+    kernel writes the same formulas inline (Gluon); this is their reference for the CPU protocol test."""
+    if wide or ns % 2 == 0:
+        return gg % ns, (gg // ns) & 1
+    return (gg % 2) * ns + gg % ns, (gg // (2 * ns)) & 1
 
 
 def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:
@@ -356,7 +368,10 @@ if gluon is not None:
                 nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 2 < t1), other=-1)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                bar = ready.index(s)
+                if ready.shape[0] == NS:
+                    bar = ready.index(s)
+                else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
+                    bar = ready.index((g % 2) * NS + s)
                 if MODE != 2:   # MODE 2 (timing probe): consumers compute on whatever the stage holds
                     ok = ((ids >= 0) & (ids < num_rows))[:, None]
                     row = ids.to(gl.int64)
@@ -434,7 +449,10 @@ if gluon is not None:
                         ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                bar = ready.index(s)
+                if ready.shape[0] == NS:
+                    bar = ready.index(s)
+                else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
+                    bar = ready.index((g % 2) * NS + s)
                 if MODE == 2:   # timing probe: consumers compute on whatever the stage holds, no HBM traffic
                     mbarrier.arrive(bar, count=1)
                 else:
@@ -881,7 +899,13 @@ if gluon is not None:
                 s = gg % NS
                 if TLT:
                     _stamp(tl_ptr, cid, nt, 0, TLT)
-                mbarrier.wait(ready.index(s), (gg // NS) & 1)
+                if ready.shape[0] == empty.shape[0]:
+                    mbarrier.wait(ready.index(s), (gg // NS) & 1)
+                else:
+                    # an odd ring of the alternating kernel (H <= 16): stage s's consecutive phases would belong
+                    # to alternating consumers, and a parity wait could pass a phase early (kernel log 25); each
+                    # consumer has its own ready barrier per stage, whose k-th phase is its tile gg = x + 2 NS k
+                    mbarrier.wait(ready.index((gg % 2) * NS + s), (gg // (2 * NS)) & 1)
                 if TLT:
                     _stamp(tl_ptr, cid, nt, 1, TLT)
                 valid = L - (t0 + j) * 64
@@ -1209,7 +1233,9 @@ if gluon is not None:
             pT_smem = gl.allocate_shared_memory(gl.float16, [2 * GROUPS_C, HPW, 64], q_l)
         else:
             pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        # ready: one barrier per stage, or (an odd ring of the alternating kernel) one per stage and consumer
+        RB: gl.constexpr = 2 * NS if NS % 2 == 1 and not WIDE else NS
+        ready = gl.allocate_shared_memory(gl.int64, [RB, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers);
         # WIDE has no exchange (a token allocation keeps one argument list)
@@ -1223,6 +1249,8 @@ if gluon is not None:
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=RCNT)
             mbarrier.init(empty.index(i), count=ECNT)
+            if RB != NS:
+                mbarrier.init(ready.index(NS + i), count=RCNT)
         mbarrier.init(xbar.index(0), count=1)
         mbarrier.init(xbar.index(1), count=1)
         if GROUP:   # each ring stage's [64 tokens, 4] fp32 group scales (TMA boxes of 16-byte rows, or cp.async)
@@ -1616,7 +1644,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
            qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
-           scale_desc=None, allow_odd_ring: bool = False):
+           scale_desc=None):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1642,8 +1670,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
     P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
 
-    ``ns``: the ring depth; the alternating-tile kernel (H <= 16) refuses an odd one (``ring_depth``) unless
-    ``allow_odd_ring`` (a repro of that race, never a served path).
+    ``ns``: the ring depth, any; at an odd depth the alternating-tile kernel (H <= 16) has one ready barrier per
+    stage and consumer (``ring_depth``, kernel log 29).
 
     ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
     (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
@@ -1655,10 +1683,6 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
-    if not wide and ns % 2 and not allow_odd_ring:
-        raise ValueError(f"ns: the alternating-tile kernel ({num_heads} heads) needs an even ring depth, got {ns} (an "
-                         "odd one lets a consumer pass a ready-barrier parity wait a phase early: ring_depth, kernel "
-                         "log 25; allow_odd_ring=True only to reproduce that)")
     if pv_in_flight not in (1, 2):
         raise ValueError(f"pv_in_flight: expected 1 (the measured kernel) or 2, got {pv_in_flight}")
     if qk8 not in (0, 2, 3):
