@@ -28,8 +28,8 @@ from ..runtime import LN2, gluon_usable, num_sms
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
-# (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales,
-# where 4 do not fit: decode_sm90.ring_depth)
+# (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
+# or the FP8-scores variant's Q terms, where 4 do not fit: decode_sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 PAGE_MULTIPLE = 64
 # The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On

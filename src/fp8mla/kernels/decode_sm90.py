@@ -141,8 +141,8 @@ def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
     not ``wide``) gives each consumer its own ready barrier per stage at an odd depth (with one barrier per stage,
     a stage's consecutive phases belong to alternating consumers and a parity wait can pass a phase early: kernel
     log 25, confirmed on the H200). An odd request at H <= 16 still becomes the next even depth where that fits
-    shared memory (4 for the default 3: the configuration timed since), else it stays odd (the group build's 3,
-    where 4 does not fit)."""
+    shared memory (4 for the default 3: the configuration timed since), else it stays odd where it fits (the group
+    build's 3, and the FP8-scores variant's, where 4 does not), else the even depth below."""
     if wide or ns % 2 == 0:
         return ns
     for d in (ns + 1, ns, ns - 1):   # the even depth above, the odd one asked for, the even one below
@@ -1465,14 +1465,16 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int]
     """Pieces per request for the request-aligned schedule, or None where the contiguous cut is used.
 
     Request b gets ``k_b = max(1, min(n_b * num_ctas // T, n_b // min_tiles))`` CTAs (its share of the CTAs,
-    rounded down, pieces of at least ``min_tiles`` tiles; an empty request one CTA for its empty item), each piece
-    ``[j * n_b // k_b, (j + 1) * n_b // k_b)`` its own CTA: one work item per CTA, and a request whose share is
-    one CTA is not split at all (no partial, no merge). Taken when the pieces fit ``num_ctas`` and the largest
-    piece is at most ``ALIGNED_SLACK`` tiles over the contiguous cut's share ``ceil(T / G)``, which splits
-    requests wherever CTA boundaries fall (up to two items per CTA). Equal lengths always fit (B8 L8k on 132
-    CTAs: 16 pieces of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request
-    boundaries); many short requests (B > num_ctas) never do. ``schedule_device`` computes the same on the
-    device, ``gluon.schedule_host`` on the host."""
+    rounded down; a split request's pieces have at least ``min_tiles`` tiles, a request of one piece is whole
+    whatever its size; an empty request one CTA for its empty item), each piece ``[j * n_b // k_b, (j + 1) * n_b
+    // k_b)`` its own CTA: one work item per CTA, and a request whose share is one CTA is not split at all (no
+    partial, no merge). Taken when the pieces fit ``num_ctas`` and the largest piece is at most ``ALIGNED_SLACK``
+    tiles over the contiguous cut's share ``ceil(T / G)``, which splits requests wherever CTA boundaries fall
+    (CTAs then run two or more items). The equal-length shapes of the benchmarks fit (B8 L8k on 132 CTAs: 16 pieces
+    of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request boundaries); equal
+    lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
+    17), nor do more requests than CTAs. Every request, empty padding rows included, takes at least one CTA.
+    ``schedule_device`` computes the same on the device, ``gluon.schedule_host`` on the host."""
     B, T = len(tiles), sum(tiles)
     if B == 0 or B > num_ctas:
         return None
