@@ -451,7 +451,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
-    from ..kernels.decode_sm90 import TILE, aligned_pieces
+    from ..kernels.decode_sm90 import TILE, aligned_lists, aligned_pieces
     aligned = aligned_enabled() if aligned is None else aligned
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
@@ -468,16 +468,8 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     if last is not None and last[0] == (num_ctas, min_tiles, aligned) and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
     ks = aligned_pieces(ntiles, num_ctas, min_tiles) if aligned else None
-    if ks is not None:   # one item per CTA, requests cut into their pieces (decode_sm90.aligned_pieces)
-        req, t0s, t1s, m_ptr = [], [], [], [0]
-        for b, (nt, kb) in enumerate(zip(ntiles, ks)):
-            req += [b] * kb
-            t0s += [j * nt // kb for j in range(kb)]
-            t1s += [(j + 1) * nt // kb for j in range(kb)]
-            m_ptr.append(m_ptr[-1] + kb)
-        n = m_ptr[-1]
-        items = dict(cta_ptr=list(range(n + 1)) + [n] * (num_ctas - n), item_req=req, item_t0=t0s, item_t1=t1s,
-                     m_ptr=m_ptr)
+    if ks is not None:   # one piece per CTA, requests cut into their pieces (decode_sm90.aligned_pieces)
+        items = aligned_lists(ntiles, ks, num_ctas)[0]
         _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
     T = sum(ntiles)

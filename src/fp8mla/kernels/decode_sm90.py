@@ -1473,10 +1473,11 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int]
     (CTAs then run two or more items). The equal-length shapes of the benchmarks fit (B8 L8k on 132 CTAs: 16 pieces
     of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request boundaries); equal
     lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
-    17), nor do more requests than CTAs. Every request, empty padding rows included, takes at least one CTA.
+    17), nor do more non-empty requests than CTAs. An empty request (a padding row of a CUDA-graph bucket) takes
+    no CTA: its empty item runs in the CTA of the next piece (the last CTA after the last piece; ``aligned_lists``).
     ``schedule_device`` computes the same on the device, ``gluon.schedule_host`` on the host."""
     B, T = len(tiles), sum(tiles)
-    if B == 0 or B > num_ctas:
+    if B == 0 or sum(1 for n in tiles if n) > num_ctas:
         return None
     G = min(max(-(-T // min_tiles), 1), num_ctas)
     share = -(-T // G)
@@ -1485,9 +1486,39 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int]
         kb = max(1, min(n * num_ctas // T if T else 0, n // min_tiles))
         ks.append(kb)
         most = max(most, -(-n // kb))
-    if sum(ks) > num_ctas or most > share + ALIGNED_SLACK:
+    if sum(kb for kb, n in zip(ks, tiles) if n) > num_ctas or most > share + ALIGNED_SLACK:
         return None
     return ks
+
+
+def aligned_lists(tiles: list[int], ks: list[int], num_ctas: int) -> tuple[dict, int]:
+    """The request-aligned cut's work items as lists (``gluon.schedule_host``'s arrays) and its grid: request b's
+    ``ks[b]`` pieces in order, each its own CTA; an empty request's one empty item in the CTA of the next piece
+    (the last piece's CTA at the end, CTA 0 when every request is empty). ``cta_ptr`` has ``num_ctas + 1``
+    entries (CTAs past the grid: empty ranges)."""
+    req, t0s, t1s, m_ptr, cta = [], [], [], [0], []
+    c = 0   # pieces placed so far = the next piece's CTA
+    for b, (n, kb) in enumerate(zip(tiles, ks)):
+        if n == 0:
+            req.append(b)
+            t0s.append(0)
+            t1s.append(0)
+            cta.append(c)
+        else:
+            for j in range(kb):
+                req.append(b)
+                t0s.append(j * n // kb)
+                t1s.append((j + 1) * n // kb)
+                cta.append(c)
+                c += 1
+        m_ptr.append(len(req))
+    last = max(c - 1, 0)
+    ptr, i = [], 0
+    for x in range(num_ctas + 1):   # CTA x's first item: the first with a CTA >= x
+        while i < len(cta) and min(cta[i], last) < x:
+            i += 1
+        ptr.append(i)
+    return dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr), max(c, 1)
 
 
 def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True):
@@ -1503,11 +1534,9 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
     tiles = [-(-L // TILE) for L in kv_lens]
     ks = aligned_pieces(tiles, num_ctas, max(1, min_tiles_per_cta)) if aligned else None
     if ks is not None:
-        items = [(b, j * n // kb, (j + 1) * n // kb) for b, (n, kb) in enumerate(zip(tiles, ks)) for j in range(kb)]
-        m_ptr = [0]
-        for kb in ks:
-            m_ptr.append(m_ptr[-1] + kb)
-        return len(items), list(range(len(items) + 1)), items, m_ptr, list(range(len(items)))
+        a, grid = aligned_lists(tiles, ks, num_ctas)
+        items = list(zip(a["item_req"], a["item_t0"], a["item_t1"]))
+        return grid, a["cta_ptr"][: grid + 1], items, a["m_ptr"], list(range(len(items)))
     T = sum(tiles)
     grid = max(1, min(num_ctas, -(-T // max(1, min_tiles_per_cta))))
     bounds = [(c * T) // grid for c in range(grid + 1)]   # CTA c owns global tiles [bounds[c], bounds[c+1])
@@ -1585,16 +1614,19 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     zero = torch.zeros(1, **i64)
     res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
                item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, it_end]), m_list=torch.arange(cap, **i64))
-    if aligned and 0 < B <= num_ctas:   # the request-aligned cut, where aligned_pieces takes it
+    if aligned and B > 0:   # the request-aligned cut, where aligned_pieces takes it (aligned_lists' layout)
         kb = torch.clamp(torch.minimum(tiles * num_ctas // torch.clamp(T, min=1), tiles // min_tiles_per_cta), min=1)
-        pe = torch.cumsum(kb, 0)
-        P = pe[-1:]
+        kc = torch.where(tiles > 0, kb, 0)                 # CTAs a request takes (an empty one: none)
+        pe, pc = torch.cumsum(kb, 0), torch.cumsum(kc, 0)   # its items' end, its CTAs' end
+        P = pc[-1:]
         share = (T + G - 1) // G
         take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= share + ALIGNED_SLACK)
         ab = torch.clamp(torch.searchsorted(pe, i, right=True), max=B - 1)
         aj = i - (pe - kb)[ab]
-        aok = i < P
-        al = dict(cta_ptr=torch.minimum(c, P), item_req=torch.where(aok, ab, 0),
+        aok = i < pe[-1:]
+        acta = torch.minimum((pc - kc)[ab] + torch.where(tiles[ab] > 0, aj, 0), torch.clamp(P - 1, min=0))
+        acta = torch.where(aok, acta, num_ctas)            # non-decreasing: the items past the last one at the end
+        al = dict(cta_ptr=torch.searchsorted(acta, c), item_req=torch.where(aok, ab, 0),
                   item_t0=torch.where(aok, aj * tiles[ab] // kb[ab], 0),
                   item_t1=torch.where(aok, (aj + 1) * tiles[ab] // kb[ab], 0), m_ptr=torch.cat([zero, pe]))
         for key, v in al.items():
