@@ -54,8 +54,9 @@ GLUON_SPLIT_DIMS = False
 # 15/15 checks passed, but H16 B64 L8k 0.126 ms vs 0.110 for the default, and the timing run hit an "unspecified launch
 # failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
 # on, =0 off. One query per request only.
-# Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits race as the H16 kernel's did at 3
-# (kernel log 25); it needs the per-consumer ready barriers decode_sm90 now has (log 29) before it can be turned on.
+# Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits raced as the H16 kernel's did at 3
+# (kernel log 25), which may explain that failure; since log 29 it has per-consumer ready barriers too (compiled,
+# not yet run on a GPU).
 GLUON_PIPELINED = False
 
 

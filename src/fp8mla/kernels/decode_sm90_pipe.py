@@ -275,7 +275,10 @@ if gluon is not None:
             if j0 < n:
                 gg = g + j0
                 s = gg % NS
-                mbarrier.wait(ready.index(s), (gg // NS) & 1)
+                if NS % 2 == 1:   # position gg's own barrier (its consumer is gg % 2): decode_sm90.ready_barrier
+                    mbarrier.wait(ready.index((gg % 2) * NS + s), (gg // (2 * NS)) & 1)
+                else:
+                    mbarrier.wait(ready.index(s), (gg // NS) & 1)
                 valid = L - (t0 + j0) * 64
                 if valid < 64:
                     _sanitize_tail(kbuf, pbuf, s, valid)
@@ -287,7 +290,10 @@ if gluon is not None:
                 s = gg % NS
                 gn = gg + 2
                 sn = gn % NS
-                mbarrier.wait(ready.index(sn), (gn // NS) & 1)
+                if NS % 2 == 1:
+                    mbarrier.wait(ready.index((gn % 2) * NS + sn), (gn // (2 * NS)) & 1)
+                else:
+                    mbarrier.wait(ready.index(sn), (gn // NS) & 1)
                 vn = L - (t0 + j + 2) * 64
                 if vn < 64:
                     _sanitize_tail(kbuf, pbuf, sn, vn)
@@ -416,7 +422,10 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(gl.float16, [8, 16, 128], q_l)
         qpe_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
         pT_smem = gl.allocate_shared_memory(gl.float16, [2, 16, 64], q_l)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        # an odd ring (the default NS 5): one ready barrier per stage and consumer, as decode_sm90's (kernel log 29;
+        # the shared producer picks them by the array's size)
+        RB: gl.constexpr = 2 * NS if NS % 2 == 1 else NS
+        ready = gl.allocate_shared_memory(gl.int64, [RB, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         x_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         XR: gl.constexpr = 16 if XG else 8 * 64     # XG: O^T goes through global memory (a token allocation)
@@ -429,6 +438,8 @@ if gluon is not None:
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=RCNT)
             mbarrier.init(empty.index(i), count=1)
+            if RB != NS:
+                mbarrier.init(ready.index(NS + i), count=RCNT)
         mbarrier.init(xbar.index(0), count=1)
         mbarrier.init(xbar.index(1), count=1)
         fence_async_shared()
