@@ -1569,8 +1569,10 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
 def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
                     aligned: bool = True) -> dict:
     """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
-    Both cuts are computed and the request-aligned one (``aligned_pieces``) is selected element-wise where it is
-    taken, so the choice needs no host read either.
+    Both cuts are CTA boundaries in the concatenated tiles, and one item generator turns either into work items:
+    the contiguous cut's ``c * T // G``, or (``aligned``, where ``aligned_pieces`` takes it: chosen element-wise,
+    no host read) the starts of the request-aligned pieces with G = their count; an empty request's item falls in
+    the CTA of the next tile either way (the last CTA at the end).
 
     Same cut as ``schedule`` (CTA c owns global tiles [c*T//G, (c+1)*T//G), G = min(num_ctas, ceil(T/min))),
     but the launch grid is always ``num_ctas`` (CTAs past G get empty ranges) and the arrays have fixed sizes:
@@ -1590,6 +1592,17 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     G = torch.clamp((T + (min_tiles_per_cta - 1)) // min_tiles_per_cta, 1, num_ctas)
     c = torch.arange(num_ctas + 1, **i64)
     bound = torch.where(c <= G, (c * T) // G, T)
+    if aligned and B > 0:   # the request-aligned cut's boundaries, where aligned_pieces takes it
+        kb = torch.clamp(torch.minimum(tiles * num_ctas // torch.clamp(T, min=1), tiles // min_tiles_per_cta), min=1)
+        kc = torch.where(tiles > 0, kb, 0)        # CTAs a request takes (an empty one: none)
+        pc = torch.cumsum(kc, 0)
+        P = pc[-1:]
+        take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= (T + G - 1) // G + ALIGNED_SLACK)
+        ab = torch.clamp(torch.searchsorted(pc, c, right=True), max=B - 1)   # CTA c's piece: request, index
+        aj = c - (pc - kc)[ab]
+        al = torch.where(c < P, req_start[ab] + aj * tiles[ab] // torch.clamp(kc[ab], min=1), T)
+        bound = torch.where(take, al, bound)
+        G = torch.where(take, torch.clamp(P, min=1), G)
     c_first = torch.clamp(torch.searchsorted(bound, req_start, right=True) - 1, min=0)
     c_first = torch.minimum(c_first, G - 1)
     c_last = torch.searchsorted(bound, torch.clamp(req_end - 1, min=0), right=True) - 1
@@ -1614,23 +1627,6 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     zero = torch.zeros(1, **i64)
     res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
                item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, it_end]), m_list=torch.arange(cap, **i64))
-    if aligned and B > 0:   # the request-aligned cut, where aligned_pieces takes it (aligned_lists' layout)
-        kb = torch.clamp(torch.minimum(tiles * num_ctas // torch.clamp(T, min=1), tiles // min_tiles_per_cta), min=1)
-        kc = torch.where(tiles > 0, kb, 0)                 # CTAs a request takes (an empty one: none)
-        pe, pc = torch.cumsum(kb, 0), torch.cumsum(kc, 0)   # its items' end, its CTAs' end
-        P = pc[-1:]
-        share = (T + G - 1) // G
-        take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= share + ALIGNED_SLACK)
-        ab = torch.clamp(torch.searchsorted(pe, i, right=True), max=B - 1)
-        aj = i - (pe - kb)[ab]
-        aok = i < pe[-1:]
-        acta = torch.minimum((pc - kc)[ab] + torch.where(tiles[ab] > 0, aj, 0), torch.clamp(P - 1, min=0))
-        acta = torch.where(aok, acta, num_ctas)            # non-decreasing: the items past the last one at the end
-        al = dict(cta_ptr=torch.searchsorted(acta, c), item_req=torch.where(aok, ab, 0),
-                  item_t0=torch.where(aok, aj * tiles[ab] // kb[ab], 0),
-                  item_t1=torch.where(aok, (aj + 1) * tiles[ab] // kb[ab], 0), m_ptr=torch.cat([zero, pe]))
-        for key, v in al.items():
-            res[key] = torch.where(take, v, res[key])
     if out is None:
         return {key: v.to(torch.int32) for key, v in res.items()}
     for key, v in res.items():
