@@ -60,9 +60,14 @@ GLUON_SPLIT_DIMS = False
 GLUON_PIPELINED = False
 
 
+def _switch(env: str, default: bool) -> bool:
+    """A kernel switch: the environment variable ``env`` when it is "0" or "1", else the module's default."""
+    v = os.environ.get(env, "")
+    return v == "1" if v in ("0", "1") else default
+
+
 def pipelined_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_PIPE", "")
-    return env == "1" if env in ("0", "1") else GLUON_PIPELINED
+    return _switch("FP8MLA_GLUON_PIPE", GLUON_PIPELINED)
 
 
 # In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
@@ -104,18 +109,15 @@ GLUON_ALIGNED = True
 
 
 def aligned_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_ALIGNED", "")
-    return env == "1" if env in ("0", "1") else GLUON_ALIGNED
+    return _switch("FP8MLA_GLUON_ALIGNED", GLUON_ALIGNED)
 
 
 def group_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_GROUP", "")
-    return env == "1" if env in ("0", "1") else GLUON_GROUP
+    return _switch("FP8MLA_GLUON_GROUP", GLUON_GROUP)
 
 
 def qk8_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_QK8", "")
-    return env == "1" if env in ("0", "1") else GLUON_QK8
+    return _switch("FP8MLA_GLUON_QK8", GLUON_QK8)
 
 
 def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int:
@@ -145,8 +147,7 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> in
 def fused_merge_max_parts() -> int:
     """0 when the fused merge is off, else the most partials a request may have to be merged in the kernel."""
     from ..kernels.decode_sm90 import FUSE_ALL
-    env = os.environ.get("FP8MLA_GLUON_FUSED_MERGE", "")
-    if not (env == "1" if env in ("0", "1") else GLUON_FUSED_MERGE):
+    if not _switch("FP8MLA_GLUON_FUSED_MERGE", GLUON_FUSED_MERGE):
         return 0
     v = os.environ.get("FP8MLA_GLUON_FUSED_MAX_PARTS", "") or str(GLUON_FUSED_MAX_PARTS)
     if v == "all":
@@ -157,18 +158,15 @@ def fused_merge_max_parts() -> int:
 
 
 def split_dims_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_SPLIT", "")
-    return env == "1" if env in ("0", "1") else GLUON_SPLIT_DIMS
+    return _switch("FP8MLA_GLUON_SPLIT", GLUON_SPLIT_DIMS)
 
 
 def page1_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_PAGE1", "")
-    return env == "1" if env in ("0", "1") else GLUON_PAGE1
+    return _switch("FP8MLA_GLUON_PAGE1", GLUON_PAGE1)
 
 
 def mtp_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_MTP", "")
-    return env == "1" if env in ("0", "1") else GLUON_MTP
+    return _switch("FP8MLA_GLUON_MTP", GLUON_MTP)
 
 
 def _qo_refusal(spec, qo_lens) -> str:
@@ -190,8 +188,7 @@ def _qo_refusal(spec, qo_lens) -> str:
 
 
 def wide_heads_enabled() -> bool:
-    env = os.environ.get("FP8MLA_GLUON_WIDE", "")
-    return env == "1" if env in ("0", "1") else GLUON_WIDE_HEADS
+    return _switch("FP8MLA_GLUON_WIDE", GLUON_WIDE_HEADS)
 
 
 def supports(spec, layout) -> tuple[bool, str]:
