@@ -454,6 +454,25 @@ def page1(monkeypatch):
     monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
 
 
+def assert_behind_switch(monkeypatch, attr: str, env: str, spec, lay, taken_when_off: bool, hint: str = "",
+                         ctx=None) -> None:
+    """gluon.supports(spec, lay) under the four settings of a kernel switch (the module default ``attr`` off or on,
+    the environment variable ``env`` unset, "1" or "0"): taken whenever the switch is on, and while it is off only
+    if ``taken_when_off``; a refusal names ``hint`` (default: ``env``), so a user learns how to turn it on."""
+    from fp8mla.backends import gluon as gb
+    for switch, value, want in ((False, None, taken_when_off), (True, None, True), (False, "1", True),
+                                (True, "0", taken_when_off)):
+        monkeypatch.setattr(gb, attr, switch)
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+        ok, why = gb.supports(spec, lay)
+        assert ok == want, (ctx, switch, value, why)
+        if not ok:
+            assert (hint or env) in why, why
+
+
 def test_page1_is_behind_its_switch(monkeypatch):
     """supports() refuses page 1 unless GLUON_PAGE1 or FP8MLA_GLUON_PAGE1=1 (=0 refuses even when switched on),
     and says how to turn it on; page 64 is unaffected."""
@@ -469,17 +488,7 @@ def test_page1_is_behind_its_switch(monkeypatch):
                              torch.device("cpu"))
         lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
                                            torch.tensor([130], dtype=torch.int32), page)
-        for switch, env, want in ((False, None, page == 64), (True, None, True), (False, "1", True),
-                                  (True, "0", page == 64)):
-            monkeypatch.setattr(gb, "GLUON_PAGE1", switch)
-            if env is None:
-                monkeypatch.delenv("FP8MLA_GLUON_PAGE1", raising=False)
-            else:
-                monkeypatch.setenv("FP8MLA_GLUON_PAGE1", env)
-            ok, why = gb.supports(spec, lay)
-            assert ok == want, (page, switch, env, why)
-            if not ok:
-                assert "FP8MLA_GLUON_PAGE1" in why, why
+        assert_behind_switch(monkeypatch, "GLUON_PAGE1", "FP8MLA_GLUON_PAGE1", spec, lay, page == 64, ctx=page)
 
 
 @pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
@@ -763,17 +772,8 @@ def test_mtp_is_behind_its_switch(monkeypatch):
         return AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
                              torch.device("cpu"))
     for qo_lens, H in (([1, 1], 16), ([2, 1, 3], 16), ([8], 16), ([4, 2], 128)):
-        for switch, env, want in ((False, None, max(qo_lens) == 1), (True, None, True), (False, "1", True),
-                                  (True, "0", max(qo_lens) == 1)):
-            monkeypatch.setattr(gb, "GLUON_MTP", switch)
-            if env is None:
-                monkeypatch.delenv("FP8MLA_GLUON_MTP", raising=False)
-            else:
-                monkeypatch.setenv("FP8MLA_GLUON_MTP", env)
-            ok, why = gb.supports(spec(H), layout(qo_lens))
-            assert ok == want, (qo_lens, H, switch, env, why)
-            if not ok:
-                assert "FP8MLA_GLUON_MTP=1" in why, why
+        assert_behind_switch(monkeypatch, "GLUON_MTP", "FP8MLA_GLUON_MTP", spec(H), layout(qo_lens),
+                             max(qo_lens) == 1, hint="FP8MLA_GLUON_MTP=1", ctx=(qo_lens, H))
     monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
     for qo_lens, H in (([9], 16), ([5, 1], 128), ([2, 0], 16), ([6], 100)):
         ok, why = gb.supports(spec(H), layout(qo_lens))

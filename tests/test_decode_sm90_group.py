@@ -14,7 +14,7 @@ import torch
 
 import fp8mla
 from conftest import compile_report_in_child
-from test_decode_sm90 import check, run_case
+from test_decode_sm90 import assert_behind_switch, check, run_case
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -124,17 +124,7 @@ def test_group_is_behind_its_switch(monkeypatch):
     monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
     for fmt in ("fp8_e4m3_group", "fp8_e4m3"):
         spec, lay = _spec_layout(fmt)
-        for switch, env, want in ((False, None, fmt == "fp8_e4m3"), (True, None, True), (False, "1", True),
-                                  (True, "0", fmt == "fp8_e4m3")):
-            monkeypatch.setattr(gb, "GLUON_GROUP", switch)
-            if env is None:
-                monkeypatch.delenv("FP8MLA_GLUON_GROUP", raising=False)
-            else:
-                monkeypatch.setenv("FP8MLA_GLUON_GROUP", env)
-            ok, why = gb.supports(spec, lay)
-            assert ok == want, (fmt, switch, env, why)
-            if not ok:
-                assert "FP8MLA_GLUON_GROUP" in why, why
+        assert_behind_switch(monkeypatch, "GLUON_GROUP", "FP8MLA_GLUON_GROUP", spec, lay, fmt == "fp8_e4m3", ctx=fmt)
     monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # every head count (16 rows per consumer, more head groups)
     for H in (32, 33, 128):
         assert gb.supports(*_spec_layout("fp8_e4m3_group", H=H))[0]
