@@ -90,7 +90,8 @@ def make_case(kv_lens, H, page, *, seed=0, q_dtype=torch.bfloat16, ckv_scale=1.0
 
 
 def reference(c, nreq=None):
-    """float64 (out, lse base 2) on the dequantized KV, first ``nreq`` requests."""
+    """float64 (out, lse base 2) on the dequantized KV, first ``nreq`` requests: c_kv x the per-tensor scale (x each
+    token's group scales, one per 128 columns, when the case has a ``scale_arr``), k_pe x its scale."""
     B = len(c["kv_lens"]) if nreq is None else nreq
     H = c["H"]
     out = torch.zeros(B, H, DC, dtype=torch.float64, device=DEV)
@@ -105,6 +106,8 @@ def reference(c, nreq=None):
         pg = ind[ptr[b]:ptr[b + 1]][pos // page]
         rows = c["pool"][pg, pos % page].double()
         ck, kp = rows[:, :DC] * sc[0], rows[:, DC:] * sc[1]
+        if "scale_arr" in c:
+            ck = ck * c["scale_arr"][pg, pos % page].double().repeat_interleave(128, dim=-1)
         s = (c["q_nope"][b].double() @ ck.T + c["q_pe"][b].double() @ kp.T) * c["sm_scale"]
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
@@ -166,9 +169,9 @@ class Plan:
 # ------------------------------------------------------------------------------------------------------------
 # correctness
 # ------------------------------------------------------------------------------------------------------------
-def check_case(name, c, plan_cls=None, ref=None, **plan_kw):
-    """Plan ``c`` (``plan_cls``, default ``Plan``), run it over poisoned outputs and compare with float64 (``ref``,
-    default ``reference``): rel L2, lse, NaN, empty requests, bit-identical reruns. A row in RESULTS["checks"]."""
+def check_case(name, c, plan_cls=None, **plan_kw):
+    """Plan ``c`` (``plan_cls``, default ``Plan``), run it over poisoned outputs and compare with float64
+    (``reference``): rel L2, lse, NaN, empty requests, bit-identical reruns. A row in RESULTS["checks"]."""
     t0 = time.time()
     p = (plan_cls or Plan)(c, **plan_kw)
     p.out.fill_(float("nan"))
@@ -176,7 +179,7 @@ def check_case(name, c, plan_cls=None, ref=None, **plan_kw):
     p.t["part_o"].fill_(float("nan"))
     p.run()
     torch.cuda.synchronize()
-    ref_o, ref_l = (ref or reference)(c)
+    ref_o, ref_l = reference(c)
     o, lse = p.out.double(), p.lse.double()
     empty = torch.tensor([L == 0 for L in c["kv_lens"]], device=DEV)
     nan_bad = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
