@@ -1266,43 +1266,29 @@ if gluon is not None:
         zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
         ns_t = zero + NS
         mode_t = zero + MODE
-        if GROUP:   # (the scale arguments are None otherwise, and a partition's argument list takes no None)
-            gl.warp_specialize([
-                (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                             kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                             kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, sc_ptr,
-                             stride_sc_row, GROUP)),
-                (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                              QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
-                (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                              QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
-            ], [4, 4], [REGS, REGS])
-        else:
-            gl.warp_specialize([
-                (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                             kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                             kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)),
-                (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                              QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
-                (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                              kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                              xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                              stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                              HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                              QK8, QKC, tl_ptr, TLT, WLACC, PVW)),
-            ], [4, 4], [REGS, REGS])
+        if not GROUP:   # placeholders (never read): a partition's argument list takes no None
+            sbuf = pbuf
+            sc_desc = kpe_desc
+            sc_ptr = kpe_ptr
+            stride_sc_row = stride_kpe_row
+        gl.warp_specialize([
+            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, sc_ptr,
+                         stride_sc_row, GROUP)),
+            (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+            (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
+                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+        ], [4, 4], [REGS, REGS])
 
 
 @triton.jit
