@@ -395,21 +395,12 @@ if gluon is not None:
                   sbuf=None, sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False):
         # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA
         if PAGE == 1:
-            if GROUP:
-                _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
-                                kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
-                                MODE, WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
-            else:
-                _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
-                                kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
-                                MODE, WIDE)
+            _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
+                            kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
+                            MODE, WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
         else:
-            if GROUP:
-                _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
-                              item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, GROUP)
-            else:
-                _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
-                              item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE)
+            _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
+                          item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, GROUP)
 
     @gluon.jit
     def _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
