@@ -11,11 +11,10 @@ layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``,
 copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
 to the pages each row lists either way.
 
-``build`` makes the split schedule (contiguous tile ranges per CTA, see ``decode_sm90.schedule``) and the
-device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers
-sized once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size``
-requests) and the kernels read the real counts from device memory, so a captured run replays right after a
-re-plan.
+``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``decode_sm90.schedule``) and
+the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
+once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
+kernels read the real counts from device memory, so a captured run replays right after a re-plan.
 """
 from __future__ import annotations
 
@@ -95,10 +94,10 @@ GLUON_QK8 = False
 # kernel's KV_GROUP numerics). ON: H200 2026-12-01 (kernel log 24): 16 float64 checks (H 8-128, pages 1-128, odd
 # lengths over NaN pools, B1 L32k splits, scales e^+-8) rel L2 <= 1.96e-3, bit-identical reruns; 1.23-2.93x faster
 # than the Triton group kernel (H16 B64 L8k .210 vs .477 ms, H128 B64 .917 vs 2.69), 1.35-2.2x slower than the
-# per-tensor Gluon kernel. FP8MLA_GLUON_GROUP=0 turns it off (group plans then run the Triton kernel). The group build has 16 rows
-# per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it
-# spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own is); another
-# layout is refused by name at run().
+# per-tensor Gluon kernel. FP8MLA_GLUON_GROUP=0 turns it off (group plans then run the Triton kernel). The group build
+# has 16 rows per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per
+# consumer it spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own
+# is); another layout is refused by name at run().
 GLUON_GROUP = True
 
 
@@ -124,10 +123,14 @@ def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int
     """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on, the format
     without group scales, and the terms beside an ns-stage ring within shared memory."""
     from ..kernels import decode_sm90 as k
-    if not qk8_enabled() or group:
-        return 0
-    terms = k.qk8_terms(q_dtype)
-    return terms if k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
+    terms = _qk8_wanted(q_dtype, group)
+    return terms if terms and k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
+
+
+def _qk8_wanted(q_dtype, group: bool) -> int:
+    """Q's e4m3 terms when the FP8-scores switch is on and the format has no group scales, else 0."""
+    from ..kernels import decode_sm90 as k
+    return 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
 
 
 def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> int:
@@ -137,7 +140,7 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> in
     above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
     its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
     from ..kernels import decode_sm90 as k
-    terms = 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
+    terms = _qk8_wanted(q_dtype, group)
     if group:
         while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
             ns -= 1

@@ -22,9 +22,10 @@ Design (../shared/DECODE_V2.md, "swap-AB with register operands"): one persisten
     no waiting, counters reset to 0 by the merger), bit-identical to the merge kernel for lists of up to
     ``SEQ_PARTS`` partials; requests with more than ``fuse_max`` partials stay on the merge kernel.
 
-Work items come from the host plan (``schedule``): the concatenated 64-token tiles of all requests are cut into
-one contiguous range per CTA (FlashMLA-style), a range split at request boundaries into items
-``(request, first tile, end tile)``. Every device array the kernels read is sized at plan time; ``run`` only
+Work items come from the plan (``schedule``): the concatenated 64-token tiles of all requests are cut into one
+range per CTA, either request-aligned pieces (``aligned_pieces``: one item per CTA, where that balances) or
+contiguous ranges (FlashMLA-style), a range split at request boundaries into items ``(request, first tile, end
+tile)``. Every device array the kernels read is sized at plan time; ``run`` only
 launches (CUDA-graph safe).
 
 Tail tiles (kv_len not a multiple of 64): the consumer zeroes the stage's rows past kv_len in shared memory
@@ -63,13 +64,13 @@ head near 2^8) split into terms whose sum holds a bf16 query exactly at 2 terms 
 scales multiply the two score parts (c_kv, k_pe) instead of Q. P.V is the fp16 path above. Measured on the H200: no
 faster, and the e4m3 accumulation moves the scores by more than the default numerics allow at large scores.
 
-Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; taken
-while the adapter's ``GLUON_GROUP`` switch is on, as it is by default since kernel log 24): the producer brings each tile's [64, 4] scales into the
-stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1, counted in the same
-``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read 0. Scores: one
-fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its per-tensor
-scale folded into Q). P.V: one P^T per group, P x scale / the group's largest scale in the tile (<= 1, so fp16
-keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
+Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; taken while
+the adapter's ``GLUON_GROUP`` switch is on, as it is by default since kernel log 24): the producer brings each tile's
+[64, 4] scales into the stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1,
+counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read
+0. Scores: one fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its
+per-tensor scale folded into Q). P.V: one P^T per group, P x scale / the group's largest scale in the tile (<= 1, so
+fp16 keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
 maximum (rescaled by alpha x f_old / f_new with the online softmax, multiplied back at the end of the item): the
 Triton kernel's KV_GROUP numerics; the stored values still convert exactly to fp16 and never meet their scale
 element-wise. The group build has 16 rows per consumer at any head count (``GROUP_MAX_HPW``; H > 32: ceil(H / 32)
