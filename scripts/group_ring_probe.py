@@ -5,10 +5,10 @@ and the alternating-tile kernel's parity wait races at an odd depth, kernel log 
     PYTHONPATH=$PWD/src python3 scripts/group_ring_probe.py
 
 CUDA-graph timings (L2 flushed) of the group and per-tensor builds at H16 for NS 2, NS 3 (ran 03:26 UTC with the
-racy single ready barrier per stage, timing only; since kernel log 29 an odd ring has per-consumer barriers) and, per-tensor, NS 4; plus compute-only (MODE 2: consumers compute on
-whatever the stage holds, the producer does not copy) at NS 2. Prediction: if the ring depth is the cause, group NS 3
-is ~1.4-1.6x faster than NS 2 and per-tensor NS 2 is about as slow as group NS 2; if the consumers are, group
-compute-only NS 2 stays near group NS 2."""
+racy single ready barrier per stage, timing only; since kernel log 29 an odd ring has per-consumer barriers) and,
+per-tensor, NS 4; plus compute-only (MODE 2: consumers compute on whatever the stage holds, the producer does not
+copy) at NS 2. Prediction: if the ring depth is the cause, group NS 3 is ~1.4-1.6x faster than NS 2 and per-tensor
+NS 2 is about as slow as group NS 2; if the consumers are, group compute-only NS 2 stays near group NS 2."""
 from __future__ import annotations
 
 import importlib.util
