@@ -308,8 +308,18 @@ def test_kernel_options_are_validated(opt):
 
 def test_fp8_math_is_refused_not_ignored():
     """``fp8_math`` was an accepted option name that no backend read: True ran the default numerics silently.
-    Until FP8 tensor-core math exists, True raises at construction, naming the option; False / None stay accepted."""
-    with pytest.raises(NotImplementedError, match="fp8_math"):
-        fp8mla.MLAPagedAttention(backend="torch", fp8_math=True)
+    FP8 tensor-core math exists on the gluon kernel only: a backend or strategy that cannot run it raises at
+    construction, and an ``auto`` plan that would land elsewhere (here: no sm_90 GPU) raises at plan(), naming
+    the option; False / None stay accepted everywhere."""
+    for kw in (dict(backend="torch"), dict(backend="triton"), dict(strategy="gather_cast")):
+        with pytest.raises(ValueError, match="fp8_math"):
+            fp8mla.MLAPagedAttention(fp8_math=True, **kw)
     fp8mla.MLAPagedAttention(backend="torch", fp8_math=False)
     fp8mla.MLAPagedAttention(backend="torch", fp8_math=None)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        return   # auto runs it there (tests/test_decode_sm90_fp8math.py)
+    cache = fp8mla.PagedMLACache(num_layers=1, num_pages=4, page_size=16, kv_format="fp8_e4m3")
+    s = cache.add_sequence(num_tokens=20)
+    attn = fp8mla.MLAPagedAttention(fp8_math=True)
+    with pytest.raises(ValueError, match="fp8_math: .*gluon kernel only"):
+        attn.plan(**cache.plan_inputs([s]), num_heads=16, causal=True, sm_scale=0.1, q_data_type=torch.bfloat16)

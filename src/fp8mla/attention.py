@@ -60,8 +60,10 @@ class MLAPagedAttention:
             the batch's tokens into a 16-bit workspace sized by those tokens, then run the 16-bit kernel on it; a
             baseline and a fallback, never a cast of the pool).
         **kernel_options: tuning (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``ctas_per_sm``,
-            ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math``: reserved,
-            True raises NotImplementedError: not built yet) and the CUDA-graph
+            ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math``: opt-in FP8
+            tensor-core math on the gluon kernel (Q as e4m3 hi + lo terms, P x 2^8 as e4m3, both products e4m3 x
+            e4m3 wgmma, no K/V conversion; error budget rel L2 <= 2e-2 instead of the default 3e-3; per-tensor
+            e4m3 only; a plan that would run elsewhere raises) and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20).
 
@@ -101,6 +103,10 @@ class MLAPagedAttention:
             raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
                             f"{sorted(KERNEL_OPTIONS)}")
         _check_kernel_options(kernel_options)
+        if kernel_options.get("fp8_math") and (backend in ("torch", "triton") or strategy != "native"):
+            # never the default numerics under a flag that promises FP8 tensor-core math
+            raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only (sm_90; backend 'gluon' "
+                             f"or 'auto', strategy 'native'); got backend {backend!r}, strategy {strategy!r}")
         # FlashInfer's graph buffers: they size fp8mla's, and (int32 ones) are the very tensors the kernels read,
         # as in FlashInfer: plan() copies into them and a captured run() reads their live contents (vLLM writes
         # page ids into the kv_indices buffer inside its captured forward).
@@ -297,6 +303,10 @@ class MLAPagedAttention:
         else:
             name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
             self._choice = (key, name)
+        if opts.get("fp8_math") and name != "gluon":
+            why = verdict[-1][1] if verdict and not verdict[-1][0] else f"no sm_90 GPU with Gluon for {spec.device}"
+            raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only, and this plan would "
+                             f"run on {name!r}: {why}")
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"
@@ -477,12 +487,6 @@ def _check_kernel_options(opts: dict) -> None:
     for name in ("evict_first", "index64", "fp8_math"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
-    if opts.get("fp8_math"):
-        # Accepted as an option name since the first Gluon kernel, never built: say so instead of silently running
-        # the default (exact) numerics under a flag that promises FP8 tensor-core math.
-        raise NotImplementedError("fp8_math: FP8 tensor-core math (e4m3 Q hi+lo and P, error budget 2e-2) is not "
-                                  "implemented yet; every backend runs the default numerics (exact FP8 -> fp16, "
-                                  "16-bit MMAs, fp32 softmax). Leave fp8_math unset or False")
 
 
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):

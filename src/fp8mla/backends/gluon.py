@@ -30,6 +30,10 @@ from ..runtime import LN2, gluon_usable, num_sms
 # (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
 # or the FP8-scores variant's Q terms, where 4 do not fit: decode_sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
+# fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
+# P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
+# L2 <= 2e-2 (kernel log 30); the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
+FP8_MATH_TERMS = 2
 PAGE_MULTIPLE = 64
 # The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
 # since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
@@ -119,28 +123,32 @@ def qk8_enabled() -> bool:
     return _switch("FP8MLA_GLUON_QK8", GLUON_QK8)
 
 
-def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False) -> int:
-    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on, the format
-    without group scales, and the terms beside an ns-stage ring within shared memory."""
+def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False, fp8_math: bool = False) -> int:
+    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on (or
+    ``fp8_math``), the format without group scales, and the terms beside an ns-stage ring within shared memory."""
     from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group)
+    terms = _qk8_wanted(q_dtype, group, fp8_math)
     return terms if terms and k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
 
 
-def _qk8_wanted(q_dtype, group: bool) -> int:
-    """Q's e4m3 terms when the FP8-scores switch is on and the format has no group scales, else 0."""
+def _qk8_wanted(q_dtype, group: bool, fp8_math: bool = False) -> int:
+    """Q's e4m3 terms when the FP8-scores switch is on and the format has no group scales, else 0. ``fp8_math``:
+    always FP8_MATH_TERMS (hi + lo: exact for bf16 queries, fp16 ones rounded to 8 significant bits, well inside
+    fp8_math's error budget)."""
     from ..kernels import decode_sm90 as k
+    if fp8_math:
+        return 0 if group else FP8_MATH_TERMS
     return 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
 
 
-def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False) -> int:
+def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles take shared memory from the
     ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered to what fits, as the same
     wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
     above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
     its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
     from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group)
+    terms = _qk8_wanted(q_dtype, group, fp8_math)
     if group:
         while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
             ns -= 1
@@ -246,8 +254,9 @@ class GluonPlan:
     t: dict
     max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
     fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
-    qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8)
+    qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8, or fp8_math)
     group: bool = False   # per-token group scales (fp8_e4m3_group; GLUON_GROUP): run() takes ckv_scale_arr
+    pv8: bool = False     # fp8_math: e4m3 P.V too (with qk8 = FP8_MATH_TERMS)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
@@ -273,8 +282,8 @@ class GluonPlan:
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
         launch = k.launch
-        if self.group:
-            pass   # the default kernel only (the split/pipe variants have no group scales)
+        if self.group or self.pv8:
+            pass   # the default kernel only (the split/pipe variants have neither group scales nor fp8_math)
         elif self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
             from ..kernels import decode_sm90_split
             launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
@@ -289,7 +298,8 @@ class GluonPlan:
                  **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
                  **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
                     if self.qk8 and launch is k.launch else {}),
-                 **({"scale_desc": scale_desc} if scale_desc is not None else {}))
+                 **({"scale_desc": scale_desc} if scale_desc is not None else {}),
+                 **({"pv8": True} if self.pv8 else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -303,6 +313,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
         opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
         state["opts_from"] = options
+    fp8_math = bool(opts.get("fp8_math"))
+    if fp8_math and spec.kv_format.scale_kind == "group":
+        raise ValueError(f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan "
+                         f"has per-token group scales ({spec.kv_format.name}, or ckv_scale_arr at run())")
     device = spec.device
     buf = state.get("graph") if spec.use_cuda_graph else None
     n_sm = buf.n_sm if buf is not None else num_sms(device)  # (the device's properties: a few us per ask)
@@ -313,8 +327,11 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     group = spec.kv_format.scale_kind == "group"
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
-    ns = plan_ring(ns, hpw, wide, spec.q_dtype, group)
-    smem = k.smem_bytes(ns, hpw, wide, group=group)
+    ns = plan_ring(ns, hpw, wide, spec.q_dtype, group, fp8_math)
+    if fp8_math:   # the Q terms take shared memory from the ring
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS) > k.SMEM_LIMIT:
+            ns -= 1
+    smem = k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS if fp8_math else 0, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)
         raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
@@ -332,7 +349,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         parts = None
     mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
     fuse = fused_merge_max_parts()
-    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group)
+    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group, fp8_math)
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
@@ -341,7 +358,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -354,10 +371,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         if fuse:   # arrival counters: zeros, and back at zero after every complete run
             t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo, max_hpw), dtype=torch.int32,
                                          device=device)
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, aligned=aligned_enabled())
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):

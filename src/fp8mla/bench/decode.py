@@ -33,7 +33,8 @@ def add_arguments(p):
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[],
-                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch")
+                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
+                        "kernel's opt-in FP8 tensor-core math)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -133,6 +134,14 @@ def main(args) -> int:
                                                                              lse=lse, **sk))
                         except ValueError as e:
                             print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
+                        if "fp8_math" in args.compare and fmt.is_fp8 and fmt.scale_kind == "tensor":
+                            try:   # the opt-in FP8 tensor-core math (error budget 2e-2)
+                                attn = MLAPagedAttention(backend="gluon", fp8_math=True)
+                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                runners["fp8mla gluon fp8_math"] = (
+                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            except ValueError as e:
+                                print(f"  fp8mla gluon fp8_math H{H} B{B} L{L} page{page}: not taken ({e})")
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)

@@ -114,6 +114,7 @@ GROUPS = 4         # per-token group scales: one per 128 c_kv columns (fmt fp8_e
 GROUP_MAX_HPW = 16  # group scales: heads (rows) per consumer of the build (H > 32: more head-group CTAs per slot)
 STAGE_BYTES = TILE * ROW_BYTES
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90
+P8_SCALE = 256.0     # fp8_math: P (<= 1) x this in e4m3 (max 448); P >= 2^-14 stays a normal e4m3 number
 
 
 def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
@@ -232,6 +233,7 @@ def mtp_visible(kv_len: int, qo_len: int, i: int, causal: bool) -> int:
 
 if gluon is not None:
     GROUPS_C = gl.constexpr(GROUPS)
+    P8_SCALE_C = gl.constexpr(P8_SCALE)
 
     @gluon.jit
     def _relabel_k(x):
@@ -287,6 +289,55 @@ if gluon is not None:
         return oa, ob
 
     @gluon.jit
+    def _fp8_quads(x):
+        # x: int16 = (dim 2dp, dim 2dp+1) of one token, four per call in L16's register order = tokens
+        # (t, t+1, t+8, t+9) of one dim pair -> the e4m3 bytes of dim 2dp at those four tokens, and of dim 2dp+1
+        # (an e4m3 wgmma A register holds 4 k-consecutive bytes of one row): two byte permutes, no conversion.
+        return gl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, $3, 0x6420; prmt.b32 $1, $2, $3, 0x7531;",
+            "=r,=r,r,r", [x], dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _relabel_tok8(x):
+        # [64 tokens, N] -> rows in the e4m3 P.V's k order: row k holds token t with bits
+        # (t5 t4 t2 t1 t3 t0) = k's bits (k5 .. k0), the order _fp8_quads leaves the V^T bytes in
+        N: gl.constexpr = x.shape[1]
+        y = gl.reshape(x, [2, 2, 2, 2, 2, 2, N])
+        y = gl.permute(y, (0, 1, 3, 4, 2, 5, 6))
+        return gl.reshape(y, [64, N])
+
+    @gluon.jit
+    def _vt_chunk8(kbuf, slab, half: gl.constexpr, a8_l: gl.constexpr, L16: gl.constexpr,
+                   kv16_l: gl.constexpr):
+        # e4m3 V^T fragment of 64 dims x 64 tokens for the FP8 P.V (fp8_math): rows as _vt_chunk's (row m holds
+        # dim 2(8(m>>4) + (m&7)) + ((m>>3)&1)), k in _relabel_tok8's token order; bytes moved, never converted.
+        if _NEW_REINTERPRET:
+            x16 = kbuf.index(slab).reinterpret(gl.int16, [64, 64], kv16_l)
+        else:
+            x16 = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l)
+        x = x16.slice(half * 32, 32, dim=1).load(L16)
+        lo, hi = _fp8_quads(x)
+        v = gl.join(lo, hi)                                  # [64 tokens, 32 dim pairs, 2]
+        v = gl.reshape(v, [2, 2, 2, 2, 2, 2, 4, 8, 2])       # (t5 t4 t3 t2 t1 t0, dp hi, dp lo, d)
+        v = gl.permute(v, (6, 8, 7, 0, 1, 3, 4, 2, 5))       # m = (dp hi, d, dp lo), k = (t5 t4 t2 t1 t3 t0)
+        v = gl.reshape(v, [64, 64])
+        return gl.convert_layout(v, a8_l, assert_trivial=True)
+
+    @gluon.jit
+    def _pv_slab8(kbuf, slab, bP8, a2, oa, ob, a8_l: gl.constexpr, L16: gl.constexpr, kv16_l: gl.constexpr):
+        # _pv_slab with e4m3 x e4m3 wgmma (k 32): V^T bytes from _vt_chunk8, P^T e4m3 in shared memory. (The
+        # wait takes no 8-bit operands (triton 3.6-3.9: "Unexpected bitwidth in WGMMAWaitGroupOp"), so the A
+        # fragments are not in deps; ptxas keeps a wgmma's A registers until its group is waited on, as for the
+        # fp16 fragments of _pv_slab, which leave the wait while their group may still be in flight.)
+        va = _vt_chunk8(kbuf, slab, 0, a8_l, L16, kv16_l)
+        oa = warpgroup_mma(va, bP8, oa * a2, is_async=True)
+        oa = warpgroup_mma_wait(1, deps=(oa,))
+        vb = _vt_chunk8(kbuf, slab, 1, a8_l, L16, kv16_l)
+        ob = warpgroup_mma(vb, bP8, ob * a2, is_async=True)
+        ob = warpgroup_mma_wait(1, deps=(ob,))
+        return oa, ob
+
+    @gluon.jit
     def _stamp(tl_ptr, cid: gl.constexpr, n, phase: gl.constexpr, TLT: gl.constexpr):
         # timing probe (TLT > 0): this SM's clock64 at `phase` of the consumer's n-th tile, into
         # tl_ptr[pid, cid, n, phase] ([grid, 2, TLT, 8] int64; tiles past TLT are not recorded)
@@ -294,6 +345,20 @@ if gluon is not None:
         clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
                                         pack=1)
         gl.store(tl_ptr + ((pid * 2 + cid) * TLT + n) * 8 + phase, clk, mask=n < TLT)
+
+    @gluon.jit
+    def _stamp_cta(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr):
+        # timing probe (TLT > 0): the global timer (ns, comparable across SMs and with other kernels) and this
+        # SM's clock64 at a per-CTA point `row` (0 consumer entry, 1 an item's Q in shared memory, 2 consumer
+        # exit, 3 an item's start; the last item's value stays), into slots 6 / 7 of tl_ptr[pid, cid, row]
+        pid = gl.program_id(0)
+        gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                       pack=1)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
+        gl.store(base + 6, gt, mask=row < TLT)
+        gl.store(base + 7, clk, mask=row < TLT)
 
     @gluon.jit
     def _sanitize_tail(kbuf, pbuf, s, valid):
@@ -748,7 +813,8 @@ if gluon is not None:
                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
+                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
+                  PV8: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -757,6 +823,7 @@ if gluon is not None:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HPW, 32])
+        a8_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma8, k_width=4)
         ld_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
             lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
@@ -772,6 +839,8 @@ if gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         STEP: gl.constexpr = 1 if WIDE else 2
 
+        if TLT:
+            _stamp_cta(tl_ptr, cid, 0, TLT)
         pid = gl.program_id(0)
         if WIDE:
             slot = pid // NHG
@@ -783,6 +852,9 @@ if gluon is not None:
         i1 = gl.load(cta_ptr + slot + 1)
         ckv_scale = gl.load(scales)
         kpe_scale = gl.load(scales + 1)
+        o_scale = ckv_scale   # the outputs' factor: V's scale (and, fp8_math, 1 / P's e4m3 scale)
+        if PV8:
+            o_scale = ckv_scale * (1.0 / P8_SCALE_C)
         my_qpe = qpe_smem.index(cid)
         my_p = pT_smem.index(cid)
         bP = my_p.permute((1, 0))
@@ -793,6 +865,8 @@ if gluon is not None:
         g = 0
         nt = 0   # this consumer's tiles so far (the timing probe's index)
         for it in range(i0, i1):
+            if TLT:
+                _stamp_cta(tl_ptr, cid, 3, TLT)
             b = gl.load(item_req + it)
             t0 = gl.load(item_t0 + it)
             t1 = gl.load(item_t1 + it)
@@ -854,6 +928,8 @@ if gluon is not None:
                 qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
                 my_qpe.store(_relabel_k64(qp16))
             fence_async_shared()
+            if TLT:
+                _stamp_cta(tl_ptr, cid, 1, TLT)
             row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
             tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
             hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
@@ -1033,6 +1109,8 @@ if gluon is not None:
                                                                     (1, 0)))
                         pT_smem.index(cid * 4 + 3).store(gl.permute((p * (sg3 / gm3)[:, None]).to(gl.float16),
                                                                     (1, 0)))
+                    elif PV8:   # fp8_math: P x 2^8 in e4m3 (<= 256 of 448), rows in the e4m3 P.V's token order
+                        my_p.store(gl.permute(_relabel_tok8((p * P8_SCALE_C).to(gl.float8e4nv)), (1, 0)))
                     else:
                         my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
                     fence_async_shared()
@@ -1053,6 +1131,27 @@ if gluon is not None:
                         f1 = gm1
                         f2 = gm2
                         f3 = gm3
+                    elif PV8:
+                        # fp8_math: e4m3 x e4m3 wgmma (V^T bytes straight from the stage, P^T e4m3), accumulators
+                        # under the k-32 layout name (same registers), back after the tile's last wait
+                        a2 = gl.convert_layout(alpha, gl.SliceLayout(0, mma8), assert_trivial=True)[None, :]
+                        q0, q1 = _pv_slab8(kbuf, s * 4 + 0, bP, a2, gl.convert_layout(o0, mma8, assert_trivial=True),
+                                           gl.convert_layout(o1, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                        q2, q3 = _pv_slab8(kbuf, s * 4 + 1, bP, a2, gl.convert_layout(o2, mma8, assert_trivial=True),
+                                           gl.convert_layout(o3, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                        q4, q5 = _pv_slab8(kbuf, s * 4 + 2, bP, a2, gl.convert_layout(o4, mma8, assert_trivial=True),
+                                           gl.convert_layout(o5, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                        q6, q7 = _pv_slab8(kbuf, s * 4 + 3, bP, a2, gl.convert_layout(o6, mma8, assert_trivial=True),
+                                           gl.convert_layout(o7, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                        q0, q1, q2, q3, q4, q5, q6, q7 = warpgroup_mma_wait(0, deps=(q0, q1, q2, q3, q4, q5, q6, q7))
+                        o0 = gl.convert_layout(q0, mma, assert_trivial=True)
+                        o1 = gl.convert_layout(q1, mma, assert_trivial=True)
+                        o2 = gl.convert_layout(q2, mma, assert_trivial=True)
+                        o3 = gl.convert_layout(q3, mma, assert_trivial=True)
+                        o4 = gl.convert_layout(q4, mma, assert_trivial=True)
+                        o5 = gl.convert_layout(q5, mma, assert_trivial=True)
+                        o6 = gl.convert_layout(q6, mma, assert_trivial=True)
+                        o7 = gl.convert_layout(q7, mma, assert_trivial=True)
                     elif PVW == 1:
                         a2 = alpha[None, :]
                         o0, o1 = _pv_slab(kbuf, s * 4 + 0, bP, a2, o0, o1, a_l, L16, kv16_l)
@@ -1105,7 +1204,7 @@ if gluon is not None:
                 if WLACC:
                     l_i = gl.sum(l_acc, axis=0)
                 m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-                _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
+                _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                 if FUSED:
@@ -1150,7 +1249,7 @@ if gluon is not None:
                     m_i = m_new
                     _cta_barrier()
                     mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
-                    _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0,
+                    _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
                     if FUSED:   # consumer 0 wrote the item's partial (both consumers' states merged)
@@ -1159,6 +1258,8 @@ if gluon is not None:
                                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                                          m_ptr, m_list, merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             g += n
+        if TLT:
+            _stamp_cta(tl_ptr, cid, 2, TLT)
 
     @gluon.jit
     def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -1168,12 +1269,13 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
+                  PV8: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -1183,12 +1285,13 @@ if gluon is not None:
                    NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False):
+                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
+                  PV8: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -1202,7 +1305,8 @@ if gluon is not None:
                                FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
                                QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
                                WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sc_desc=None, sc_ptr=None,
-                               stride_sc_row=None, GROUP: gl.constexpr = False):
+                               stride_sc_row=None, GROUP: gl.constexpr = False,
+                               PV8: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -1223,6 +1327,8 @@ if gluon is not None:
             qpe8_smem = qpe_smem
         if GROUP:   # four P^T tiles per consumer (one per scale group)
             pT_smem = gl.allocate_shared_memory(gl.float16, [2 * GROUPS_C, HPW, 64], q_l)
+        elif PV8:   # fp8_math: P^T in e4m3 (64-byte rows, k-major for the e4m3 wgmma)
+            pT_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HPW, 64], kpe_l)
         else:
             pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
         # ready: one barrier per stage, or (an odd ring of the alternating kernel) one per stage and consumer
@@ -1273,13 +1379,13 @@ if gluon is not None:
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1652,7 +1758,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
            qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
-           scale_desc=None):
+           scale_desc=None, pv8: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1673,7 +1779,9 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
 
     ``timeline`` (a timing probe, never on a served path): an int64 tensor [grid, 2, T, 8]; each consumer writes its
     SM's clock64 at six points of each of its first T tiles (0 before the ready wait, 1 after it, 2 scores done,
-    3 softmax done, 4 P stored and fenced, 5 P.V done).
+    3 softmax done, 4 P stored and fenced, 5 P.V done); slots 6 / 7 of rows 0-3 hold per-CTA points as (global
+    timer ns, clock64): row 0 consumer entry, 1 the last item's Q in shared memory, 2 consumer exit, 3 the last
+    item's start (``_stamp_cta``).
     ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
     item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
     P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
@@ -1684,7 +1792,12 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
     (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
     per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
-    (the Triton kernel's KV_GROUP numerics). Not with ``qk8``, ``pv_in_flight`` 2 or ``wide_row_sums``."""
+    (the Triton kernel's KV_GROUP numerics). Not with ``qk8``, ``pv_in_flight`` 2 or ``wide_row_sums``.
+
+    ``pv8`` (with ``qk8`` 2: the opt-in ``fp8_math``): O^T += V^T.P^T as e4m3 x e4m3 wgmma, V^T's bytes moved
+    from the stage without a conversion (``_vt_chunk8``), P x 2^8 rounded to e4m3 (``P8_SCALE``), the row sums
+    kept from the unrounded P. Its error budget is rel L2 <= 2e-2 (measured in kernel log 30), not the default
+    3e-3. Per-tensor scales only, ``pv_in_flight`` 1."""
     LOG2E = 1.4426950408889634
     max_hpw = GROUP_MAX_HPW if scale_desc is not None else 32   # the group build: 16 rows per consumer at any H
     hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
@@ -1698,6 +1811,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     if qk8 and smem_bytes(ns, hpw, wide, qk8) > SMEM_LIMIT:
         raise ValueError(f"qk8: {qk8} e4m3 terms at {num_heads} heads and {ns} stages need "
                          f"{smem_bytes(ns, hpw, wide, qk8)} B of shared memory, above {SMEM_LIMIT}")
+    if pv8 and (scale_desc is not None or pv_in_flight != 1):
+        raise ValueError("pv8: the e4m3 P.V runs with per-tensor scales (no scale_desc) and pv_in_flight 1")
     if scale_desc is not None:
         if qk8 or pv_in_flight != 1 or wide_row_sums:
             raise ValueError("scale_desc: group scales run on the default kernel only (not with qk8, pv_in_flight "
@@ -1741,6 +1856,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         **({"tl_ptr": timeline, "TLT": timeline.shape[2]} if timeline is not None else {}),
         **({"WLACC": True} if wide and wide_row_sums else {}),
         **({"PVW": int(pv_in_flight)} if pv_in_flight != 1 else {}),
+        **({"PV8": True} if pv8 else {}),
         **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0], "GROUP": True}
            if scale_desc is not None else {}),
         num_warps=4)
@@ -1787,7 +1903,7 @@ KERNEL_SIGNATURE = {
     "PVW": "constexpr",
     # group scales (compile_report(group=True)); constexpr None / False otherwise
     "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
-    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr"}
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1800,14 +1916,15 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
                    timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1,
-                   group: bool = False) -> dict:
+                   group: bool = False, pv8: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
     with ``group``, HPW 16 at every H: 128 -> 4 head groups).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
     ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
-    last-arriver merge (``FUSED_MERGE``). ``group``: with per-token group scales (``GROUP``)."""
+    last-arriver merge (``FUSED_MERGE``). ``group``: with per-token group scales (``GROUP``). ``pv8``: the e4m3
+    P.V of fp8_math (``PV8``; with ``qk8`` 2 it is the fp8_math build)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
@@ -1831,6 +1948,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
         sig["tl_ptr"] = "constexpr"
         consts["tl_ptr"] = None
     consts["GROUP"] = bool(group)
+    consts["PV8"] = bool(pv8)
     if not group:
         for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
             sig[n] = "constexpr"
