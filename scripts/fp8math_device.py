@@ -45,14 +45,16 @@ def run_case(name, lens, qo, H, page, *, q_dtype=torch.bfloat16, value=1.0, scal
         torch.cuda.synchronize()
         c = compare(out, ref_out)
         lerr = float((lse.double().cpu() - ref_lse.double().cpu())[fin].abs().max()) if fin.any() else 0.0
+        lmax = float(ref_lse.double().cpu()[fin].abs().max()) if fin.any() else 0.0   # (relative: / max(lmax, 8))
         ok_struct = (not torch.isnan(out).any() and not torch.isnan(lse).any()
                      and torch.equal(torch.isfinite(lse).cpu(), fin) and bool((out.cpu()[~fin] == 0).all())
                      and torch.equal(o2, out) and torch.equal(l2, lse))
-        row[tag] = dict(rel_l2=c.rel_l2, lse_err=lerr, struct_ok=bool(ok_struct))
+        row[tag] = dict(rel_l2=c.rel_l2, lse_err=lerr, lse_rel=lerr / max(lmax, 8.0), struct_ok=bool(ok_struct))
     f = row["fp8_math"]
     d = row.get("default", dict(rel_l2=float("nan"), lse_err=float("nan"), struct_ok=True))
     row["ok"] = f["struct_ok"] and d["struct_ok"] and f["rel_l2"] <= BUDGET and not d["rel_l2"] > 3e-3
-    print(f"{'ok ' if row['ok'] else 'BAD'} {name:44s} fp8_math rel {f['rel_l2']:.2e} lse {f['lse_err']:.1e} | "
+    print(f"{'ok ' if row['ok'] else 'BAD'} {name:44s} fp8_math rel {f['rel_l2']:.2e} lse {f['lse_err']:.1e} "
+          f"({f['lse_rel']:.1e} of max |lse|) | "
           f"default rel {d['rel_l2']:.2e} lse {d['lse_err']:.1e} | struct {f['struct_ok']}/{d['struct_ok']}",
           flush=True)
     return row
@@ -83,9 +85,11 @@ def main() -> int:
     worst = max(r["fp8_math"]["rel_l2"] for r in rows)
     worst_d = max(r["default"]["rel_l2"] for r in rows if "default" in r)
     worst_l = max(r["fp8_math"]["lse_err"] for r in rows)
+    worst_lr = max(r["fp8_math"]["lse_rel"] for r in rows)
     ok = all(r["ok"] for r in rows)
     print(f"FP8_MATH GRID {'ALL PASS' if ok else 'SOME FAIL'} ({sum(r['ok'] for r in rows)}/{len(rows)}): "
-          f"fp8_math max rel L2 {worst:.2e} (budget {BUDGET:.0e}), max lse err {worst_l:.1e}; default max rel L2 "
+          f"fp8_math max rel L2 {worst:.2e} (budget {BUDGET:.0e}), max lse err {worst_l:.1e} ({worst_lr:.1e} of max "
+          f"|lse|); default max rel L2 "
           f"{worst_d:.2e}; {time.time() - t0:.0f} s", flush=True)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

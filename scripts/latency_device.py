@@ -9,7 +9,10 @@ merge kernel, stamp C. Replayed after an L2 flush, as the benchmark does; the st
 Prints, per shape (microseconds, medians over CTAs unless said): the event time of the whole graph; launch = A ->
 first CTA entry; rollout = first -> last CTA entry; prologue = entry -> Q ready; first data = entry -> first ready
 barrier passed; tiles = first ready -> last P.V; epilogue = last P.V -> exit; drain = last exit -> B; merge = B -> C.
-Also the plain graph (no stamps) for what the probe costs. Writes DIR/latency.json."""
+Prologue steps (global timer, from entry): the CTA's item range loaded, the item loaded, its kv_len and query row
+loaded, its Q rows loaded, Q in shared memory. H16 B1 and B8 also without the L2 flush (warm caches). Also the plain
+graph (no stamps) for what the probe costs. LATENCY_Q1P=1: the kernel with Q loaded in one pass. Writes
+DIR/latency.json.""" 
 from __future__ import annotations
 
 import importlib.util
@@ -49,7 +52,7 @@ class LPlan(dv.Plan):
         dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
                    grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
                    page_size=c["page"], ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, merge=False,
-                   timeline=self.tl)
+                   timeline=self.tl, **({"q_one_pass": True} if os.environ.get("LATENCY_Q1P") == "1" else {}))
         if self.tl is not None:
             _gt_stamp[(1,)](self.gt, 1)
         dsm.launch_merge(self.out, self.lse, self.t, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"],
@@ -83,8 +86,16 @@ def analyse(p: LPlan) -> dict:
         v = v[m]
         v = v[~torch.isnan(v)]
         return float(v.median()) if v.numel() else float("nan")
+    # the first item's prologue steps (global timer, ns -> us, from entry): range loaded, item loaded, kv_len and
+    # query row loaded, Q rows loaded (first pass), Q in shared memory
+    steps = {}
+    prev = entry
+    for name, row in (("range", 4), ("item", 5), ("len_qrow", 6), ("q_rows", 7), ("q_smem", 1)):
+        cur = x[:, :, row, 6]
+        steps[f"step_{name}_us"] = med((cur - prev) / 1e3, used & (cur > 0))
+        prev = cur
     e = entry[used]
-    return dict(launch_us=float(e.min() - gt[0]) / 1e3, rollout_us=float(e.max() - e.min()) / 1e3,
+    return dict(**steps,launch_us=float(e.min() - gt[0]) / 1e3, rollout_us=float(e.max() - e.min()) / 1e3,
                 prologue_us=med(prologue), first_data_us=med(first_data), tiles_us=med(tiles),
                 tiles_max_us=float(tiles[sel].nan_to_num(0).max()), epilogue_us=med(epi),
                 tiles_per_consumer=float(n[sel].double().median()),
@@ -100,17 +111,22 @@ def main() -> int:
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     flush = dv.Flush()
     res = []
-    for H, B, L in [(16, 1, 32768), (16, 8, 8192), (16, 32, 4096), (16, 64, 8192), (128, 1, 32768), (128, 8, 8192)]:
+    cases = [(16, 1, 32768, True), (16, 1, 32768, False), (16, 8, 8192, True), (16, 8, 8192, False),
+             (16, 32, 4096, True), (16, 64, 8192, True), (128, 1, 32768, True), (128, 8, 8192, True)]
+    for H, B, L, flushed in cases:
         c = dv.make_case([L] * B, H, 64, seed=B + H, nan_pool=False, spare=8)
         base, probe = LPlan(c), LPlan(c, probe=True)
-        ms0 = dv.graph_ms(base.run, flush)
-        ms1 = dv.graph_ms(probe.run, flush)   # (the last replay's stamps stay)
+        fl = flush if flushed else (lambda: None)
+        ms0 = dv.graph_ms(base.run, fl)
+        ms1 = dv.graph_ms(probe.run, fl)   # (the last replay's stamps stay)
         torch.cuda.synchronize()
         a = analyse(probe)
-        row = dict(shape=f"H{H} B{B} L{L}", graph_ms=ms0, graph_probe_ms=ms1, items=probe.n_items, grid=probe.grid,
-                   **a)
+        tag = "" if flushed else " (L2 warm: no flush)"
+        row = dict(shape=f"H{H} B{B} L{L}{tag}", graph_ms=ms0, graph_probe_ms=ms1, items=probe.n_items,
+                   grid=probe.grid, **a)
         res.append(row)
-        log(f"LATENCY H{H} B{B} L{L}: graph {ms0 * 1e3:.1f} us (probe {ms1 * 1e3:.1f}), grid {probe.grid}, items "
+        log(f"  prologue steps{tag}: " + " ".join(f"{k[5:-3]} {v:.2f}" for k, v in a.items() if k.startswith("step_")))
+        log(f"LATENCY H{H} B{B} L{L}{tag}: graph {ms0 * 1e3:.1f} us (probe {ms1 * 1e3:.1f}), grid {probe.grid}, items "
             f"{probe.n_items}, tiles/consumer {a['tiles_per_consumer']:.0f} | launch {a['launch_us']:.1f} rollout "
             f"{a['rollout_us']:.1f} prologue {a['prologue_us']:.1f} first-data {a['first_data_us']:.1f} tiles "
             f"{a['tiles_us']:.1f} (max {a['tiles_max_us']:.1f}) epilogue {a['epilogue_us']:.1f} exit-spread "

@@ -178,9 +178,13 @@ def _check(b, out, lse, budget=BUDGET):
     assert c.ok(budget), c
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse).cpu(), fin.cpu())
-    if fin.any():   # lse: only the scores' rounding (Q's terms) reaches it
-        err = (lse.double().cpu() - ref_lse.double().cpu())[fin.cpu()].abs().max()
-        assert float(err) <= 2e-2, float(err)
+    if fin.any():
+        # lse sees the scores only: the e4m3 tensor core accumulates them in fewer bits than fp32, so the error grows
+        # with the scores' size (H200, scripts/fp8math_device.py: up to 0.14 absolute at 4 x N(0, 1)
+        # values over 32k tokens); relative to the largest |lse| (>= 8), as decode_v2_device does
+        ref = ref_lse.double().cpu()[fin.cpu()]
+        err = (lse.double().cpu()[fin.cpu()] - ref).abs().max() / ref.abs().max().clamp_min(8.0)
+        assert float(err) <= 5e-3, float(err)
     assert bool((out.cpu()[~fin.cpu()] == 0).all())
 
 
@@ -251,10 +255,11 @@ def test_cuda_graph_replay_after_replan():
 
     load(b1)
     attn.plan(**b1.plan_args)
-    attn.run(q_nope, q_pe, pool_ckv, pool_kpe, out=out)
+    sc = dict(ckv_scale=1.0, kpe_scale=1.0)   # (make_paged_batch's defaults)
+    attn.run(q_nope, q_pe, pool_ckv, pool_kpe, out=out, **sc)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        attn.run(q_nope, q_pe, pool_ckv, pool_kpe, out=out)
+        attn.run(q_nope, q_pe, pool_ckv, pool_kpe, out=out, **sc)
     for b in (b2, b1):
         load(b)
         attn.plan(**b.plan_args)

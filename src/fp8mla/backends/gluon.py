@@ -111,6 +111,15 @@ GLUON_GROUP = True
 GLUON_ALIGNED = True
 
 
+# Each item's Q loaded in one pass (decode_sm90 launch(q_one_pass=True)): the rows and q_pe together, kept in
+# registers for the conversion (kernel log 30). FP8MLA_GLUON_Q1P=0 / =1 overrides.
+GLUON_Q_ONE_PASS = False
+
+
+def q_one_pass_enabled() -> bool:
+    return _switch("FP8MLA_GLUON_Q1P", GLUON_Q_ONE_PASS)
+
+
 def aligned_enabled() -> bool:
     return _switch("FP8MLA_GLUON_ALIGNED", GLUON_ALIGNED)
 
@@ -299,7 +308,8 @@ class GluonPlan:
                  **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
                     if self.qk8 and launch is k.launch else {}),
                  **({"scale_desc": scale_desc} if scale_desc is not None else {}),
-                 **({"pv8": True} if self.pv8 else {}))
+                 **({"pv8": True} if self.pv8 else {}),
+                 **({"q_one_pass": True} if launch is k.launch and q_one_pass_enabled() else {}))
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 

@@ -83,8 +83,15 @@ FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+try:   # programmatic dependent launch (sm_90): the merge kernel waits on the decode grid it follows
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:   # an older triton: the merge is launched plainly (PDL_MERGE off)
+    _gdc_wait = None
 
 try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3.6's API
     from triton.experimental import gluon
@@ -355,6 +362,19 @@ if gluon is not None:
         gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
                                        pack=1)
         clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
+        gl.store(base + 6, gt, mask=row < TLT)
+        gl.store(base + 7, clk, mask=row < TLT)
+
+    @gluon.jit
+    def _stamp_dep(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr, dep):
+        # _stamp_cta once `dep` (an int32 scalar computed from loaded values) is there: the stamp waits on the load
+        # (rows 4-7: the first item's prologue steps, kernel log 30)
+        pid = gl.program_id(0)
+        gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
+                                       pack=1)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
                                         pack=1)
         base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
         gl.store(base + 6, gt, mask=row < TLT)
@@ -814,7 +834,7 @@ if gluon is not None:
                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False):
+                  PV8: gl.constexpr = False, Q1P: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -850,6 +870,8 @@ if gluon is not None:
             h0 = pid * 0
         i0 = gl.load(cta_ptr + slot)
         i1 = gl.load(cta_ptr + slot + 1)
+        if TLT:
+            _stamp_dep(tl_ptr, cid, 4, TLT, i0 + i1)
         ckv_scale = gl.load(scales)
         kpe_scale = gl.load(scales + 1)
         o_scale = ckv_scale   # the outputs' factor: V's scale (and, fp8_math, 1 / P's e4m3 scale)
@@ -870,8 +892,12 @@ if gluon is not None:
             b = gl.load(item_req + it)
             t0 = gl.load(item_t0 + it)
             t1 = gl.load(item_t1 + it)
+            if TLT:
+                _stamp_dep(tl_ptr, cid, 5, TLT, b + t0 + t1)
             L = gl.load(kv_len + b)
             qtok = gl.load(qo_indptr + b).to(gl.int64)
+            if TLT:
+                _stamp_dep(tl_ptr, cid, 6, TLT, L + qtok.to(gl.int32))
             # -- Q^T for this request: scales and a per-head power of two folded in, fp16, k relabelled -----
             # (padded heads: Q rows of zeros, scores 0, outputs never written)
             if WIDE:   # per-item index vectors: hoisted out of the item loop they spill (see _per_item)
@@ -890,20 +916,46 @@ if gluon is not None:
                 qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
                 qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
             amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
-            for c in gl.static_range(4):
-                x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+            if Q1P:
+                # one pass: Q's four row chunks and q_pe loaded together and kept in registers for the conversion
+                # (the O accumulators are not live yet), instead of q_pe one load latency after the maximum and
+                # the chunks loaded again (kernel log 30: Q to shared memory was 5-6 us of a ~9 us prologue)
+                x0 = gl.load(qn_row[:, None] + 0 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                x1 = gl.load(qn_row[:, None] + 1 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                x2 = gl.load(qn_row[:, None] + 2 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                x3 = gl.load(qn_row[:, None] + 3 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
+                amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0.to(gl.float32)), axis=1),
+                                             gl.max(gl.abs(x1.to(gl.float32)), axis=1)),
+                                  gl.maximum(gl.max(gl.abs(x2.to(gl.float32)), axis=1),
+                                             gl.max(gl.abs(x3.to(gl.float32)), axis=1)))
+            else:
+                for c in gl.static_range(4):
+                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+            if TLT:
+                _stamp_dep(tl_ptr, cid, 7, TLT, (gl.max(amax, axis=0) * 0.0).to(gl.int32))
             if QK8:
                 # FP8 scores (QK8 e4m3 terms of Q, K straight from the stage): Q x f, f a power of two with the
                 # largest |q| of a head near 2^8 (e4m3 max 448), split into QK8 e4m3 terms hi + mid (+ lo) whose
                 # sum is q x f to 8 (12) significant bits: exact for bf16 queries at 2 terms, fp16 needs 3, for the
                 # entries within ~2^9 of the head's largest (smaller ones reach e4m3's subnormals: error <= ~2^-17
                 # of the largest). The scales stay out of Q (applied to the two score parts).
-                xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
+                if not Q1P:
+                    xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1))
                 f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(256.0 / amax))), 1.0)
                 for c in gl.static_range(4):
-                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    if not Q1P:
+                        x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    elif c == 0:
+                        x = x0
+                    elif c == 1:
+                        x = x1
+                    elif c == 2:
+                        x = x2
+                    else:
+                        x = x3
                     r = x.to(gl.float32) * f[:, None]
                     for term in gl.static_range(QK8):
                         t8 = r.to(gl.float8e4nv)
@@ -916,13 +968,23 @@ if gluon is not None:
                     rp = rp - t8.to(gl.float32)
             else:   # (the order of these lines is the measured kernel's: moved, they reschedule its SASS)
                 amax = amax * ckv_scale
-                xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
+                if not Q1P:
+                    xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
                 # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
                 f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
                 fn = f * ckv_scale
                 for c in gl.static_range(4):
-                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    if not Q1P:
+                        x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+                    elif c == 0:
+                        x = x0
+                    elif c == 1:
+                        x = x1
+                    elif c == 2:
+                        x = x2
+                    else:
+                        x = x3
                     q16 = (x.to(gl.float32) * fn[:, None]).to(gl.float16)
                     q_smem.index(cid * 4 + c).store(_relabel_k(q16))
                 qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
@@ -1270,12 +1332,12 @@ if gluon is not None:
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
                    WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False):
+                  PV8: gl.constexpr = False, Q1P: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
@@ -1286,12 +1348,12 @@ if gluon is not None:
                    merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
                    QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
                    WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False):
+                  PV8: gl.constexpr = False, Q1P: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                   stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)
+                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -1306,9 +1368,13 @@ if gluon is not None:
                                QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
                                WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sc_desc=None, sc_ptr=None,
                                stride_sc_row=None, GROUP: gl.constexpr = False,
-                               PV8: gl.constexpr = False):
+                               PV8: gl.constexpr = False, Q1P: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
+        # The merge kernel (a programmatic dependent launch, PDL_MERGE) may launch now: it waits for this grid's
+        # completion itself (griddepcontrol.wait), so its launch overlaps this kernel instead of following it.
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1379,13 +1445,13 @@ if gluon is not None:
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
                           HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8)),
+                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1416,7 +1482,7 @@ SEQ_PARTS = 16   # requests with at most this many partials: the fixed sequentia
 def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_size, H,
                         stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr = 1, min_parts=2,
-                        SEQ: tl.constexpr = 16):
+                        SEQ: tl.constexpr = 16, PDL: tl.constexpr = False):
     """out/lse of request b, rows pid 1 * ROWS + [0, ROWS) (row = query token * H + head), columns of block pid 2:
     a log-sum-exp merge of the request's partials m_list[m_ptr[b]:m_ptr[b+1]] when it has at least ``min_parts``
     (>= 2; fewer: written by the decode kernel, itself or by its fused merge). Deterministic either way:
@@ -1426,7 +1492,12 @@ def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list
       acc = fma(o, w, acc), wsum += w; out = acc / wsum, lse = m_use + log2(wsum) (wsum 0: out 0, lse -inf);
       partials read 4 at a time.
     * more: BLOCK_P partials per step (one round trip to memory each), an online merge across the steps (the
-      original formula: many partials are merged in few round trips, B1 L32k's 132 splits in one)."""
+      original formula: many partials are merged in few round trips, B1 L32k's 132 splits in one).
+
+    ``PDL``: launched as a programmatic dependent of the decode kernel (``launch_pdl``): its launch overlaps the
+    decode kernel's tail, and it waits here until that grid has completed and its writes are visible."""
+    if PDL:
+        _gdc_wait()
     b = tl.program_id(0)
     if b >= tl.load(batch_size):
         return
@@ -1501,8 +1572,10 @@ def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             keep = tl.exp2(m_run - m_use)
             w = tl.exp2(lse_i - m_use[None, :])
+            # (not masked by w > 0: the rows' loads go out with the lse loads instead of one latency after them;
+            # a listed partial is always written, an empty one as o = 0, lse = -inf, weight 0)
             o = tl.load(part_o + p[:, None, None] * stride_po_i + r[None, :, None] * stride_po_r
-                        + offs_c[None, None, :], mask=(ok[:, None] & rok[None, :] & (w > 0))[:, :, None], other=0.0)
+                        + offs_c[None, None, :], mask=(ok[:, None] & rok[None, :])[:, :, None], other=0.0)
             acc = acc * keep[:, None] + tl.sum(w[:, :, None] * o, axis=0)
             wsum = wsum * keep + tl.sum(w, axis=0)
             m_run = m_new
@@ -1758,7 +1831,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
            merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
            causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
            qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
-           scale_desc=None, pv8: bool = False):
+           scale_desc=None, pv8: bool = False, q_one_pass: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1781,7 +1854,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     SM's clock64 at six points of each of its first T tiles (0 before the ready wait, 1 after it, 2 scores done,
     3 softmax done, 4 P stored and fenced, 5 P.V done); slots 6 / 7 of rows 0-3 hold per-CTA points as (global
     timer ns, clock64): row 0 consumer entry, 1 the last item's Q in shared memory, 2 consumer exit, 3 the last
-    item's start (``_stamp_cta``).
+    item's start (``_stamp_cta``); rows 4-7 once loaded values arrive (``_stamp_dep``): 4 the CTA's item range, 5
+    the last item's (request, tiles), 6 its kv_len and query row, 7 its Q rows (first pass).
     ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
     item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
     P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
@@ -1797,7 +1871,10 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     ``pv8`` (with ``qk8`` 2: the opt-in ``fp8_math``): O^T += V^T.P^T as e4m3 x e4m3 wgmma, V^T's bytes moved
     from the stage without a conversion (``_vt_chunk8``), P x 2^8 rounded to e4m3 (``P8_SCALE``), the row sums
     kept from the unrounded P. Its error budget is rel L2 <= 2e-2 (measured in kernel log 30), not the default
-    3e-3. Per-tensor scales only, ``pv_in_flight`` 1."""
+    3e-3. Per-tensor scales only, ``pv_in_flight`` 1.
+
+    ``q_one_pass``: each item's Q rows (and q_pe) are loaded once, together, and kept in registers for the
+    conversion, instead of q_pe after the rows' maximum and the rows again (kernel log 30)."""
     LOG2E = 1.4426950408889634
     max_hpw = GROUP_MAX_HPW if scale_desc is not None else 32   # the group build: 16 rows per consumer at any H
     hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
@@ -1857,6 +1934,7 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         **({"WLACC": True} if wide and wide_row_sums else {}),
         **({"PVW": int(pv_in_flight)} if pv_in_flight != 1 else {}),
         **({"PV8": True} if pv8 else {}),
+        **({"Q1P": True} if q_one_pass else {}),
         **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0], "GROUP": True}
            if scale_desc is not None else {}),
         num_warps=4)
@@ -1873,12 +1951,28 @@ def launch_merge(out, lse, t: dict, *, grid_batch: int, max_rows: int, num_heads
     ``min_parts`` partials. The one merge of every sm_90 decode kernel (this one, decode_sm90_split,
     decode_sm90_pipe)."""
     po, pl = t["part_o"], t["part_lse"]
+    pdl = pdl_merge_enabled(out)
     # (the chunked path's step holds BLOCK_P x ROWS x BLOCK_C: kept <= 8192 fp32, as the one-row merge had it)
     rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows), max(1, 8192 // (merge_p * merge_c)))
     _merge_parts_kernel[(grid_batch, triton.cdiv(max_rows, rows_blk), DC // merge_c)](
         out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=min_parts, SEQ=SEQ_PARTS, num_warps=4)
+        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=min_parts, SEQ=SEQ_PARTS, num_warps=4,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}))
+
+
+# The merge kernel as a programmatic dependent launch of the decode kernel (which signals its dependents at its
+# start, ``griddepcontrol.launch_dependents``): the merge's launch overlaps the decode tail instead of following
+# it (kernel log 30: ~1.3 us between the two kernels in a CUDA graph). FP8MLA_PDL_MERGE=0 turns it off.
+PDL_MERGE = True
+
+
+def pdl_merge_enabled(out) -> bool:
+    """The merge launch is programmatic: the switch on, a CUDA tensor (never the interpreter), triton's gdc."""
+    v = os.environ.get("FP8MLA_PDL_MERGE", "")
+    on = PDL_MERGE if v == "" else v == "1"
+    return bool(on and _gdc_wait is not None and getattr(out, "is_cuda", False)
+                and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1903,7 +1997,8 @@ KERNEL_SIGNATURE = {
     "PVW": "constexpr",
     # group scales (compile_report(group=True)); constexpr None / False otherwise
     "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
-    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr",
+    "Q1P": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -1916,7 +2011,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
                    timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1,
-                   group: bool = False, pv8: bool = False) -> dict:
+                   group: bool = False, pv8: bool = False, q_one_pass: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
     with ``group``, HPW 16 at every H: 128 -> 4 head groups).
@@ -1949,6 +2044,7 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
         consts["tl_ptr"] = None
     consts["GROUP"] = bool(group)
     consts["PV8"] = bool(pv8)
+    consts["Q1P"] = bool(q_one_pass)
     if not group:
         for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
             sig[n] = "constexpr"
