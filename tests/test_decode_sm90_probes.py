@@ -50,7 +50,7 @@ _NEW_KEYS = {"QK8", "QKC", "tl_ptr", "TLT", "WLACC", "PVW", "PV8", "Q1P"}
     ({}, set()), (dict(qk8=2), {"QK8"}), (dict(qk8=2, qk8_chunks=True), {"QK8", "QKC"}),
     (dict(timeline="T"), {"tl_ptr", "TLT"}), (dict(wide_row_sums=True), set()),
     (dict(wide_row_sums=True, num_heads=128), {"WLACC"}), (dict(pv_in_flight=2), {"PVW"}),
-    (dict(q_one_pass=True), {"Q1P"}), (dict(qk8=2, pv8=True), {"QK8", "PV8"})])
+    (dict(q_one_pass=True), set()), (dict(q_one_pass=False), {"Q1P"}), (dict(qk8=2, pv8=True), {"QK8", "PV8"})])
 def test_launch_passes_new_keywords_only_when_asked(monkeypatch, opts, keys):
     """The measured kernel's JIT key: a default launch passes none of this session's constexprs (so the kernel
     it compiles is the measured one), and each option adds exactly its own."""
@@ -111,8 +111,8 @@ def test_launch_refuses_pv_in_flight_past_two():
 
 
 def test_q_one_pass_switch_routes_the_option(monkeypatch):
-    """FP8MLA_GLUON_Q1P (kernel log 30): the adapter passes q_one_pass only when the switch is on, and only to the
-    default kernel's launch."""
+    """FP8MLA_GLUON_Q1P (kernel log 30; on by default, as the kernel's own default): the adapter passes
+    q_one_pass=False only when the switch is off, and only to the default kernel's launch."""
     from types import SimpleNamespace
     from fp8mla.backends import gluon as gb
     calls = []
@@ -120,12 +120,12 @@ def test_q_one_pass_switch_routes_the_option(monkeypatch):
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
     spec = SimpleNamespace(num_heads=16, sm_scale=0.1, page_size=64, causal=True)
     pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
-    for env, want in (("1", True), ("0", False)):
+    for env, want in (("1", True), ("0", False), ("", True)):   # ("": the default, on)
         monkeypatch.setenv("FP8MLA_GLUON_Q1P", env)
         calls.clear()
         gb.GluonPlan(spec, 132, 8, 2, 256, 4, {}).run(None, None, pool[..., :512], pool[..., 512:], None, None, None,
                                                       None, base_e=False)
-        assert calls[0].get("q_one_pass", False) is want
+        assert calls[0].get("q_one_pass", True) is want
 
 
 def test_pdl_merge_only_on_cuda_and_never_in_the_interpreter(monkeypatch):
@@ -150,8 +150,8 @@ def test_q_one_pass_compiles_with_fewer_loads(heads):
     """Q in one pass: no more global loads than the two-pass build (under triton 3.6, the H200's, fewer: it loads the
     rows twice; 3.9 merges the second loads itself), the same MMAs, no wgmma serialization."""
     import triton
-    a, _ = _report(heads=heads)
-    b, _ = _report(heads=heads, q_one_pass=True)
+    a, _ = _report(heads=heads, q_one_pass=False)
+    b, _ = _report(heads=heads)
     ldg = lambda r: sum(n for op, n in r["ops"].items() if op.startswith("LDG"))
     assert ldg(b) < ldg(a) if triton.__version__.startswith("3.6") else ldg(b) <= ldg(a), (ldg(a), ldg(b))
     hg = lambda r: sum(n for op, n in r["ops"].items() if op.startswith("HGMMA"))
