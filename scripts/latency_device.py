@@ -11,7 +11,8 @@ first CTA entry; rollout = first -> last CTA entry; prologue = entry -> Q ready;
 barrier passed; tiles = first ready -> last P.V; epilogue = last P.V -> exit; drain = last exit -> B; merge = B -> C.
 Prologue steps (global timer, from entry): the CTA's item range loaded, the item loaded, its kv_len and query row
 loaded, its Q rows loaded, Q in shared memory. H16 B1 and B8 also without the L2 flush (warm caches). Also the plain
-graph (no stamps) for what the probe costs. LATENCY_Q1P=1: the kernel with Q loaded in one pass. Writes
+graph (no stamps) for what the probe costs. LATENCY_Q1P=0: the two-pass Q prologue of kernel logs 1-29 (the
+kernel's default before 83b7d3a; docs/data/latency_2026-12-01_twopass.txt), else one pass. Writes
 DIR/latency.json.""" 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class LPlan(dv.Plan):
         dsm.launch(self.desc[0], self.desc[1], c["q_nope"], c["q_pe"], c["scales"], self.t, self.out, self.lse,
                    grid=self.grid, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"], sm_scale=c["sm_scale"],
                    page_size=c["page"], ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, merge=False,
-                   timeline=self.tl, **({"q_one_pass": True} if os.environ.get("LATENCY_Q1P") == "1" else {}))
+                   timeline=self.tl, q_one_pass=os.environ.get("LATENCY_Q1P", "1") == "1")
         if self.tl is not None:
             _gt_stamp[(1,)](self.gt, 1)
         dsm.launch_merge(self.out, self.lse, self.t, grid_batch=self.B, max_rows=c["H"], num_heads=c["H"],

@@ -1,5 +1,5 @@
 """One A/B of the request-aligned schedule's slack (kernel log 27's open question): ``fp8mla bench decode`` at H128
-(and H16 B64 for reference), page 64, with decode_sm90.ALIGNED_SLACK 1 (default) and 3 in one process. At H128 B64
+(B64 L8k, B32 L4k, B128 L2k), page 64, with decode_sm90.ALIGNED_SLACK 1 (default) and 3 in one process. At H128 B64
 L8k slack 3 lets every request run whole in one CTA (128 tiles against the contiguous cut's 125): no merge, no
 second item per CTA.
 

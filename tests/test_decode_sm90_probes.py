@@ -140,6 +140,11 @@ def test_pdl_merge_only_on_cuda_and_never_in_the_interpreter(monkeypatch):
     monkeypatch.setenv("FP8MLA_PDL_MERGE", "0")
     assert not k.pdl_merge_enabled(fake_cuda)
     monkeypatch.setenv("FP8MLA_PDL_MERGE", "1")
+    assert k.pdl_merge_enabled(fake_cuda) == (k._gdc_wait is not None)   # on: the programmatic launch
+    monkeypatch.delenv("FP8MLA_PDL_MERGE")
+    monkeypatch.setattr(k, "PDL_MERGE", True)
+    assert k.pdl_merge_enabled(fake_cuda) == (k._gdc_wait is not None)   # the module default, when set
+    monkeypatch.setenv("FP8MLA_PDL_MERGE", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not k.pdl_merge_enabled(fake_cuda)
 

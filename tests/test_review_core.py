@@ -323,3 +323,22 @@ def test_fp8_math_is_refused_not_ignored():
     attn = fp8mla.MLAPagedAttention(fp8_math=True)
     with pytest.raises(ValueError, match="fp8_math: .*gluon kernel only"):
         attn.plan(**cache.plan_inputs([s]), num_heads=16, causal=True, sm_scale=0.1, q_data_type=torch.bfloat16)
+
+
+def test_fp8_math_refusal_is_not_kept_by_a_graph_wrapper(monkeypatch):
+    """A CUDA-graph wrapper keeps its backend choice per (spec, one query per request); the key does not hold the
+    query lengths gluon's support depends on (qo 0 or > 8), so a refused fp8_math plan must not be kept: a later plan
+    of the same key that gluon takes runs instead of raising (a review found the refusal cached)."""
+    import fp8mla.attention as att
+    cache = fp8mla.PagedMLACache(num_layers=1, num_pages=4, page_size=16, kv_format="fp8_e4m3")
+    s = cache.add_sequence(num_tokens=20)
+    kw = dict(num_heads=16, causal=True, sm_scale=0.1, q_data_type=torch.bfloat16)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, fp8_math=True)
+    with pytest.raises(ValueError, match="fp8_math"):
+        attn.plan(**cache.plan_inputs([s]), **kw)
+    assert getattr(attn, "_choice", None) is None
+    built = []
+    monkeypatch.setattr(att, "choose_backend", lambda *a, **k: "gluon")
+    monkeypatch.setattr(att.backends, "build", lambda name, *a: built.append(name) or object())
+    attn.plan(**cache.plan_inputs([s]), **kw)
+    assert built == ["gluon"] and attn._choice[1] == "gluon"

@@ -302,7 +302,8 @@ class MLAPagedAttention:
             name = kept[1]
         else:
             name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
-            self._choice = (key, name)
+            if not (opts.get("fp8_math") and name != "gluon"):   # a refusal is not kept: a later plan may fit
+                self._choice = (key, name)
         if opts.get("fp8_math") and name != "gluon":
             why = verdict[-1][1] if verdict and not verdict[-1][0] else f"no sm_90 GPU with Gluon for {spec.device}"
             raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only, and this plan would "

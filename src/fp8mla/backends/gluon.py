@@ -344,9 +344,12 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
             ns -= 1
     smem = k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS if fp8_math else 0, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
-        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, group=group) <= k.SMEM_LIMIT), default=1)
+        terms = FP8_MATH_TERMS if fp8_math else 0
+        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, terms, group=group) <= k.SMEM_LIMIT),
+                   default=1)
         raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
-                         f"{' with group scales' if group else ''}; {ns} stages need {smem} B of shared memory, above "
+                         f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages "
+                         f"need {smem} B of shared memory, above "
                          f"{k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)

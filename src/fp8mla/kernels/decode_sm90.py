@@ -370,7 +370,7 @@ if gluon is not None:
     @gluon.jit
     def _stamp_dep(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr, dep):
         # _stamp_cta once `dep` (an int32 scalar computed from loaded values) is there: the stamp waits on the load
-        # (rows 4-7: the first item's prologue steps, kernel log 30)
+        # (rows 4-7: the prologue's steps; row 4 once per CTA, rows 5-7 the last item's; kernel log 30)
         pid = gl.program_id(0)
         gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
                                        pack=1)
@@ -1371,8 +1371,9 @@ if gluon is not None:
                                PV8: gl.constexpr = False, Q1P: gl.constexpr = True):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
-        # The merge kernel (a programmatic dependent launch, PDL_MERGE) may launch now: it waits for this grid's
-        # completion itself (griddepcontrol.wait), so its launch overlaps this kernel instead of following it.
+        # The merge kernel (a programmatic dependent launch when PDL_MERGE is on) may launch now: it waits for this
+        # grid's completion itself (griddepcontrol.wait), so its launch overlaps this kernel. As the PDL contract
+        # asks of any kernel launched as this one's programmatic dependent: wait before reading what it writes.
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
                                   dtype=gl.int32, is_pure=False, pack=1)
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
