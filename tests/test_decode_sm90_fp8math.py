@@ -23,6 +23,7 @@ import torch
 
 import fp8mla
 from conftest import compile_report_in_child
+from test_decode_sm90_qk8 import _split   # the kernel's split of Q into e4m3 terms
 from fp8mla.backends import gluon as gb
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.testing import compare, make_paged_batch
@@ -30,22 +31,6 @@ from fp8mla.testing import compare, make_paged_batch
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 BUDGET = 2e-2   # fp8_math's rel L2 (the default numerics: 3e-3)
-
-
-def _q_terms(x: torch.Tensor, terms: int = 2, amax=None) -> torch.Tensor:
-    """The kernel's split of each head's query row into e4m3 terms (x a power of two per head, from ``amax``, the
-    head's largest |q| over q_nope and q_pe together as in the kernel): their sum."""
-    if amax is None:
-        amax = x.float().abs().amax(-1, keepdim=True)
-    amax = amax.clamp_min(1e-30)
-    f = torch.exp2(torch.floor(torch.log2(256.0 / amax)))
-    r = x.float() * f
-    total = torch.zeros_like(r, dtype=torch.float64)
-    for _ in range(terms):
-        t = r.to(torch.float8_e4m3fn).float()
-        total += t.double()
-        r = r - t
-    return total / f.double()
 
 
 def _round_p(p: torch.Tensor, mantissa_bits: int = 3) -> torch.Tensor:
@@ -72,7 +57,7 @@ def _model(b, mantissa_bits: int = 3):
         pe = kpe[pages].reshape(-1, kpe.shape[-1])[:L] * sp
         amax = torch.maximum(r["q_nope"][i].float().abs().amax(-1, keepdim=True),
                              r["q_pe"][i].float().abs().amax(-1, keepdim=True))   # one factor per head
-        qn, qp = _q_terms(r["q_nope"][i], amax=amax), _q_terms(r["q_pe"][i], amax=amax)   # [H, 512], [H, 64]
+        qn, qp = _split(r["q_nope"][i], 2, amax), _split(r["q_pe"][i], 2, amax)   # [H, 512], [H, 64]
         s = (qn @ kv.T + qp @ pe.T) * a["sm_scale"]                      # [H, L]
         p = torch.exp(s - s.amax(-1, keepdim=True)) if L else s
         o = (_round_p(p, mantissa_bits) @ kv) / p.sum(-1, keepdim=True) if L else torch.zeros(s.shape[0], 512)

@@ -26,9 +26,13 @@ ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cu
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 
 
-def _split(x: torch.Tensor, terms: int) -> torch.Tensor:
-    """The kernel's split of one head's query row (fp32 math, e4m3 round-to-nearest per term): the sum of the terms."""
-    amax = x.float().abs().amax()
+def _split(x: torch.Tensor, terms: int, amax=None) -> torch.Tensor:
+    """The kernel's split of a head's query row(s) (fp32 math, e4m3 round-to-nearest per term): the sum of the terms.
+    The power of two comes from ``amax``, the head's largest |q| (default: of ``x``'s last dim; the kernel takes it
+    over q_nope and q_pe together)."""
+    if amax is None:
+        amax = x.float().abs().amax(-1, keepdim=True)
+    amax = amax.clamp_min(1e-30)
     f = torch.exp2(torch.floor(torch.log2(256.0 / amax)))
     r = x.float() * f
     total = torch.zeros_like(r, dtype=torch.float64)

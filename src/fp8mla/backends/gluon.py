@@ -152,15 +152,16 @@ def _qk8_wanted(q_dtype, group: bool, fp8_math: bool = False) -> int:
 
 
 def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
-    """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles take shared memory from the
-    ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered to what fits, as the same
-    wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
+    """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles (and ``fp8_math``'s Q terms)
+    take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered
+    to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
     above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
     its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
     from ..kernels import decode_sm90 as k
     terms = _qk8_wanted(q_dtype, group, fp8_math)
-    if group:
-        while ns > 2 and k.smem_bytes(ns, hpw, wide, group=True) > k.SMEM_LIMIT:
+    if group or fp8_math:   # the group tiles, or fp8_math's Q terms (not optional there), must fit beside the ring
+        need = terms if fp8_math else 0
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, need, group=group) > k.SMEM_LIMIT:
             ns -= 1
     return k.ring_depth(ns, hpw, wide, terms, group)
 
@@ -339,9 +340,6 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
     ns = plan_ring(ns, hpw, wide, spec.q_dtype, group, fp8_math)
-    if fp8_math:   # the Q terms take shared memory from the ring
-        while ns > 2 and k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS) > k.SMEM_LIMIT:
-            ns -= 1
     smem = k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS if fp8_math else 0, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
         terms = FP8_MATH_TERMS if fp8_math else 0

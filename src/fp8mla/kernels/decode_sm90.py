@@ -268,14 +268,20 @@ if gluon is not None:
             "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
-    def _vt_chunk(kbuf, slab, half: gl.constexpr, a_l: gl.constexpr, L16: gl.constexpr,
-                  kv16_l: gl.constexpr):
-        # V^T fragment of 64 dims x 64 tokens; row m holds dim 2(8(m>>4) + (m&7)) + ((m>>3)&1) of the chunk.
+    def _v_pairs(kbuf, slab, half: gl.constexpr, L16: gl.constexpr, kv16_l: gl.constexpr):
+        # one 64-dim half of a 128-column slab as int16 (dim 2dp, dim 2dp+1) pairs, [64 tokens, 32 pairs] in L16
+        # (ldmatrix.trans): the V^T source of both P.V paths (_vt_chunk's fp16, _vt_chunk8's e4m3)
         if _NEW_REINTERPRET:
             x16 = kbuf.index(slab).reinterpret(gl.int16, [64, 64], kv16_l)
         else:
             x16 = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l)
-        x = x16.slice(half * 32, 32, dim=1).load(L16)
+        return x16.slice(half * 32, 32, dim=1).load(L16)
+
+    @gluon.jit
+    def _vt_chunk(kbuf, slab, half: gl.constexpr, a_l: gl.constexpr, L16: gl.constexpr,
+                  kv16_l: gl.constexpr):
+        # V^T fragment of 64 dims x 64 tokens; row m holds dim 2(8(m>>4) + (m&7)) + ((m>>3)&1) of the chunk.
+        x = _v_pairs(kbuf, slab, half, L16, kv16_l)
         lo, hi = _fp8_pairs_to_f16(x)
         v = gl.join(lo, hi)
         v = gl.reshape(v, [64, 4, 8, 2])
@@ -318,11 +324,7 @@ if gluon is not None:
                    kv16_l: gl.constexpr):
         # e4m3 V^T fragment of 64 dims x 64 tokens for the FP8 P.V (fp8_math): rows as _vt_chunk's (row m holds
         # dim 2(8(m>>4) + (m&7)) + ((m>>3)&1)), k in _relabel_tok8's token order; bytes moved, never converted.
-        if _NEW_REINTERPRET:
-            x16 = kbuf.index(slab).reinterpret(gl.int16, [64, 64], kv16_l)
-        else:
-            x16 = kbuf.index(slab)._reinterpret(gl.int16, [64, 64], kv16_l)
-        x = x16.slice(half * 32, 32, dim=1).load(L16)
+        x = _v_pairs(kbuf, slab, half, L16, kv16_l)
         lo, hi = _fp8_quads(x)
         v = gl.join(lo, hi)                                  # [64 tokens, 32 dim pairs, 2]
         v = gl.reshape(v, [2, 2, 2, 2, 2, 2, 4, 8, 2])       # (t5 t4 t3 t2 t1 t0, dp hi, dp lo, d)
@@ -354,23 +356,11 @@ if gluon is not None:
         gl.store(tl_ptr + ((pid * 2 + cid) * TLT + n) * 8 + phase, clk, mask=n < TLT)
 
     @gluon.jit
-    def _stamp_cta(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr):
-        # timing probe (TLT > 0): the global timer (ns, comparable across SMs and with other kernels) and this
-        # SM's clock64 at a per-CTA point `row` (0 consumer entry, 1 an item's Q in shared memory, 2 consumer
-        # exit, 3 an item's start; the last item's value stays), into slots 6 / 7 of tl_ptr[pid, cid, row]
-        pid = gl.program_id(0)
-        gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
-                                       pack=1)
-        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
-                                        pack=1)
-        base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
-        gl.store(base + 6, gt, mask=row < TLT)
-        gl.store(base + 7, clk, mask=row < TLT)
-
-    @gluon.jit
     def _stamp_dep(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr, dep):
-        # _stamp_cta once `dep` (an int32 scalar computed from loaded values) is there: the stamp waits on the load
-        # (rows 4-7: the prologue's steps; row 4 once per CTA, rows 5-7 the last item's; kernel log 30)
+        # timing probe (TLT > 0): the global timer (ns, comparable across SMs and with other kernels) and this
+        # SM's clock64 at a per-CTA point `row`, into slots 6 / 7 of tl_ptr[pid, cid, row], once `dep` (an int32
+        # scalar) is there: given a value computed from loads, the stamp waits on them (rows 4-7: the prologue's
+        # steps; row 4 once per CTA, rows 5-7 the last item's; kernel log 30)
         pid = gl.program_id(0)
         gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
                                        pack=1)
@@ -379,6 +369,12 @@ if gluon is not None:
         base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
         gl.store(base + 6, gt, mask=row < TLT)
         gl.store(base + 7, clk, mask=row < TLT)
+
+    @gluon.jit
+    def _stamp_cta(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr):
+        # _stamp_dep at once (rows 0-3: 0 consumer entry, 1 an item's Q in shared memory, 2 consumer exit, 3 an
+        # item's start; the last item's value stays)
+        _stamp_dep(tl_ptr, cid, row, TLT, gl.program_id(0))
 
     @gluon.jit
     def _sanitize_tail(kbuf, pbuf, s, valid):
