@@ -25,6 +25,8 @@ left() {  # left RESERVE CAP: seconds for the next phase
 
 (cd .fi_tests && sha256sum -c --quiet "$here/fi_tests.sha256") || {
   echo "run.sh: .fi_tests/ is missing or differs from the fetched FlashInfer test files (README.md)"; exit 2; }
+# Our own harness (the tests' import of tests.test_helpers, importlib import mode) is kept in the repository.
+cp -r "$here/harness/." .fi_tests/
 if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import flashinfer" 2>/dev/null; then
   ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/*.whl (run /work/shared/tools/flashinfer-wheels)"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

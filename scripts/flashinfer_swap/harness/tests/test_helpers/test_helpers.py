@@ -1,0 +1,5 @@
+import torch
+
+
+def clear_cuda_cache(device: torch.device) -> None:
+    torch.cuda.empty_cache()
