@@ -1,6 +1,6 @@
 """Markdown tables (ms per call, % of the FP8 floor) from ``fp8mla bench decode`` CSVs, for docs/benchmarks.md.
 
-    python scripts/bench_table.py docs/data/decode_h16.csv docs/data/decode_h128.csv [--page 64]
+    python scripts/bench_table.py docs/data/decode_2026-12-01_0601_p64.csv [--page 64] [--metric ms|pct_fp8_floor|...]
 """
 import argparse
 import csv

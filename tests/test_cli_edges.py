@@ -192,7 +192,7 @@ def test_one_documented_benchmark_script():
     assert not [s for s in scripts if s.startswith(("gpu_final_", "gpu_sweep2", "gpu_decode_"))], scripts
     assert "scripts/reproduce_benchmarks.sh" in open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
     cmds = _fp8mla_commands(SCRIPT)
-    assert {c[0] for c in cmds} == {"bench", "demo"} and {c[1] for c in cmds if c[0] == "bench"} == {
+    assert {c[0] for c in cmds} == {"bench", "demo", "generate"} and {c[1] for c in cmds if c[0] == "bench"} == {
         "decode", "step", "prefill", "write"}
     for argv in cmds:
         parser = build_parser(argv[0])

@@ -49,8 +49,10 @@ class Scale:
 
 SCALES = {
     "small": Scale(4, 16, 32_768, 4, 1024, "CPU-sized: 4 layers, 16 heads, a 32,768-token pool"),
-    "glm5": Scale(78, 16, 495_552, 8, 16_384,
-                  "GLM-5 on 8 GPUs: 78 layers, 16 heads per GPU, a 495,552-token pool"),
+    # GLM-5 (zai-org/GLM-5, transformers' glm_moe_dsa config): 78 layers, 64 attention heads, kv_lora_rank 512 +
+    # rope 64; at tensor parallel 8 each GPU attends with 64 / 8 = 8 heads
+    "glm5": Scale(78, 8, 495_552, 8, 16_384,
+                  "GLM-5 on 8 GPUs: 78 layers, 8 heads per GPU (64 / TP 8), a 495,552-token pool"),
     "dsv3": Scale(61, 16, 131_072, 8, 8_192,
                   "DeepSeek-V3 on 8xH200: 61 layers, 16 heads per GPU, a 131,072-token pool"),
 }
