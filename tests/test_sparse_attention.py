@@ -117,6 +117,6 @@ def test_triton_needs_topk_multiple_of_64():
         pytest.skip("triton unavailable")
     with pytest.raises(SparseKernelError, match="topk: the triton sparse kernel needs a multiple of 64"):
         fp8mla.MLASparseAttention(backend="triton").plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla")
-    attn = fp8mla.MLASparseAttention(backend="auto")
+    attn = fp8mla.MLASparseAttention(backend="auto")  # the CPU: auto is the torch code, which takes any topk
     attn.plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")
     assert attn.backend == "torch"
