@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.testing import assert_close, make_sparse_batch
+from fp8mla.testing import assert_close, capture_then_replay, make_sparse_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.triton,
@@ -125,3 +125,27 @@ def test_out_of_pool_entries_are_never_read():
     idx[0, 40], idx[1, 50], idx[1, 63] = P * 16, 2**31 - 1, -5
     got, got_l, _ = run(b)
     assert torch.equal(got, want) and torch.equal(got_l, want_l)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="GPU sizes and CUDA graphs")
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_gpu_glm5_sizes_and_cuda_graph(fmt, heads):
+    """topk 2048 at decode and MTP batch sizes, then run() captured in a CUDA graph and replayed after new
+    indices are written into the same buffer (what an engine's captured step does)."""
+    b = make_sparse_batch([3000, 2500, 2200, 4000], [2, 1, 1, 2], heads, 2048, 64, fmt, seed=heads, device=DEVICE,
+                          selected=lambda b, i: 2048 - 100 * i)
+    check(b)
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args)
+    r = b.run_args
+    out = torch.empty(6, heads, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(6, heads, device=DEVICE)
+    graph = capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "replayed out")
+    r["indices"][:, 1000:] = -1  # new selections in the captured buffer
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b.reference()[0], TOL, "replayed after new indices")
