@@ -83,6 +83,24 @@ def test_topk_2048_tiny_batch_splits_and_merge():
     assert_close(one, out.double(), TOL, "unsplit vs split")
 
 
+def test_reads_records_with_flashmla_power_of_two_scales():
+    """FlashMLA's test quantizer writes the same bytes with each scale rounded up to a power of two: such records
+    read correctly (the kernel takes the stored fp32 scale as it is)."""
+    b = make_sparse_batch([50], [2], 16, 64, 16, "fp8_ds_mla", seed=8, device=DEVICE)
+    kv = b.run_args["kv_cache"].reshape(-1, 656)
+    used = ~(kv == 0xFF).all(dim=1)
+    from fp8mla.formats import FP8_DS_MLA
+    c, k = FP8_DS_MLA.unpack(kv[used].cpu())
+    amax = c.reshape(-1, 4, 128).abs().amax(dim=-1)
+    scale = torch.pow(2, (amax / 448).clamp_min(1e-4).log2().ceil())
+    q = (c.reshape(-1, 4, 128) / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(-1, 512)
+    rec = torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8).reshape(-1, 16),
+                     k.to(torch.bfloat16).view(torch.uint8).reshape(-1, 128)], dim=1)
+    kv[used] = rec.to(kv.device)
+    assert set(FP8_DS_MLA.scales_of(rec).log2().flatten().tolist()) <= set(range(-30, 30))  # powers of two
+    check(b)
+
+
 def test_empty_rows_nan_base_e_and_determinism():
     b = make_sparse_batch([20, 9], [2, 2], 16, 128, 4, "fp8_ds_mla", seed=1, device=DEVICE,
                           selected=lambda b, i: 0 if i else 5)
