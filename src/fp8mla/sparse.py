@@ -372,7 +372,7 @@ def _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e)
     page = p.page_size
     num_slots = ckv.shape[0] * page
     c_scale, k_scale = scales[0], scales[1]
-    step = max(1, (1 << 22) // (p.topk * (Dc + p.head_dim_kpe)))  # ~16 MB of gathered fp32 per chunk
+    step = max(1, (1 << 24) // (p.topk * (Dc + p.head_dim_kpe)))  # ~64 MB of gathered fp32 per chunk
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
         ids = indices[t0:t1].long()
