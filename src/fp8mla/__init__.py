@@ -7,7 +7,7 @@ _LAZY = {"FORMATS": "formats", "KVFormat": "formats", "get_format": "formats",
          "OutOfPagesError": "cache", "PagedMLACache": "cache",
          "MLAPagedAttention": "attention", "available_backends": "attention",
          "MLARaggedPrefill": "ragged", "merge_state": "ragged", "merge_state_in_place": "ragged",
-         "gather_dequant": "gather",
+         "gather_dequant": "gather", "MLASparseAttention": "sparse",
          "sentinel": None}  # fp8mla.sentinel.forbid_pool_casts: the submodule itself
 
 
@@ -27,4 +27,4 @@ def __dir__():
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "KVFormat", "get_format", "PagedMLACache", "OutOfPagesError", "MLAPagedAttention",
            "available_backends", "MLARaggedPrefill", "merge_state", "merge_state_in_place", "gather_dequant",
-           "__version__"]
+           "MLASparseAttention", "__version__"]

@@ -40,13 +40,13 @@ def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
     """A per-tensor scale the format does not use must stay 1.0 (the identity): anything else was meant to
     scale the stored values, and the format would drop it without a word."""
     if fmt.scale_kind != "tensor" and ckv_scale != 1.0:
-        why = ("its c_kv scales are per token and 128 channels, computed on write" if fmt.scale_kind == "group"
-               else "it stores values as they are")
+        why = ("its c_kv scales are per token and 128 channels, computed on write"
+               if fmt.scale_kind in ("group", "record") else "it stores values as they are")
         raise ValueError(f"ckv_scale: the {fmt.name} format takes no per-tensor c_kv scale ({why}); expected "
                          f"1.0 (the default), got {ckv_scale!r}")
-    if not fmt.is_fp8 and kpe_scale != 1.0:
-        raise ValueError(f"kpe_scale: the {fmt.name} format takes no per-tensor scale (it stores values as they "
-                         f"are); expected 1.0 (the default), got {kpe_scale!r}")
+    if (not fmt.is_fp8 or fmt.scale_kind == "record") and kpe_scale != 1.0:
+        raise ValueError(f"kpe_scale: the {fmt.name} format takes no per-tensor scale (it stores k_pe as "
+                         f"{'bf16' if fmt.is_fp8 else 'it is'}); expected 1.0 (the default), got {kpe_scale!r}")
 
 
 def _hashable(seq_id):
@@ -120,7 +120,8 @@ class PagedMLACache:
     Args:
         num_layers, num_pages, page_size: pool geometry (page_size: tokens per page, any positive int).
         kv_format: a :mod:`fp8mla.formats` name or dtype (``"fp8_e4m3"``, ``"fp8_e4m3_group"``, ``"fp8_e5m2"``,
-            ``"bf16"``, ``"fp16"``).
+            ``"bf16"``, ``"fp16"``; ``"fp8_ds_mla"``: the 656-byte sparse record in a uint8 pool
+            ``[num_layers, num_pages, page_size, 656]``, read by :class:`fp8mla.MLASparseAttention` only).
         head_dim_ckv, head_dim_kpe: latent and rope widths (512 and 64 for DeepSeek-V2/V3, Kimi-K2).
         ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
             ``kpe_scale`` only, its c_kv scales are computed per token on write. A scale other than 1.0 that
@@ -139,18 +140,20 @@ class PagedMLACache:
         for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
                 raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
-        self.format: KVFormat = get_format(kv_format, arg="kv_format")
+        self.format: KVFormat = get_format(kv_format, arg="kv_format", sparse_ok=True)
         _check_unused_scales(self.format, ckv_scale, kpe_scale)
         device = _check_device(device)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
         self.ckv_scale = float(ckv_scale) if self.format.scale_kind == "tensor" else 1.0
         self.kpe_scale = float(kpe_scale) if self.format.is_fp8 else 1.0
-        width = head_dim_ckv + head_dim_kpe
+        self.is_record = self.format.scale_kind == "record"  # fp8_ds_mla: one 656-byte record per token
+        width = self.format.bytes_per_token(head_dim_ckv, head_dim_kpe) if self.is_record else \
+            head_dim_ckv + head_dim_kpe
         self.pool = torch.zeros(num_layers, num_pages, page_size, width, dtype=self.format.storage_dtype,
                                 device=device)
         self.device = self.pool.device  # "cuda" resolved to "cuda:0": what the checks compare tensors with
-        groups = self.format.num_groups(head_dim_ckv)
+        groups = self.format.num_groups(head_dim_ckv) if self.format.scale_kind == "group" else 0
         self.scale_arr = (torch.ones(num_layers, num_pages, page_size, groups, dtype=torch.float32,
                                      device=self.device) if groups else None)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
@@ -171,7 +174,7 @@ class PagedMLACache:
                             f"{budget_bytes!r} ({type(budget_bytes).__name__})")
         if not 0 < budget_bytes < float("inf"):  # NaN fails too
             raise ValueError(f"budget_bytes: expected a positive finite number of bytes, got {budget_bytes!r}")
-        fmt = get_format(kv_format, arg="kv_format")
+        fmt = get_format(kv_format, arg="kv_format", sparse_ok=True)
         # Checked before any allocation: the constructor would build a Python free list of num_pages entries.
         _check_unused_scales(fmt, kw.get("ckv_scale", 1.0), kw.get("kpe_scale", 1.0))
         device = _check_device(kw.get("device", "cpu"))
@@ -193,12 +196,24 @@ class PagedMLACache:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         return layer
 
+    def _no_record(self, what: str) -> None:
+        if self.is_record:
+            raise ValueError(f"{what}: the {self.format.name} pool holds whole 656-byte records, not separate "
+                             "c_kv / k_pe columns; use kv_cache(layer) (or sparse_run_inputs(layer))")
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, width]`` view of one layer's pool (no copy): width = head_dim_ckv +
+        head_dim_kpe values of the storage dtype, or 656 bytes (uint8) for ``fp8_ds_mla``."""
+        return self.pool[self._layer(layer)]
+
     def ckv_cache(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, head_dim_ckv]`` view of one layer's pool (no copy)."""
+        self._no_record("ckv_cache")
         return self.pool[self._layer(layer), :, :, : self.head_dim_ckv]
 
     def kpe_cache(self, layer: int) -> torch.Tensor:
         """``[num_pages, page_size, head_dim_kpe]`` view of one layer's pool (no copy)."""
+        self._no_record("kpe_cache")
         return self.pool[self._layer(layer), :, :, self.head_dim_ckv:]
 
     def ckv_scale_arr(self, layer: int):
@@ -459,6 +474,13 @@ class PagedMLACache:
         if use_triton is None:
             import importlib.util
             use_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        if self.is_record:
+            if use_triton:
+                from .kernels.quant_ds_mla import quant_ds_mla
+                quant_ds_mla(rows, slot_mapping, c_kv, k_pe)
+            else:
+                rows[slot_mapping.long()] = self.format.pack(c_kv, k_pe)
+            return
         if use_triton:
             from .kernels.quant_append import quant_append
             quant_append(rows, scales, slot_mapping, c_kv, k_pe, self.format, self.ckv_scale, self.kpe_scale)
@@ -527,10 +549,22 @@ class PagedMLACache:
     def run_inputs(self, layer: int) -> dict:
         """The cache-side arguments of ``MLAPagedAttention.run`` for ``layer``: the caches and exactly one of
         ``ckv_scale`` (per tensor) / ``ckv_scale_arr`` (group format), as FlashInfer requires."""
+        self._no_record("run_inputs")
         arr = self.ckv_scale_arr(layer)
         return dict(ckv_cache=self.ckv_cache(layer), kpe_cache=self.kpe_cache(layer),
                     ckv_scale=None if arr is not None else self.ckv_scale, kpe_scale=self.kpe_scale,
                     ckv_scale_arr=arr)
+
+    def sparse_run_inputs(self, layer: int) -> dict:
+        """The cache-side arguments of ``MLASparseAttention.run`` for ``layer``: ``kv_cache`` (the whole
+        pool of the layer, records or joined c_kv | k_pe rows) and the scales its format needs."""
+        arr = self.ckv_scale_arr(layer)
+        if self.is_record:
+            return dict(kv_cache=self.kv_cache(layer))
+        fp8 = self.format.is_fp8
+        return dict(kv_cache=self.kv_cache(layer), ckv_scale_arr=arr,
+                    ckv_scale=self.ckv_scale if fp8 and arr is None else None,
+                    kpe_scale=self.kpe_scale if fp8 else None)
 
     def unreserve(self, seq_ids) -> None:
         """Undo the last reservation of each sequence (a step that failed after reserving): its pending tokens are

@@ -20,10 +20,21 @@ format              bytes of one token, in order                                
                     channels of c_kv (FlashInfer's ``ckv_scale_arr``); k_pe keeps one
                     per-tensor scale
 ``fp8_e5m2``        as ``fp8_e4m3`` with e5m2 values (per-tensor scales)                     576
+``fp8_ds_mla``      one 656-byte record per token in a uint8 pool ``[P, page, 656]`` (FlashMLA's  656
+                    sparse FP8 record, vLLM's ``fp8_ds_mla``): bytes [0, 512) c_kv as 512 e4m3;
+                    [512, 528) 4 x fp32 little-endian scales, scale g for c_kv channels
+                    [128 g, 128 g + 128); [528, 656) k_pe as 64 x bf16, unquantized.
+                    Sparse attention only (``fp8mla.sparse``); the dense kernels refuse it.
 ==================  =======================================================================  ==========
 
 Quantization saturates: values beyond the format's range are clamped to +-max (448 for e4m3, 57344 for e5m2);
 overflow never makes NaN or inf. NaN inputs stay NaN.
+
+``fp8_ds_mla`` writes what vLLM's ``concat_and_cache_ds_mla`` kernel writes: scale = ``max(amax / 448, FLT_MIN)``
+over the 128 channels of a group (stored as a plain fp32, not rounded to a power of two), values
+``e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even; k_pe rounded to bf16. One difference, for
+non-finite inputs only: NaN and +-inf do not count in the amax here (as in the group format), so one NaN does
+not spoil its group's other values and +-inf saturates to +-448 x scale.
 """
 from __future__ import annotations
 
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVFormat", "FORMATS", "get_format", "GROUP_SIZE"]
+__all__ = ["KVFormat", "FORMATS", "get_format", "GROUP_SIZE", "DSMLAFormat", "FP8_DS_MLA", "SPARSE_FORMATS"]
 
 GROUP_SIZE = 128  # channels of c_kv that share one scale in the group format
 
@@ -167,10 +178,18 @@ _BY_DTYPE = {
 }
 
 
-def get_format(spec: str | torch.dtype | KVFormat, *, arg: str = "kv_data_type") -> KVFormat:
-    """Resolve a format from its name, its storage dtype (per-tensor scales for FP8) or a :class:`KVFormat`."""
-    if isinstance(spec, KVFormat):
-        return spec
+def get_format(spec: str | torch.dtype | KVFormat, *, arg: str = "kv_data_type",
+               sparse_ok: bool = False) -> KVFormat:
+    """Resolve a format from its name, its storage dtype (per-tensor scales for FP8) or a :class:`KVFormat`.
+
+    ``fp8_ds_mla`` (a record format only sparse attention reads) resolves only with ``sparse_ok``; otherwise it
+    is refused by name, so the dense API never takes its uint8 pool for something else."""
+    if isinstance(spec, KVFormat) or (isinstance(spec, str) and spec == FP8_DS_MLA.name):
+        fmt = FP8_DS_MLA if isinstance(spec, str) else spec
+        if fmt.name == FP8_DS_MLA.name and not sparse_ok:
+            raise ValueError(f"{arg}: {fmt.name!r} is the sparse (DSA) record format; only "
+                             "fp8mla.MLASparseAttention reads it, expected one of " + str(list(FORMATS)))
+        return fmt
     if isinstance(spec, torch.dtype):
         if spec not in _BY_DTYPE:
             raise TypeError(f"{arg}: expected one of {list(_BY_DTYPE)} or a format name {list(FORMATS)}, got {spec}")
@@ -178,3 +197,70 @@ def get_format(spec: str | torch.dtype | KVFormat, *, arg: str = "kv_data_type")
     if isinstance(spec, str) and spec in FORMATS:
         return FORMATS[spec]
     raise ValueError(f"{arg}: expected a format name {list(FORMATS)} or a torch dtype, got {spec!r}")
+
+
+class DSMLAFormat(KVFormat):
+    """The 656-byte ``fp8_ds_mla`` record (see the module docstring for its bytes). The pool is uint8
+    ``[..., 656]``; :meth:`pack` / :meth:`unpack` convert between records and ``(c_kv, k_pe)``."""
+
+    CKV_BYTES, SCALE_BYTES, KPE_BYTES = 512, 16, 128
+    SCALE_OFFSET, KPE_OFFSET, RECORD_BYTES = 512, 528, 656
+    FLT_MIN = float(torch.finfo(torch.float32).tiny)
+
+    @property
+    def is_fp8(self) -> bool:
+        return True
+
+    def num_groups(self, head_dim_ckv: int = 512) -> int:
+        self._check_dims(head_dim_ckv, 64)
+        return 4
+
+    def bytes_per_token(self, head_dim_ckv: int = 512, head_dim_kpe: int = 64) -> int:
+        self._check_dims(head_dim_ckv, head_dim_kpe)
+        return self.RECORD_BYTES
+
+    @staticmethod
+    def _check_dims(head_dim_ckv: int, head_dim_kpe: int) -> None:
+        if (head_dim_ckv, head_dim_kpe) != (512, 64):
+            raise ValueError(f"head_dim_ckv/head_dim_kpe: the fp8_ds_mla record holds 512 + 64, got "
+                             f"{head_dim_ckv} + {head_dim_kpe}")
+
+    def group_scales(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """``max(amax(|finite values of the group|) / 448, FLT_MIN)`` as fp32 ``[..., 4]`` (vLLM's rule)."""
+        a = c_kv.float().abs().reshape(*c_kv.shape[:-1], 4, GROUP_SIZE)
+        amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=-1)
+        return _fp32_div(amax, self.max_value).clamp_min(self.FLT_MIN)
+
+    def pack(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """Records ``uint8 [..., 656]`` of ``c_kv [..., 512]`` and ``k_pe [..., 64]`` (any float dtype)."""
+        self._check_dims(c_kv.shape[-1], k_pe.shape[-1])
+        lead = c_kv.shape[:-1]
+        scales = self.group_scales(c_kv)
+        e4m3 = FORMATS["fp8_e4m3"]
+        vals = e4m3.quantize(c_kv, expand_group_scales(scales, 512))
+        # bf16 rounding of k_pe: a plain cast (round to nearest even); clamp keeps +-inf from fp32 overflow out
+        kpe = k_pe.float().clamp(-FORMATS["bf16"].max_value, FORMATS["bf16"].max_value).to(torch.bfloat16)
+        rec = torch.empty(*lead, self.RECORD_BYTES, dtype=torch.uint8, device=c_kv.device)
+        rec[..., :512] = vals.view(torch.uint8)
+        rec[..., 512:528] = scales.contiguous().view(torch.uint8).reshape(*lead, 16)
+        rec[..., 528:] = kpe.contiguous().view(torch.uint8).reshape(*lead, 128)
+        return rec
+
+    def unpack(self, records: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """``(c_kv [..., 512], k_pe [..., 64])`` in ``dtype``: e4m3 x its group's scale, and the bf16 rope."""
+        if records.dtype != torch.uint8 or records.shape[-1] != self.RECORD_BYTES:
+            raise ValueError(f"records: expected uint8 [..., {self.RECORD_BYTES}], got {records.dtype} "
+                             f"{list(records.shape)}")
+        r = records.contiguous()
+        vals = r[..., :512].view(torch.float8_e4m3fn).to(dtype)
+        scales = r[..., 512:528].view(torch.float32).to(dtype)
+        kpe = r[..., 528:].view(torch.bfloat16).to(dtype)
+        return vals * expand_group_scales(scales, 512), kpe
+
+    def scales_of(self, records: torch.Tensor) -> torch.Tensor:
+        """The fp32 ``[..., 4]`` scales stored in records ``uint8 [..., 656]``."""
+        return records.contiguous()[..., 512:528].view(torch.float32)
+
+
+FP8_DS_MLA = DSMLAFormat("fp8_ds_mla", torch.uint8, "record", 448.0)
+SPARSE_FORMATS: dict[str, KVFormat] = {**FORMATS, FP8_DS_MLA.name: FP8_DS_MLA}

@@ -64,3 +64,45 @@ def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_i
         out[q0:q1] = o
         lse[q0:q1] = ls * LOG2E
     return out, lse
+
+
+def sparse_mla_reference(q_nope, q_pe, kv_cache, indices, *, sm_scale: float, kv_format, page_size: int,
+                         kpe_cache=None, ckv_scale=1.0, kpe_scale=1.0, ckv_scale_arr=None):
+    """Sparse attention of each query token over the slots of its index row, in float64 (loop per token).
+
+    Args:
+        q_nope ``[n, H, 512]``, q_pe ``[n, H, 64]``; indices ``[n, topk]`` global slots (page * page_size +
+        offset), -1 (or any value outside the pool) = no token; a slot named twice counts twice.
+        kv_cache: ``fp8_ds_mla``: uint8 ``[P, page, 656]``; else ``[P, page, 576]`` (or c_kv ``[P, page, 512]``
+        with ``kpe_cache``). Scales as in :func:`mla_reference`.
+    Returns:
+        ``(out [n, H, 512] float64, lse [n, H] float64, base 2)``; a row with no token gets 0 and -inf.
+    """
+    from .formats import get_format
+    fmt = get_format(kv_format, sparse_ok=True)
+    n, H, Dc = q_nope.shape
+    out = torch.zeros(n, H, Dc, dtype=torch.float64, device=q_nope.device)
+    lse = torch.full((n, H), -math.inf, dtype=torch.float64, device=q_nope.device)
+    P = kv_cache.shape[0]
+    for t in range(n):
+        row = [int(i) for i in indices[t].tolist() if 0 <= int(i) < P * page_size]
+        if not row:
+            continue
+        ids = torch.tensor(row, dtype=torch.long, device=kv_cache.device)
+        page, slot = ids // page_size, ids % page_size
+        if fmt.scale_kind == "record":
+            ckv, kpe = fmt.unpack(kv_cache[page, slot], dtype=torch.float64)
+        else:
+            ckv_all = kv_cache if kpe_cache is not None else kv_cache[..., :Dc]
+            kpe_all = kpe_cache if kpe_cache is not None else kv_cache[..., Dc:]
+            ckv = ckv_all[page, slot].to(torch.float64)
+            kpe = kpe_all[page, slot].to(torch.float64) * float(kpe_scale)
+            if ckv_scale_arr is not None:
+                ckv = ckv * expand_group_scales(ckv_scale_arr[page, slot].to(torch.float64), Dc)
+            else:
+                ckv = ckv * float(ckv_scale)
+        ckv, kpe = ckv.to(q_nope.device), kpe.to(q_nope.device)
+        s = (q_nope[t].double() @ ckv.T + q_pe[t].double() @ kpe.T) * sm_scale  # [H, k]
+        o, ls = softmax_rows(s, ckv)
+        out[t], lse[t] = o, ls * LOG2E
+    return out, lse

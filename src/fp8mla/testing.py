@@ -159,3 +159,69 @@ def capture_then_replay(run, out: torch.Tensor):
     graph.replay()
     torch.cuda.synchronize()
     return graph
+
+
+@dataclass
+class SparseBatch:
+    plan_args: dict   # keyword arguments of MLASparseAttention.plan
+    run_args: dict    # keyword arguments of MLASparseAttention.run (q_nope, q_pe, kv_cache, indices, scales)
+
+    def reference(self):
+        """float64 ``(out, lse base 2)`` on the dequantized KV."""
+        from .reference import sparse_mla_reference
+        a, r = self.plan_args, self.run_args
+        return sparse_mla_reference(r["q_nope"], r["q_pe"], r["kv_cache"], r["indices"], sm_scale=a["sm_scale"],
+                                    kv_format=a["kv_data_type"], page_size=a["page_size"],
+                                    ckv_scale=r.get("ckv_scale") or 1.0, kpe_scale=r.get("kpe_scale") or 1.0,
+                                    ckv_scale_arr=r.get("ckv_scale_arr"))
+
+
+def make_sparse_batch(kv_lens, qo_lens, num_heads: int, topk: int, page_size: int, kv_format="fp8_e4m3", *,
+                      selected=None, pad: str = "scattered", q_dtype=torch.bfloat16, device="cpu",
+                      seed: int | None = None, ckv_scale: float = 1.0, kpe_scale: float = 1.0,
+                      sm_scale: float | None = None) -> SparseBatch:
+    """A random sparse batch: request ``b`` holds ``kv_lens[b]`` tokens in shuffled pages of a pool whose unused
+    slots are NaN (records: all-ones bytes, NaN in every field); each of its ``qo_lens[b]`` query tokens selects
+    ``selected(b, i)`` of them (default: a random count in [0, min(kv_len, topk)]), in random order, placed at
+    random positions of its index row (``pad="scattered"``) or first (``"trailing"``: -1 after them).
+    """
+    fmt = get_format(kv_format, arg="kv_format", sparse_ok=True)
+    record = fmt.scale_kind == "record"
+    g = torch.Generator()
+    if seed is not None:
+        g.manual_seed(seed)
+    else:
+        g.seed()
+    dense = make_paged_batch(kv_lens, qo_lens, num_heads, page_size, "bf16" if record else fmt, q_dtype=q_dtype,
+                             device="cpu", generator=g, ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    pa, ra = dense.plan_args, dense.run_args
+    pool = dense.pool
+    if record:
+        used = ~torch.isnan(pool[..., 0].float())
+        rec = torch.full((*pool.shape[:2], 656), 0xFF, dtype=torch.uint8)
+        rec[used] = fmt.pack(pool[used][:, :512], pool[used][:, 512:])
+        pool = rec
+    pages, ind = pa["kv_indices"].tolist(), pa["kv_indptr"].tolist()
+    rows = []
+    for b, L in enumerate(kv_lens):
+        slots = [pages[ind[b] + t // page_size] * page_size + t % page_size for t in range(L)]
+        for i in range(qo_lens[b]):
+            k = selected(b, i) if selected is not None else int(torch.randint(0, min(L, topk) + 1, (1,),
+                                                                             generator=g))
+            pick = [slots[j] for j in torch.randperm(L, generator=g)[:k].tolist()]
+            row = [-1] * topk
+            where = torch.randperm(topk, generator=g)[:k].tolist() if pad == "scattered" else range(k)
+            for j, s in zip(where, pick):
+                row[j] = s
+            rows.append(row)
+    indices = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), topk)
+    plan_args = dict(num_heads=num_heads, topk=topk, page_size=page_size,
+                     sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(576), q_data_type=q_dtype,
+                     kv_data_type=fmt.name, num_pages=pool.shape[0], device=device)
+    run_args = dict(q_nope=ra["q_nope"].to(device), q_pe=ra["q_pe"].to(device), kv_cache=pool.to(device),
+                    indices=indices.to(device))
+    if fmt.scale_kind == "group":
+        run_args.update(ckv_scale_arr=ra["ckv_scale_arr"].to(device), kpe_scale=kpe_scale)
+    elif fmt.scale_kind == "tensor":
+        run_args.update(ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    return SparseBatch(plan_args, run_args)

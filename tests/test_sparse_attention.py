@@ -1,0 +1,122 @@
+"""MLASparseAttention's contract on its torch backend (the Triton kernel has tests/test_sparse_triton.py): every
+format against the float64 reference, -1 padding, rows with no token, NaN in unselected slots, lse bases, and
+each bad input a named error."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8mla
+from fp8mla.sparse import SparseKernelError
+from fp8mla.testing import assert_close, make_sparse_batch
+
+FORMATS = ["fp8_ds_mla", "fp8_e4m3", "fp8_e4m3_group", "fp8_e5m2", "bf16", "fp16"]
+
+
+def run(batch, backend="torch", **plan_extra):
+    attn = fp8mla.MLASparseAttention(backend=backend)
+    attn.plan(**{**batch.plan_args, **plan_extra})
+    r = batch.run_args
+    n, H, _ = r["q_nope"].shape
+    out = torch.full((n, H, 512), math.nan, dtype=r["q_nope"].dtype)
+    lse = torch.full((n, H), math.nan)
+    res = attn.run(**r, out=out, lse=lse, return_lse=True)
+    assert res[0] is out and res[1] is lse
+    return out, lse
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("pad", ["scattered", "trailing"])
+def test_torch_backend_matches_reference(fmt, pad):
+    b = make_sparse_batch([40, 3, 70], [2, 1, 3], 16, 64, 16, fmt, pad=pad, seed=FORMATS.index(fmt),
+                          ckv_scale=0.5 if fmt in ("fp8_e4m3", "fp8_e5m2") else 1.0)
+    out, lse = run(b)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, 3e-3, "out")
+    assert_close(lse, ref_l, 1e-5, "lse")
+
+
+def test_empty_rows_and_base_e():
+    b = make_sparse_batch([20, 9], [2, 2], 8, 128, 4, "fp8_ds_mla", seed=1, selected=lambda b, i: 0 if i else 5)
+    attn = fp8mla.MLASparseAttention(backend="torch")
+    attn.plan(**b.plan_args)
+    out, lse = attn.run(**b.run_args, return_lse=True, return_lse_base_on_e=True)
+    ref_o, ref_l = b.reference()
+    empty = (b.run_args["indices"] < 0).all(dim=1)
+    assert empty.tolist() == [False, True, False, True]
+    assert (out[empty] == 0).all() and (lse[empty] == -math.inf).all()
+    assert_close(lse, ref_l * math.log(2), 1e-5, "lse base e")
+
+
+def test_nan_in_the_query_is_nan_out():
+    b = make_sparse_batch([30], [2], 8, 64, 16, "fp8_ds_mla", seed=2, selected=lambda b, i: 10)
+    b.run_args["q_nope"][0, 3, 7] = math.nan
+    out, lse = run(b)
+    assert torch.isnan(out[0, 3]).all() and math.isnan(lse[0, 3]) and not torch.isnan(out[1]).any()
+
+
+def _planned(fmt="fp8_ds_mla", **kw):
+    b = make_sparse_batch([30], [2], 8, 64, 16, fmt, seed=3)
+    attn = fp8mla.MLASparseAttention(backend="torch")
+    attn.plan(**{**b.plan_args, **kw})
+    return attn, b.run_args
+
+
+def test_bad_input_is_named():
+    attn, r = _planned()
+    with pytest.raises(ValueError, match="indices.dtype=torch.int64"):
+        attn.run(**{**r, "indices": r["indices"].long()})
+    with pytest.raises(ValueError, match=r"indices: expected shape \[2, 64\]"):
+        attn.run(**{**r, "indices": r["indices"][:, :32].contiguous()})
+    with pytest.raises(ValueError, match="kv_cache.dtype"):
+        attn.run(**{**r, "kv_cache": r["kv_cache"].view(torch.int8)})
+    with pytest.raises(ValueError, match=r"kv_cache: expected shape \[\d+, 16, 656\]"):
+        attn.run(**{**r, "kv_cache": r["kv_cache"][..., :576]})
+    with pytest.raises(ValueError, match="ckv_scale: fp8_ds_mla records carry their own"):
+        attn.run(**r, ckv_scale=1.0)
+    with pytest.raises(ValueError, match="q_nope.dtype"):
+        attn.run(**{**r, "q_nope": r["q_nope"].half()})
+    a2, r2 = _planned("fp8_e4m3")
+    with pytest.raises(ValueError, match="kpe_scale: an FP8 pool"):
+        a2.run(**{**r2, "kpe_scale": None})
+    a3, r3 = _planned("fp8_e4m3_group")
+    with pytest.raises(ValueError, match="ckv_scale_arr: kv_data_type 'fp8_e4m3_group' needs"):
+        a3.run(**{**r3, "ckv_scale_arr": None})
+    with pytest.raises(SparseKernelError, match="head_dim_ckv/head_dim_kpe"):
+        _planned(head_dim_ckv=256)
+    with pytest.raises(ValueError, match="q_data_type"):
+        _planned(q_data_type=torch.float32)
+    with pytest.raises(SparseKernelError, match="backend: 'gluon' has no sparse build yet"):
+        fp8mla.MLASparseAttention(backend="gluon").plan(8, 64, 16, 0.1, torch.bfloat16, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        fp8mla.MLASparseAttention(backend="flash")
+    with pytest.raises(RuntimeError, match="plan"):
+        fp8mla.MLASparseAttention().run(**r)
+
+
+def test_out_of_pool_indices(monkeypatch):
+    attn, r = _planned()
+    idx = r["indices"].clone()
+    P = r["kv_cache"].shape[0]
+    idx[0, 5] = P * 16 + 3  # past the pool: skipped like -1 (FlashMLA's rule) ...
+    idx[1, 9] = -7
+    out, lse = attn.run(**{**r, "indices": idx}, return_lse=True)
+    clean = idx.clone()
+    clean[0, 5] = clean[1, 9] = -1
+    want, want_l = attn.run(**{**r, "indices": clean}, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_l)
+    monkeypatch.setenv("FP8MLA_CHECK", "1")  # ... and named on the host under FP8MLA_CHECK=1
+    with pytest.raises(ValueError, match=rf"indices: expected slots in \[0, {P * 16}\) or -1, got indices\[0, 5\]"):
+        attn.run(**{**r, "indices": idx})
+
+
+def test_triton_needs_topk_multiple_of_64():
+    if "triton" not in fp8mla.available_backends("cpu"):
+        pytest.skip("triton unavailable")
+    with pytest.raises(SparseKernelError, match="topk: the triton sparse kernel needs a multiple of 64"):
+        fp8mla.MLASparseAttention(backend="triton").plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla")
+    attn = fp8mla.MLASparseAttention(backend="auto")
+    attn.plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")
+    assert attn.backend == "torch"
