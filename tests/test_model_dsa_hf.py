@@ -33,9 +33,18 @@ from fp8mla.models.dsa import DSAModel  # noqa: E402
 from fp8mla.models.dsa_config import load_dsa_config  # noqa: E402
 from fp8mla.testing import compare  # noqa: E402
 
-BOUND = {"bf16": 1e-2, "fp8_e4m3": 6e-2}
+BOUND = {"bf16": 1e-2, "fp8_e4m3": 6e-2, "fp8_ds_mla": 6e-2}
 GAP = 1e-4          # relative k-th / (k+1)-th score gap above which the selection must match
 MIN_COMPARED = 0.9  # of the rows with more than topk visible tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread is 10-20x faster than two on a loaded 2-core machine (CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny(model: str, **kw):
@@ -196,7 +205,7 @@ def run(model: str, kv_format: str, *, flip_rope: bool = False, seed: int = 0):
             attn = blk.self_attn
             x = torch.cat([ref[s][li][0] for s in names])
             want = torch.cat([ref[s][li][1] for s in names])
-            hf_slots = torch.full((x.shape[0], cfg.index_topk), -1, dtype=torch.int32)
+            hf_slots = torch.full((x.shape[0], st.index_width), -1, dtype=torch.int32)
             for (r0, r1, p0, slots), s in zip(st.seqs, names):
                 pos = ref[s][li][2]
                 horizon = p0 + torch.arange(r1 - r0)[:, None]

@@ -24,21 +24,19 @@ Numerics (tests/test_model_dsa_hf.py, against transformers in fp32): the indexer
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..cache import PagedMLACache
+from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
 from .deepseek import DeepseekMLA, RMSNorm, _attn_dtype, _randn, _reserve, _rope, _write, check_step_args
 from .dsa_config import DSAConfig, load_dsa_config
 from .indexer import DSACache, LightningIndexer, select_topk
 
-__all__ = ["DSAAttention", "DSAModel", "DSAStep", "begin_dsa_step", "sparse_mla_torch"]
-
-_ROWS_PER_GATHER = 64  # query rows whose selected latents are gathered at once (bounds a prefill's memory)
+__all__ = ["DSAAttention", "DSAModel", "DSAStep", "begin_dsa_step"]
 
 
 @dataclass
@@ -60,8 +58,10 @@ class DSAStep:
     rope: YarnRope
     attn_dtype: torch.dtype
     seqs: list                    # per sequence (row0, row1, pos0, slots [pos0 + row1 - row0] int64)
+    sparse: MLASparseAttention    # planned once for the step, run by every layer
+    index_width: int              # columns of the index rows: index_topk rounded up to the kernels' 64
     backend: str = "auto"
-    indices: torch.Tensor | None = None   # [T, index_topk] int32: the last full layer's selection
+    indices: torch.Tensor | None = None   # [T, index_width] int32: the last full layer's selection
     selections: dict = field(default_factory=dict)  # layer -> its indices (kept for inspection and tests)
     reserved: bool = True
     committed: bool = False
@@ -77,11 +77,12 @@ class DSAStep:
             self.reserved = False
 
 
-def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope: YarnRope,
+def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope: YarnRope, num_heads: int,
                    attn_dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> DSAStep:
-    """Reserve ``num_tokens[i]`` slots for each ``seq_ids[i]`` (already added to ``cache``) and gather what the
-    layers share. All or nothing: on failure the reservation is given back. Host work: O(batch) Python plus one
-    slot table per sequence (vectorized)."""
+    """Reserve ``num_tokens[i]`` slots for each ``seq_ids[i]`` (already added to ``cache``), gather what the
+    layers share and plan the sparse attention (:class:`~fp8mla.sparse.MLASparseAttention`, ``num_heads`` per
+    rank). All or nothing: on failure the reservation is given back. Host work: O(batch) Python plus one slot
+    table per sequence (vectorized)."""
     if not isinstance(cache, DSACache):
         raise TypeError(f"cache: expected a DSACache (the latent pool plus the indexer keys; DSAModel.make_cache "
                         f"builds one), got {type(cache).__name__}")
@@ -100,52 +101,16 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
         for s, n, p in zip(ids, counts, prefix):
             seqs.append((r, r + n, p, cache.token_slots(s, p + n)))
             r += n
-        return DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, backend)
+        width = -(-cfg.index_topk // INDEX_BLOCK) * INDEX_BLOCK  # -1 padded: what the Triton kernel walks
+        sparse = MLASparseAttention(backend=backend)
+        sparse.plan(num_heads, width, cache.page_size, cfg.sm_scale, attn_dtype, cache.format.name,
+                    head_dim_ckv=cache.head_dim_ckv, head_dim_kpe=cache.head_dim_kpe, num_pages=cache.num_pages,
+                    device=dev)
+        return DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
+                       backend)
     except BaseException:
         cache.unreserve(ids)
         raise
-
-
-def sparse_mla_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
-                     indices: torch.Tensor, sm_scale: float, *, ckv_scale=1.0, kpe_scale=1.0, ckv_scale_arr=None):
-    """Absorbed MLA of each query token over its own selected slots, in fp32 (float64 for float64 queries).
-
-    Args:
-        q_nope: ``[T, H, Dc]``, q_pe: ``[T, H, Dk]`` queries in the latent space.
-        ckv_cache: ``[P, page, Dc]``, kpe_cache: ``[P, page, Dk]`` the pool (any stored format), real = stored x
-            scale (``ckv_scale_arr [P, page, Dc // 128]`` for the group format).
-        indices: ``[T, K]`` int32 flat slots ``page * page_size + offset``; ``-1`` = none (never read).
-
-    Returns:
-        ``(out [T, H, Dc], lse [T, H])`` base e; a row without a slot gives 0 and -inf.
-    """
-    T, H, Dc = q_nope.shape
-    acc = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
-    ckv_rows, kpe_rows = ckv_cache.flatten(0, 1), kpe_cache.flatten(0, 1)
-    scale_rows = None if ckv_scale_arr is None else ckv_scale_arr.flatten(0, 1)
-    out = torch.zeros(T, H, Dc, dtype=acc, device=q_nope.device)
-    lse = torch.full((T, H), -math.inf, dtype=acc, device=q_nope.device)
-    for a in range(0, T, _ROWS_PER_GATHER):
-        b = min(T, a + _ROWS_PER_GATHER)
-        valid = indices[a:b] >= 0
-        idx = indices[a:b].clamp_min(0).long()
-        ckv = ckv_rows[idx].to(acc)                         # [n, K, Dc]: only the selected rows are converted
-        if scale_rows is not None:
-            ckv = (ckv.unflatten(-1, (-1, 128)) * scale_rows[idx].to(acc)[..., None]).flatten(-2)
-        else:
-            ckv = ckv * float(ckv_scale)
-        kpe = kpe_rows[idx].to(acc) * float(kpe_scale)
-        # An unselected slot may hold anything (NaN in an unused page): zero it, not only its score.
-        ckv = torch.where(valid[..., None], ckv, 0.0)
-        kpe = torch.where(valid[..., None], kpe, 0.0)
-        s = (torch.einsum("nhc,nkc->nhk", q_nope[a:b].to(acc), ckv)
-             + torch.einsum("nhr,nkr->nhk", q_pe[a:b].to(acc), kpe)) * sm_scale
-        s = s.masked_fill(~valid[:, None, :], -math.inf)
-        m = torch.logsumexp(s, dim=-1)                      # -inf for a row without a slot
-        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-        out[a:b] = torch.einsum("nhk,nkc->nhc", p, ckv)
-        lse[a:b] = m
-    return out, lse
 
 
 class DSAAttention(DeepseekMLA):
@@ -170,7 +135,7 @@ class DSAAttention(DeepseekMLA):
         cache.write_index_keys(self.layer_idx, step.slots, ix.keys(x, step.rope, step.cos, step.sin))
         q = ix.queries(q_resid, step.rope, step.cos, step.sin)
         return select_topk(q, ix.head_weights(x), cache.index_keys(self.layer_idx), step.seqs, c.index_topk,
-                           c.index_softmax_scale, return_scores=return_scores)
+                           c.index_softmax_scale, width=step.index_width, return_scores=return_scores)
 
     def forward(self, x: torch.Tensor, step: DSAStep, *, indices: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden_size]`` -> ``[T, hidden_size]``. ``indices [T, K]`` int32 slots: attend to these instead
@@ -185,7 +150,7 @@ class DSAAttention(DeepseekMLA):
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         ckv = self.kv_a_layernorm(ckv)
         q_pe = _rope(step, q_pe)
-        _write(step, self.layer_idx, ckv, _rope(step, k_pe))  # before the attention reads the step's own tokens
+        _write_latents(step, self.layer_idx, ckv, _rope(step, k_pe))  # before the attention reads them
         if self.indexer is not None:
             step.indices = self.select(x, q_resid, step)
         elif step.indices is None:
@@ -193,20 +158,28 @@ class DSAAttention(DeepseekMLA):
                              "indexer_types), but no full layer ran before it in this step")
         step.selections[self.layer_idx] = step.indices
         sel = step.indices if indices is None else indices
-        if sel.dim() != 2 or sel.shape[0] != T or sel.dtype != torch.int32:
-            raise ValueError(f"indices: expected int32 [{T}, topk], got {sel.dtype} {list(sel.shape)}")
+        if sel.shape != (T, step.index_width) or sel.dtype != torch.int32:
+            raise ValueError(f"indices: expected int32 [{T}, {step.index_width}], got {sel.dtype} {list(sel.shape)}")
         return self._out(self._attend(q_nope, q_pe, sel, step), T)
 
     def _attend(self, q_nope, q_pe, indices, step: DSAStep) -> torch.Tensor:
-        adt, cache = step.attn_dtype, step.cache
+        adt = step.attn_dtype
         w_uk, w_uv = self._w_uk_uv()
         # Absorption: q_nope . (W_UK c) == (W_UK^T q_nope) . c, so each query scores the cached latents directly.
         q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk).to(adt)
-        o_lat, _ = sparse_mla_torch(q_lat, q_pe.to(adt), cache.ckv_cache(self.layer_idx),
-                                    cache.kpe_cache(self.layer_idx), indices, self.cfg.sm_scale,
-                                    ckv_scale=cache.ckv_scale, kpe_scale=cache.kpe_scale,
-                                    ckv_scale_arr=cache.ckv_scale_arr(self.layer_idx))
-        return torch.einsum("nhc,hvc->nhv", o_lat.to(adt).to(w_uv.dtype), w_uv)
+        o_lat = step.sparse.run(q_lat, q_pe.to(adt).contiguous(), indices=indices,
+                                **step.cache.sparse_run_inputs(self.layer_idx))
+        return torch.einsum("nhc,hvc->nhv", o_lat.to(w_uv.dtype), w_uv)
+
+
+def _write_latents(step: DSAStep, layer: int, ckv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """Quantize-on-write of the step's tokens; on a GPU without the cache's range check (a host sync)."""
+    cache = step.cache
+    if cache.device.type == "cuda" and cache.is_record:
+        from ..kernels.quant_ds_mla import quant_ds_mla
+        quant_ds_mla(cache.pool[layer].view(cache.num_pages * cache.page_size, -1), step.slots, ckv, k_pe)
+    else:
+        _write(step, layer, ckv, k_pe)
 
 
 class DSABlock(nn.Module):
@@ -267,7 +240,8 @@ class DSAModel(nn.Module):
         if cache.num_layers < len(self.layers):
             raise ValueError(f"cache: {cache.num_layers} layers, the model has {len(self.layers)}")
         return begin_dsa_step(cache, seq_ids, num_tokens, cfg=self.cfg, rope=self.rope,
-                              attn_dtype=_attn_dtype(self.dtype), backend=self.backend)
+                              num_heads=self.layers[0].self_attn.num_local_heads, attn_dtype=_attn_dtype(self.dtype),
+                              backend=self.backend)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: DSAStep) -> torch.Tensor:

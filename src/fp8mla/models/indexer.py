@@ -123,7 +123,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
 
 
 def select_topk(q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor, seqs, topk: int, scale: float,
-                *, return_scores: bool = False):
+                *, width: int | None = None, return_scores: bool = False):
     """The indexer's causal top-k, per sequence.
 
     Args:
@@ -131,14 +131,14 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor, 
         key_rows: ``[num_slots, D]`` the layer's key cache by flat slot (the step's keys already written).
         seqs: per sequence ``(row0, row1, pos0, slots)``: its query rows ``row0:row1`` at positions
             ``pos0, pos0 + 1...``, and ``slots [pos0 + row1 - row0]`` its tokens' flat slots in order.
-        topk: tokens to select (``index_topk``).
+        topk: tokens to select (``index_topk``); width: columns of the result (>= topk; -1 padded).
 
     Returns:
-        ``[T, topk]`` int32 flat slots, highest score first, ``-1`` past a token's causal horizon; with
+        ``[T, width]`` int32 flat slots, highest score first, ``-1`` past a token's causal horizon; with
         ``return_scores``, also the per-sequence ``[n, L]`` masked score matrices (for tests).
     """
     T = q.shape[0]
-    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    out = torch.full((T, topk if width is None else max(width, topk)), -1, dtype=torch.int32, device=q.device)
     all_scores = []
     for r0, r1, p0, slots in seqs:
         L = slots.numel()
