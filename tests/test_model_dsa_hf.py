@@ -246,3 +246,25 @@ def test_wrong_indexer_rope_variant_is_seen(model):
     """The other model's indexer rope (interleaved <-> half-split) changes most clear-cut selections."""
     _, (choice, compared, differ) = run(model, "bf16", flip_rope=True)
     assert compared >= MIN_COMPARED * choice and differ >= 0.3 * compared, (choice, compared, differ)
+
+
+@pytest.mark.parametrize("model", ["glm", "v32"])
+def test_save_pretrained_round_trip(model, tmp_path):
+    """A tiny random transformers GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM saved with save_pretrained loads
+    into fp8mla by name: every attention and indexer weight, the config's indexer fields."""
+    cfg = tiny(model)
+    hc = hf_config(cfg)
+    cls = transformers.GlmMoeDsaForCausalLM if model == "glm" else transformers.DeepseekV32ForCausalLM
+    torch.manual_seed(0)
+    hf_model = cls(hc).eval()
+    randomize(hf_model, 5)
+    hf_model.save_pretrained(tmp_path)
+    ours = DSAModel.from_pretrained(tmp_path, dtype=torch.float32, backend="torch")
+    assert (ours.cfg.model_type, ours.cfg.indexer_types, ours.cfg.indexer_rope_interleave, ours.cfg.index_topk) == \
+        (cfg.model_type, cfg.indexer_types, cfg.indexer_rope_interleave, cfg.index_topk)
+    assert ours.cfg.sm_scale == pytest.approx(hf_model.model.layers[0].self_attn.scaling)
+    hf_sd = hf_model.state_dict()
+    names = ours.state_dict()
+    assert any(".indexer.weights_proj." in n for n in names)
+    for name, p in names.items():
+        assert torch.equal(p, hf_sd["model." + name]), name

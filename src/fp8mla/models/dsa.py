@@ -204,6 +204,8 @@ class DSAModel(nn.Module):
         num_layers: layers to build (default: the config's). dtype, device: of the weights.
     """
 
+    config_class = DSAConfig
+
     def __init__(self, cfg, num_layers: int | None = None, *, dtype=torch.bfloat16, device="cpu", tp_group=None,
                  backend: str = "auto"):
         super().__init__()
@@ -225,6 +227,12 @@ class DSAModel(nn.Module):
             with torch.no_grad():
                 blk.input_layernorm.weight.copy_(1.0 + 0.1 * _randn((m.cfg.hidden_size,), [seed, i, 7]))
         return m
+
+    @classmethod
+    def from_pretrained(cls, path, num_layers=None, **kw) -> "DSAModel":
+        """Attention weights (the indexers' too) of a local ``glm_moe_dsa`` / ``deepseek_v32`` checkpoint."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(cls, path, num_layers, **kw)
 
     def make_cache(self, num_pages: int, page_size: int, kv_format="fp8_e4m3", *, index_dtype=None,
                    **kw) -> DSACache:
