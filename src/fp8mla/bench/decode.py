@@ -40,6 +40,10 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--err-requests", type=int, default=2, help="requests checked against the float64 reference")
     p.add_argument("--out", default="bench_out", help="directory for decode.csv / decode.png")
+    p.add_argument("--sparse", action="store_true",
+                   help="sparse (DSA) decode: each token over --topk selected tokens (fp8mla.bench.sparse)")
+    p.add_argument("--topk", type=int, default=2048, help="with --sparse: selected tokens per query token")
+    p.add_argument("--sparse-kv", nargs="+", default=["fp8_ds_mla"], help="with --sparse: KV formats")
 
 
 def make_pool(B, L, page, fmt_name, device, seed=0):
@@ -91,6 +95,9 @@ VARIANTS = {
 
 
 def main(args) -> int:
+    if getattr(args, "sparse", False):
+        from .sparse import main as sparse_main
+        return sparse_main(args)
     ceil = start_run("decode", args.out)
     if ceil is None:
         return 2

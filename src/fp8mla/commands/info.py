@@ -7,7 +7,7 @@ import torch
 
 from .. import __version__
 from ..attention import available_backends
-from ..formats import FORMATS
+from ..formats import FORMATS, SPARSE_FORMATS
 
 
 def add_arguments(p):
@@ -34,4 +34,18 @@ def main(args) -> int:
     for f in FORMATS.values():
         print(f"  {f.name:15s} storage {str(f.storage_dtype):22s} scales {f.scale_kind:6s} "
               f"{f.bytes_per_token():5d} B/token")
+    _sparse_info(device)
     return 0
+
+
+def _sparse_info(device) -> None:
+    """The sparse (DSA) kernels: what fp8mla.MLASparseAttention can run here, and on which formats."""
+    from ..runtime import triton_usable
+    rec = SPARSE_FORMATS["fp8_ds_mla"]
+    print("sparse attention (DSA: GLM-5, DeepSeek-V3.2; fp8mla.MLASparseAttention):")
+    print(f"  {rec.name:15s} storage {str(rec.storage_dtype):22s} scales {rec.scale_kind:6s} "
+          f"{rec.bytes_per_token():5d} B/token (512 e4m3 | 4 fp32 scales | 64 bf16)")
+    print("  torch          fp32 gather of the selected rows, every format, any topk: available")
+    ok = "available" if triton_usable(device) else "not available here (needs CUDA, or TRITON_INTERPRET=1)"
+    print(f"  triton         kernels/sparse_decode.py, every format, topk a multiple of 64: {ok}")
+    print("  gluon          Hopper sparse build: not built yet (reserved; refused by name)")

@@ -1,0 +1,127 @@
+"""The Triton sparse kernel (kernels/sparse_decode.py) against the float64 reference: formats x heads x topk x
+page sizes x several query tokens per request x -1 padding (scattered and trailing) over shuffled pages with NaN
+in every unused slot, outputs poisoned before the call; rows with no token; NaN in; out-of-pool entries; splits
+and their merge (deterministic). CPU: under TRITON_INTERPRET=1 (conftest.py) at small sizes; GPU: the same."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8mla
+from fp8mla.testing import assert_close, make_sparse_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif("triton" not in fp8mla.available_backends(DEVICE),
+                                 reason="triton backend unavailable here")]
+# The dense decode's budget (tests/test_decode_triton.py): interpreter 5e-3 (fp32 dots, output rounded to bf16 by
+# truncation), GPU 3e-3.
+TOL = 5e-3 if DEVICE == "cpu" else 3e-3
+LSE_TOL = 1e-4
+
+
+def run(batch, **plan_extra):
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**{**batch.plan_args, **plan_extra})
+    assert attn.backend == "triton"
+    r = batch.run_args
+    n, H, _ = r["q_nope"].shape
+    out = torch.full((n, H, 512), math.nan, dtype=r["q_nope"].dtype, device=DEVICE)
+    lse = torch.full((n, H), math.nan, device=DEVICE)
+    res = attn.run(**r, out=out, lse=lse, return_lse=True)
+    assert res[0] is out and res[1] is lse
+    return out, lse, attn
+
+
+def check(batch, **plan_extra):
+    out, lse, attn = run(batch, **plan_extra)
+    ref_o, ref_l = batch.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l, LSE_TOL, "lse")
+    return out, lse, attn
+
+
+@pytest.mark.parametrize("fmt,pad", [("fp8_ds_mla", "scattered"), ("fp8_e4m3", "trailing"),
+                                     ("fp8_e4m3_group", "scattered"), ("fp8_e5m2", "trailing"),
+                                     ("bf16", "scattered"), ("fp16", "trailing")])
+def test_formats(fmt, pad):
+    scales = dict(ckv_scale=0.25, kpe_scale=2.0) if fmt in ("fp8_e4m3", "fp8_e5m2") else {}
+    b = make_sparse_batch([23, 2, 40], [2, 1, 2], 16, 64, 16, fmt, pad=pad, seed=len(fmt), device=DEVICE,
+                          **scales)
+    check(b)
+
+
+@pytest.mark.parametrize("heads", [8, 20, 64])
+def test_heads_ds_mla(heads):
+    b = make_sparse_batch([30, 50], [1, 2], heads, 64, 16, "fp8_ds_mla", seed=heads, device=DEVICE)
+    check(b)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_page_sizes(page_size):
+    b = make_sparse_batch([70, 5], [2, 1], 16, 64, page_size, "fp8_ds_mla", seed=page_size, device=DEVICE)
+    check(b)
+
+
+def test_topk_128_fp16_queries_group():
+    b = make_sparse_batch([150], [2], 8, 128, 16, "fp8_e4m3_group", q_dtype=torch.float16, seed=11,
+                          device=DEVICE, selected=lambda b, i: (128, 77)[i])
+    check(b)
+
+
+def test_topk_2048_tiny_batch_splits_and_merge():
+    """GLM-5's topk at one token: the row is split over programs and merged; splitting does not change the answer
+    beyond rounding."""
+    b = make_sparse_batch([2100], [1], 8, 2048, 64, "fp8_ds_mla", seed=5, device=DEVICE,
+                          selected=lambda b, i: 1900)
+    out, lse, attn = check(b)
+    assert attn.splits_for(1) > 1
+    one, one_l, attn1 = run(b, num_splits=1)
+    assert attn1.splits_for(1) == 1
+    assert_close(one, out.double(), TOL, "unsplit vs split")
+
+
+def test_empty_rows_nan_base_e_and_determinism():
+    b = make_sparse_batch([20, 9], [2, 2], 16, 128, 4, "fp8_ds_mla", seed=1, device=DEVICE,
+                          selected=lambda b, i: 0 if i else 5)
+    b.run_args["q_nope"][2, 3, 100] = math.nan  # token 2 (request 1, five tokens) head 3: NaN in, NaN out
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args, min_split=64)
+    assert attn.splits_for(4) > 1  # the empty rows go through the merge too
+    out, lse = attn.run(**b.run_args, return_lse=True, return_lse_base_on_e=True)
+    again, again_l = attn.run(**b.run_args, return_lse=True, return_lse_base_on_e=True)
+    assert torch.equal(out.nan_to_num(), again.nan_to_num()) and torch.equal(lse.nan_to_num(), again_l.nan_to_num())
+    ref_o, ref_l = b.reference()
+    empty = (b.run_args["indices"] < 0).all(dim=1)
+    assert empty.tolist() == [False, True, False, True]
+    assert (out[empty] == 0).all() and (lse[empty] == -math.inf).all()
+    assert torch.isnan(out[2, 3]).all() and math.isnan(lse[2, 3])
+    assert_close(out, ref_o, TOL, "out")  # NaN positions must match the reference's
+    assert_close(lse, ref_l * math.log(2), LSE_TOL, "lse base e")
+
+
+def test_nan_in_a_selected_token_only_reaches_its_rows():
+    b = make_sparse_batch([30], [3], 8, 64, 16, "fp8_e4m3", seed=9, device=DEVICE, ckv_scale=1.0,
+                          selected=lambda b, i: 12)
+    idx = b.run_args["indices"]
+    only_0 = (set(idx[0].tolist()) - set(idx[1].tolist()) - set(idx[2].tolist())) - {-1}
+    if not only_0:
+        pytest.skip("no slot selected by token 0 alone in this draw")
+    s = min(only_0)
+    b.run_args["kv_cache"].view(-1, 576)[s, 17] = math.nan
+    out, lse, _ = run(b)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert not torch.isnan(out[1:]).any()
+
+
+def test_out_of_pool_entries_are_never_read():
+    b = make_sparse_batch([40], [2], 16, 64, 16, "fp8_ds_mla", seed=4, device=DEVICE, pad="trailing",
+                          selected=lambda b, i: 30)
+    P = b.run_args["kv_cache"].shape[0]
+    want, want_l, _ = run(b)
+    idx = b.run_args["indices"]
+    idx[0, 40], idx[1, 50], idx[1, 63] = P * 16, 2**31 - 1, -5
+    got, got_l, _ = run(b)
+    assert torch.equal(got, want) and torch.equal(got_l, want_l)
