@@ -16,6 +16,11 @@ of that layer (its residual stream), so that every layer is compared on equal in
   them, always compared). At least 90% of the rows with a real choice must be compared; with the indexer's rope
   variant flipped (GLM-5 interleaved <-> V3.2 half-split) most of them differ, so the check sees the variant.
 
+Why per layer on transformers' inputs: through the whole stack, the 16-bit attention of layer l moves layer
+l + 1's index scores by ~1e-3, enough to swap a near-tied token at the top-k boundary; a step with such a swap
+then differs from transformers by 8e-2 .. 3e-1 rel L2 (measured on this schedule) -- the discrete selection's
+own sensitivity, not an error of either side.
+
 Nothing of transformers' needs patching on the CPU: its eager DSA path is plain torch.
 """
 from __future__ import annotations
