@@ -44,3 +44,19 @@ def test_info_lists_sparse_kernels(capsys):
     text = capsys.readouterr().out
     assert "fp8_ds_mla" in text and "656 B/token" in text
     assert "kernels/sparse_decode.py" in text and "gluon" in text
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_ds_mla", "fp8_e4m3_group", "bf16"])
+def test_bench_pool_and_slots(fmt_name):
+    """The bench's requests: each one's slots are distinct, inside its own (shuffled) pages, and the pool has the
+    format's shape; the run kwargs are what MLASparseAttention.run takes for the format."""
+    from fp8mla.bench.sparse import _pool
+    from fp8mla.formats import get_format
+    fmt = get_format(fmt_name, sparse_ok=True)
+    g = torch.Generator().manual_seed(0)
+    kv, slots, perm, extra = _pool(3, 100, 16, fmt, "cpu", g)
+    assert kv.shape == (3 * 7 + 8, 16, 656 if fmt_name == "fp8_ds_mla" else 576)
+    assert slots.shape == (3, 100) and len(set(slots.flatten().tolist())) == 300
+    for b in range(3):
+        assert set((slots[b] // 16).tolist()) == set(perm[b].tolist())
+    assert set(extra) == {"fp8_ds_mla": set(), "fp8_e4m3_group": {"kpe_scale", "ckv_scale_arr"}, "bf16": set()}[fmt_name]

@@ -117,6 +117,19 @@ def test_triton_needs_topk_multiple_of_64():
         pytest.skip("triton unavailable")
     with pytest.raises(SparseKernelError, match="topk: the triton sparse kernel needs a multiple of 64"):
         fp8mla.MLASparseAttention(backend="triton").plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla")
-    attn = fp8mla.MLASparseAttention(backend="auto")
+    attn = fp8mla.MLASparseAttention(backend="auto")  # the CPU: auto is the torch code, which takes any topk
     attn.plan(8, 100, 16, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")
     assert attn.backend == "torch"
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import fp8mla.sparse
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [t for t in finder.find(fp8mla.sparse) if t.examples]
+    assert tests, "MLASparseAttention lost its example"
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.testing import assert_close, make_sparse_batch
+from fp8mla.testing import assert_close, capture_then_replay, make_sparse_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.triton,
@@ -83,6 +83,24 @@ def test_topk_2048_tiny_batch_splits_and_merge():
     assert_close(one, out.double(), TOL, "unsplit vs split")
 
 
+def test_reads_records_with_flashmla_power_of_two_scales():
+    """FlashMLA's test quantizer writes the same bytes with each scale rounded up to a power of two: such records
+    read correctly (the kernel takes the stored fp32 scale as it is)."""
+    b = make_sparse_batch([50], [2], 16, 64, 16, "fp8_ds_mla", seed=8, device=DEVICE)
+    kv = b.run_args["kv_cache"].reshape(-1, 656)
+    used = ~(kv == 0xFF).all(dim=1)
+    from fp8mla.formats import FP8_DS_MLA
+    c, k = FP8_DS_MLA.unpack(kv[used].cpu())
+    amax = c.reshape(-1, 4, 128).abs().amax(dim=-1)
+    scale = torch.pow(2, (amax / 448).clamp_min(1e-4).log2().ceil())
+    q = (c.reshape(-1, 4, 128) / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(-1, 512)
+    rec = torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8).reshape(-1, 16),
+                     k.to(torch.bfloat16).view(torch.uint8).reshape(-1, 128)], dim=1)
+    kv[used] = rec.to(kv.device)
+    assert set(FP8_DS_MLA.scales_of(rec).log2().flatten().tolist()) <= set(range(-30, 30))  # powers of two
+    check(b)
+
+
 def test_empty_rows_nan_base_e_and_determinism():
     b = make_sparse_batch([20, 9], [2, 2], 16, 128, 4, "fp8_ds_mla", seed=1, device=DEVICE,
                           selected=lambda b, i: 0 if i else 5)
@@ -125,3 +143,27 @@ def test_out_of_pool_entries_are_never_read():
     idx[0, 40], idx[1, 50], idx[1, 63] = P * 16, 2**31 - 1, -5
     got, got_l, _ = run(b)
     assert torch.equal(got, want) and torch.equal(got_l, want_l)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="GPU sizes and CUDA graphs")
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_gpu_glm5_sizes_and_cuda_graph(fmt, heads):
+    """topk 2048 at decode and MTP batch sizes, then run() captured in a CUDA graph and replayed after new
+    indices are written into the same buffer (what an engine's captured step does)."""
+    b = make_sparse_batch([3000, 2500, 2200, 4000], [2, 1, 1, 2], heads, 2048, 64, fmt, seed=heads, device=DEVICE,
+                          selected=lambda b, i: 2048 - 100 * i)
+    check(b)
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args)
+    r = b.run_args
+    out = torch.empty(6, heads, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(6, heads, device=DEVICE)
+    graph = capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "replayed out")
+    r["indices"][:, 1000:] = -1  # new selections in the captured buffer
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, b.reference()[0], TOL, "replayed after new indices")

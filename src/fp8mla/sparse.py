@@ -21,7 +21,7 @@ from ._softmax import softmax_rows
 from .attention import MAX_SM_SCALE, Q_DTYPES, _check_scale
 from .formats import KVFormat, get_format
 from .layout import debug_checks
-from .runtime import LN2, LOG2E, choose_backend, num_sms, triton_usable
+from .runtime import LN2, LOG2E, choose_backend, num_sms
 
 __all__ = ["MLASparseAttention", "SPARSE_BACKENDS", "SparseKernelError"]
 
@@ -141,13 +141,10 @@ class MLASparseAttention:
             raise SparseKernelError("backend: 'gluon' has no sparse build yet (the Hopper sparse kernel waits for "
                                     "the kernels/sm90/ redesign); use backend='triton' or 'auto'")
         backend = choose_backend(self._backend, device)
-        if backend == "triton" and not triton_usable(device):
-            backend = "torch"
         if backend == "triton" and topk % INDEX_BLOCK:
-            if self._backend == "triton":
-                raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the "
-                                        f"index rows with -1), got {topk}")
-            backend = "torch"
+            # No quiet fallback to the torch code on a GPU: padding the rows costs nothing, the torch path a lot.
+            raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the index "
+                                    f"rows with -1, or plan backend='torch'), got {topk}")
         p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
                         num_pages, device, backend, num_splits, min_split)
         if backend == "triton":
@@ -375,7 +372,7 @@ def _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e)
     page = p.page_size
     num_slots = ckv.shape[0] * page
     c_scale, k_scale = scales[0], scales[1]
-    step = max(1, (1 << 22) // (p.topk * (Dc + p.head_dim_kpe)))  # ~16 MB of gathered fp32 per chunk
+    step = max(1, (1 << 24) // (p.topk * (Dc + p.head_dim_kpe)))  # ~64 MB of gathered fp32 per chunk
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
         ids = indices[t0:t1].long()

@@ -43,7 +43,7 @@ LAST_COMPILED = None
 def _sparse_mla_kernel(
     q_nope, q_pe, ckv, kpe, scale_arr, scales, indices,
     out, lse_out, part_o, part_lse,
-    sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits,
+    sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_head_tiles,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_ckv_p, stride_ckv_s, stride_kpe_p, stride_kpe_s, stride_sa_p, stride_sa_s, stride_sa_g,
     stride_idx_t, stride_o_t, stride_o_h, stride_o_c, stride_lse_t, stride_lse_h,
@@ -55,9 +55,11 @@ def _sparse_mla_kernel(
     SPLIT: tl.constexpr,
 ):
     CW: tl.constexpr = DC // NCH
-    t = tl.program_id(0)
-    sp = tl.program_id(2)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # The head tiles of one token are adjacent programs: they gather the same records, which the later tiles then
+    # find in L2. (Axis 0, not 1: prefill can pass 65535 tokens, the limit of grid axes 1 and 2.)
+    t = tl.program_id(0) // num_head_tiles
+    sp = tl.program_id(1)
+    heads = (tl.program_id(0) % num_head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = heads < H
     t64 = t.to(tl.int64)
     qn_row = t64 * stride_qn_t + heads * stride_qn_h
@@ -335,10 +337,11 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, scales, indices, out, lse, par
     split = num_splits > 1
     po = part_o if split else out
     pl = part_lse if split else lse
-    grid = (n, triton.cdiv(H, block_h), num_splits)
+    tiles = triton.cdiv(H, block_h)
+    grid = (n * tiles, num_splits)
     compiled = _sparse_mla_kernel[grid](
         q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, po, pl,
-        sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits,
+        sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits, tiles,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), *sa_st,
         indices.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
