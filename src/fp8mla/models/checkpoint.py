@@ -88,7 +88,8 @@ def load_checkpoint(cls, path, num_layers=None, **kw):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"checkpoint: {str(path)!r} has no config.json")
-    cfg = MLAConfig.from_dict(json.loads(cfg_file.read_text()), name=path.name)
+    # DSAModel reads a DSAConfig (the indexer's fields too); the dense models an MLAConfig.
+    cfg = getattr(cls, "config_class", MLAConfig).from_dict(json.loads(cfg_file.read_text()), name=path.name)
     reader = CheckpointReader(path)
     n = cfg.num_layers if num_layers is None else num_layers
     if isinstance(n, int) and not isinstance(n, bool) and n > cfg.num_layers:

@@ -201,10 +201,13 @@ class YarnRope:
         f = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
         return f.cos() * self.attention_factor, f.sin() * self.attention_factor
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+              interleave: bool | None = None) -> torch.Tensor:
         """Rotate ``x [T, ..., dim]`` (cos/sin ``[T, dim // 2]``); the result is in rotate-half layout either way
-        (as transformers' ``apply_rotary_pos_emb_interleave``), which leaves every q.k product unchanged."""
-        if self.interleave:
+        (as transformers' ``apply_rotary_pos_emb_interleave``), which leaves every q.k product unchanged.
+        ``interleave``: the pair layout of ``x`` (default: the config's ``rope_interleave``; the DSA indexers
+        use their own)."""
+        if self.interleave if interleave is None else interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
             x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
