@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ..tools.audit import (DEFAULT_POOL_NAMES, RULES, audit_paths, exit_status, findings_json, findings_sarif,
-                           format_findings)
+from ..tools.audit import (DEFAULT_POOL_NAMES, MAX_FILE_BYTES, RULES, audit_paths, exit_status, findings_json,
+                           findings_sarif, format_findings)
 
 EPILOG = """\
 rules:
@@ -15,11 +15,16 @@ rules:
 A line opts out with a comment on any line of the flagged expression:
   # fp8mla: ignore[KV001]      (several: ignore[KV001,KV002]; every rule: # fp8mla: ignore)
 
+Every file is parsed, whether or not it could hold a finding, so a syntax error anywhere is reported.
+Anything that is not a regular file (a named pipe, a device) and any file over --max-bytes is skipped
+and reported, never read.
+
 exit status:
   0  every path was read and nothing was flagged
   1  something was flagged (paths that could not be read are listed on stderr too)
-  2  nothing was flagged and some path could not be read (missing, not UTF-8, a syntax error, or
-     Python 3.12 syntax on an older Python)
+  2  nothing was flagged and some path could not be read (missing, not a regular file, over
+     --max-bytes, not text in its declared encoding, a syntax error, nested too deeply to parse,
+     or Python 3.12 syntax on an older Python)
 """
 
 
@@ -36,6 +41,22 @@ def _rules(text):
     return got
 
 
+def _selected(text):
+    got = _rules(text)
+    if not got:  # `--select ""` (an unset variable in a CI script) would report nothing and exit 0
+        raise argparse.ArgumentTypeError(f"expected one or more rule codes ({','.join(RULES)}), got {text!r}")
+    return got
+
+
+def _max_bytes(text):
+    from ..tools.doctor import parse_bytes  # pure Python, no torch
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive size (8388608, 8MiB, 20MB), got {text!r}") \
+            from None
+
+
 def add_arguments(p):
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -43,8 +64,12 @@ def add_arguments(p):
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                    help="output: text (default), json, or sarif (SARIF 2.1.0 for CI code-scanning annotations)")
     p.add_argument("--json", action="store_const", const="json", dest="format", help="same as --format json")
-    p.add_argument("--select", type=_rules, default=None, metavar="KV001,...", help="report only these rules")
-    p.add_argument("--ignore", type=_rules, default=None, metavar="KV001,...", help="do not report these rules")
+    p.add_argument("--select", type=_selected, default=None, metavar="KV001,...",
+                   help="report only these rules (an empty list is an error)")
+    p.add_argument("--ignore", type=_rules, default=None, metavar="KV001,...",
+                   help="do not report these rules (an empty list ignores none)")
+    p.add_argument("--max-bytes", type=_max_bytes, default=MAX_FILE_BYTES, metavar="N",
+                   help=f"skip (and report) files larger than this (default {MAX_FILE_BYTES // 2**20}MiB)")
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                    help="worker processes for large trees (default: one per CPU; 1: none)")
     p.add_argument("--pool-names", type=_names, default=None, metavar="A,B",
@@ -60,7 +85,7 @@ def main(args) -> int:
         print(f"fp8mla audit: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
         return 2
     findings, errors, n = audit_paths(args.paths, pool_names=names, select=args.select, ignore=args.ignore,
-                                      jobs=args.jobs)
+                                      jobs=args.jobs, max_bytes=args.max_bytes)
     status = exit_status(findings, errors)
     if args.format == "json":
         print(json.dumps({"findings": findings_json(findings), "errors": errors, "files_checked": n,

@@ -20,17 +20,20 @@ Heuristic by nature: names are matched, not types. A finding is a line to read, 
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
+import stat
 import sys
+import tokenize
 from dataclasses import asdict, dataclass
 
 from .audit_casts import DEFAULT_POOL_NAMES, check_casts
 from .audit_flow import ModuleIndex
 from .audit_plan import check_plans
 
-__all__ = ["Finding", "AuditError", "DEFAULT_POOL_NAMES", "RULES", "audit_source", "audit_file", "audit_paths",
-           "format_findings", "findings_json", "findings_sarif", "exit_status"]
+__all__ = ["Finding", "AuditError", "DEFAULT_POOL_NAMES", "RULES", "MAX_FILE_BYTES", "audit_source", "audit_file",
+           "audit_paths", "format_findings", "findings_json", "findings_sarif", "exit_status"]
 
 RULES = {
     "KV001": "a KV-pool read converted to another dtype (the whole pool copied every layer of every step)",
@@ -40,9 +43,14 @@ RULES = {
 _IGNORE = re.compile(r"#\s*fp8mla:\s*ignore(?:\[([A-Za-z0-9_,\s]*)\])?")
 _PEP695 = re.compile(r"^[ \t]*(type[ \t]+[A-Za-z_]\w*[ \t]*(\[[^\]\n]*\])?[ \t]*=|(async[ \t]+)?def[ \t]+\w+[ \t]*\[|"
                      r"class[ \t]+\w+[ \t]*\[)", re.M)
-# a file without these strings cannot produce a finding of the rule; it is not parsed for it (whole-tree speed)
-_PLAN_TOKENS = ("plan(", "begin_forward(")
-_CAST_TOKENS = (".to(", ".float(", ".half(", ".bfloat16(", ".double(", ".type(", ".type_as(")
+# a file without these spellings cannot produce a finding of the rule: it is parsed (so every syntax error is
+# reported) but not analysed for that rule (whole-tree speed). Whitespace before the parenthesis is valid Python.
+_PLAN_CALL = re.compile(r"\b(?:plan|begin_forward)\s*\(")
+_CAST_CALL = re.compile(r"\.\s*(?:to|float|half|bfloat16|double|type|type_as)\s*\(")
+# the most a file may hold: ast needs ~75x a file's size in memory, and nothing hand-written comes close
+MAX_FILE_BYTES = 8 * 2**20
+_NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
 class AuditError(Exception):
@@ -67,6 +75,8 @@ def _check_rules(rules, what):
     if rules is None:
         return None
     rules = {r.strip().upper() for r in rules if r.strip()}
+    if not rules and what == "select":  # selecting no rule would report nothing: never what was meant
+        raise ValueError(f"select: expected one or more rule codes ({', '.join(RULES)}), got none")
     bad = sorted(rules - set(RULES))
     if bad:
         raise ValueError(f"{what}: unknown rule code(s) {', '.join(bad)}; expected some of {', '.join(RULES)}")
@@ -98,15 +108,15 @@ def _parse(source, path):
 
 def audit_source(source: str, path: str = "<string>", pool_names=DEFAULT_POOL_NAMES, select=None,
                  ignore=None) -> list:
-    """Findings in one Python source text. Raises :class:`AuditError` on a syntax error of a file that could
-    have findings (a file with no ``plan(``/``begin_forward(`` and no pool name next to a conversion spelling
-    such as ``.to(`` is not parsed)."""
+    """Findings in one Python source text. Every text is parsed: a syntax error raises :class:`AuditError`
+    (a file with no ``plan(``/``begin_forward(`` and no pool name next to a conversion spelling such as
+    ``.to(`` cannot have a finding and is not analysed further)."""
     select, ignore = _check_rules(select, "select"), _check_rules(ignore, "ignore") or set()
-    want_casts = any(t in source for t in _CAST_TOKENS) and any(n in source for n in pool_names)
-    want_plans = any(t in source for t in _PLAN_TOKENS)
+    tree = _parse(source, path)
+    want_casts = bool(_CAST_CALL.search(source)) and any(n in source for n in pool_names)
+    want_plans = bool(_PLAN_CALL.search(source))
     if not (want_casts or want_plans):
         return []
-    tree = _parse(source, path)
     lines = source.splitlines()
     found: dict = {}
 
@@ -133,25 +143,86 @@ def audit_source(source: str, path: str = "<string>", pool_names=DEFAULT_POOL_NA
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.rule))
 
 
-def _read(path: str) -> str:
-    if not os.path.exists(path):
-        raise AuditError(f"{path}: no such file or directory")
+def _kind(st) -> str | None:
+    """What a non-regular file is ("a named pipe"), None for a regular file."""
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return next((what for test, what in _NOT_REGULAR if test(st.st_mode)), "not a regular file")
+
+
+def _read_bytes(path: str, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``. Anything else -- a named pipe (reading it waits for
+    a writer forever), a device (``/dev/zero`` never ends) -- is refused before it is read."""
+    def refuse(st):
+        raise AuditError(f"{path}: not a regular file ({_kind(st)}); skipped")
+
+    def too_big(size):
+        got = f"{size:,} bytes" if size else f"more than {max_bytes:,} bytes"
+        raise AuditError(f"{path}: larger than the audit reads ({got}; the cap is {max_bytes:,}, --max-bytes); "
+                         "skipped")
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-        source = raw.decode("utf-8-sig")  # a byte-order mark is valid UTF-8 Python
-    except UnicodeDecodeError:
-        raise AuditError(f"{path}: not a UTF-8 text file") from None
+        st = os.stat(path)
+        if _kind(st):
+            refuse(st)
+        if st.st_size > max_bytes:
+            too_big(st.st_size)
+        # O_NONBLOCK: should the path have become a pipe since the stat, opening it still returns at once
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise AuditError(f"{path}: no such file or directory") from None
     except OSError as e:
         raise AuditError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if _kind(st):
+            refuse(st)
+        chunks, got = [], 0
+        while got <= max_bytes:  # a size from stat is not trusted alone (procfs files say 0)
+            b = os.read(fd, max_bytes + 1 - got)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > max_bytes:
+            too_big(st.st_size if st.st_size > max_bytes else 0)
+        return b"".join(chunks)
+    except OSError as e:
+        raise AuditError(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _decode(raw: bytes, path: str) -> str:
+    """Source text in the encoding the file declares (PEP 263: a coding comment on line 1 or 2, or a UTF-8
+    byte-order mark); UTF-8 without one."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    except SyntaxError as e:
+        if "unknown encoding" in str(e):
+            raise AuditError(f"{path}: declares an unknown source encoding ({e})") from None
+        raise AuditError(f"{path}: not a UTF-8 text file") from None
+    try:
+        source = raw.decode(encoding)
+    except (UnicodeDecodeError, LookupError):
+        if encoding.replace("_", "-").lower() in ("utf-8", "utf-8-sig"):
+            raise AuditError(f"{path}: not a UTF-8 text file") from None
+        raise AuditError(f"{path}: not valid {encoding} text (the encoding its coding comment declares)") \
+            from None
     if "\x00" in source:
         raise AuditError(f"{path}: a binary file, expected Python source")
     return source
 
 
-def audit_file(path, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None) -> list:
+def _read(path: str, max_bytes: int = MAX_FILE_BYTES) -> str:
+    return _decode(_read_bytes(path, max_bytes), path)
+
+
+def audit_file(path, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None,
+               max_bytes: int = MAX_FILE_BYTES) -> list:
+    """Findings in one file. Raises :class:`AuditError` when it is not a regular file, holds more than
+    ``max_bytes``, is not text in its declared encoding, or does not parse."""
     path = os.fspath(path)
-    source = _read(path)
+    source = _read(path, max_bytes)
     try:
         return audit_source(source, path, pool_names, select, ignore)
     except (RecursionError, MemoryError) as e:  # machine-generated code nested beyond what ast can hold
@@ -170,17 +241,26 @@ def _python_files(path: str):
 
 
 def _audit_one(job):
-    path, pool_names, select, ignore = job
+    path, pool_names, select, ignore, max_bytes = job
     try:
-        return audit_file(path, pool_names, select, ignore), None
+        return audit_file(path, pool_names, select, ignore, max_bytes), None
     except AuditError as e:
         return [], str(e)
 
 
-def audit_paths(paths, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None, jobs: int | None = 1):
+_CHUNK = 64          # files per task handed to a worker
+_MIN_PARALLEL = 200  # below this many files, starting workers costs more than it saves
+
+
+def audit_paths(paths, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None, jobs: int | None = 1,
+                max_bytes: int = MAX_FILE_BYTES):
     """Audit files and directories (``*.py`` below them). Returns ``(findings, errors, files_checked)``.
-    ``jobs`` > 1 (None: one per CPU) spreads the files over worker processes when there are many."""
+    ``jobs`` > 1 (None: one per CPU) spreads the files over worker processes when there are many, never more
+    workers than there are tasks of files. Anything that is not a regular file, or holds more than
+    ``max_bytes``, is skipped and listed in ``errors``."""
     _check_rules(select, "select"), _check_rules(ignore, "ignore")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
     errors, files = [], []
     for p in paths:
         p = os.fspath(p)
@@ -189,11 +269,12 @@ def audit_paths(paths, pool_names=DEFAULT_POOL_NAMES, select=None, ignore=None, 
             continue
         files += list(_python_files(p))
     jobs = (os.cpu_count() or 1) if jobs is None else max(1, int(jobs))
-    work = [(f, tuple(pool_names), select, ignore) for f in files]
-    if jobs > 1 and len(work) >= 200:
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(max_workers=jobs) as ex:
-            results = list(ex.map(_audit_one, work, chunksize=64))
+    work = [(f, tuple(pool_names), select, ignore, max_bytes) for f in files]
+    jobs = min(jobs, -(-len(work) // _CHUNK))  # a worker without a task of files only costs its start-up
+    if jobs > 1 and len(work) >= _MIN_PARALLEL:
+        import concurrent.futures
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as ex:
+            results = list(ex.map(_audit_one, work, chunksize=_CHUNK))
     else:
         results = [_audit_one(w) for w in work]
     findings, n = [], 0
