@@ -300,8 +300,9 @@ def _kineto_decode(layers: int, keep_only: bool = False) -> list:
     ``keep_only``: just what the doctor keeps of it (the reference for memory)."""
     ev, t, eid = [], 0.0, 0
     for layer in range(layers):
+        frame = {} if keep_only else {"Python parent id": layer, "Python id": layer + 1}
         ev.append({"ph": "X", "cat": "python_function", "name": "model.py(42): forward", "ts": t, "dur": 60,
-                   "pid": 1, "tid": 1, "args": {} if keep_only else {"Python parent id": layer, "Python id": layer + 1}})
+                   "pid": 1, "tid": 1, "args": frame})
         for i, (name, dims) in enumerate((("aten::to", [[4096, 576], []]), ("aten::_to_copy", [[4096, 576]]),
                                           ("aten::copy_", [[4096, 576], [4096, 576], []]))):
             args = {"External id": eid + i, "Input Dims": dims, "Concrete Inputs": [""] * len(dims),
