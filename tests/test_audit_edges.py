@@ -4,6 +4,7 @@ encodings, and a conversion whose target dtype is the pool's own."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -47,28 +48,43 @@ def test_empty_ignore_ignores_nothing(capsys):
     assert "KV001" in capsys.readouterr().out
 
 
-def test_help_says_what_an_empty_select_is(capsys):
+def test_help_says_what_an_empty_select_is_and_what_is_parsed(capsys):
     with pytest.raises(SystemExit):
         cli(["audit", "--help"])
     out = " ".join(capsys.readouterr().out.split()).lower()
-    assert "an empty list is an error" in out and "every file is parsed" in out and "--max-bytes" in out
+    assert "an empty list is an error" in out and "a file named as path is always parsed" in out
+    assert "not parsed, and the summary says how many" in out and "--max-bytes" in out
 
 
-# -- every file is parsed ------------------------------------------------------------------------------------
+# -- what is parsed: a named file always; a file in a directory when it could hold a finding ----------------
 @pytest.mark.parametrize("src, msg", [
     ("def broken(:\n    return 1\n", "not valid Python (line 1"),                 # no plan(, no pool name
     ("x = " + "(" * 300 + ")" * 300 + "\n", "not valid Python (line 1: too many nested parentheses"),
     ("x = 1" + " + 1" * 20000 + "\n", "nests too deeply to analyse (RecursionError)"),
 ])
-def test_a_file_with_nothing_to_find_is_still_parsed(tmp_path, capsys, src, msg):
+def test_a_named_file_is_always_parsed(tmp_path, capsys, src, msg):
+    """A named file with nothing to find used to be skipped unparsed and exit 0 as if it had been checked."""
     p = tmp_path / "other.py"
     p.write_text(src)
     with pytest.raises(AuditError, match=re.escape(msg)):
         audit_file(p)
+    assert cli(["audit", str(p)]) == 2
+    assert f"{p}: {msg}" in capsys.readouterr().err
+
+
+def test_a_file_in_a_directory_that_cannot_hold_a_finding_is_counted_as_not_parsed(tmp_path, capsys):
+    (tmp_path / "other.py").write_text("def broken(:\n")
     (tmp_path / "fine.py").write_text("y = 1\n")
-    assert cli(["audit", "-j", "1", str(tmp_path)]) == 2
-    out, err = capsys.readouterr()
-    assert f"{p}: {msg}" in err and "in 1 file(s)" in out
+    (tmp_path / "backend.py").write_text("def f(q, kv_cache):\n    return kv_cache.to(q.device)\n")
+    assert cli(["audit", "-j", "1", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "found in 3 file(s)" in out and "2 of them not parsed: no plan() call and no KV-pool conversion" in out
+    assert cli(["audit", "--json", str(tmp_path)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["files_checked"], d["files_not_parsed"], d["errors"]) == (3, 2, [])
+    (tmp_path / "broken_backend.py").write_text("def f(q, kv_cache):\n    return kv_cache.to(q.dtype\n")
+    assert cli(["audit", str(tmp_path)]) == 2  # one that could hold a finding is parsed: its error counts
+    assert "broken_backend.py: not valid Python" in capsys.readouterr().err
 
 
 def test_plan_spelled_with_a_space_is_found():
