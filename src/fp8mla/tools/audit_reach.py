@@ -118,6 +118,7 @@ class _Run:
         return state
 
     def _def(self, state, defs):
+        """The state after a binding: its defs replace ``state``'s (and are seen by enclosing handlers)."""
         for t in self.tries:
             t.update(defs)
         return frozenset(defs)
@@ -136,17 +137,15 @@ class _Run:
             state = self._expr_binds([st.test], state)
             return _join(self.body(st.body, state), self.body(st.orelse, state))
         if isinstance(st, (ast.For, ast.AsyncFor, ast.While)):
-            head = st.iter if isinstance(st, (ast.For, ast.AsyncFor)) else st.test
-            if isinstance(st, ast.While):
-                self._here(head, state)
-            else:
-                self._here(head, state)
-                state = self._expr_binds([head], state)
-            binds = _bound_values(st.target, None, name, st) if not isinstance(st, ast.While) else None
+            loop_for = not isinstance(st, ast.While)
+            if loop_for:  # the iterable is evaluated once, before the first pass
+                self._here(st.iter, state)
+                state = self._expr_binds([st.iter], state)
+            binds = _bound_values(st.target, None, name, st) if loop_for else None
             back, breaks = frozenset(), set()
             for _ in range(8):  # defs only grow: a fixed point within a few passes
                 top = state | back
-                if isinstance(st, ast.While):
+                if not loop_for:  # the test runs before every pass
                     self._here(st.test, top)
                 entry = self._def(top, binds) if binds is not None else top
                 self.loops.append([set(), set()])
