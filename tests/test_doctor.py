@@ -290,3 +290,122 @@ def test_plot_into_a_missing_folder_is_refused_before_reading(tmp_path, capsys, 
     out = capsys.readouterr()
     assert "fp8mla doctor: --plot: " in out.err and msg in out.err and "Traceback" not in out.err
     assert out.out == ""  # refused before the trace was read: no report
+
+
+# -- memory: the trace is streamed ---------------------------------------------------------------------------
+def _kineto_decode(layers: int, keep_only: bool = False) -> list:
+    """Events in the shape torch.profiler writes for an eager decode with record_shapes and with_stack: per layer
+    a Python frame, an aten::to > _to_copy > copy_ chain with shapes (and the args the doctor does not read),
+    its cudaLaunchKernel, the cast kernel with its launch details, and the flow events linking them.
+    ``keep_only``: just what the doctor keeps of it (the reference for memory)."""
+    ev, t, eid = [], 0.0, 0
+    for layer in range(layers):
+        frame = {} if keep_only else {"Python parent id": layer, "Python id": layer + 1}
+        ev.append({"ph": "X", "cat": "python_function", "name": "model.py(42): forward", "ts": t, "dur": 60,
+                   "pid": 1, "tid": 1, "args": frame})
+        for i, (name, dims) in enumerate((("aten::to", [[4096, 576], []]), ("aten::_to_copy", [[4096, 576]]),
+                                          ("aten::copy_", [[4096, 576], [4096, 576], []]))):
+            args = {"External id": eid + i, "Input Dims": dims, "Concrete Inputs": [""] * len(dims),
+                    "Input type": ["c10::BFloat16", "c10::Float8_e4m3fn", "Scalar"][:len(dims)]}
+            if not keep_only:
+                args.update({"Record function id": 0, "Ev Idx": eid + i, "Input Strides": [[576, 1]] * len(dims),
+                             "Sequence number": eid, "Fwd thread id": 0})
+            ev.append(_x(name, "cpu_op", t + 1 + i, 30 - 2 * i, **args))
+        kargs = {"External id": eid + 2}
+        if not keep_only:
+            ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 10, 5, **{"External id": eid + 2, "cbid": 211}))
+            ev.append({"ph": "s", "id": eid, "pid": 1, "tid": 1, "ts": t + 10, "cat": "ac2g", "name": "ac2g"})
+            ev.append({"ph": "f", "id": eid, "pid": 1, "tid": 7, "ts": t + 12, "cat": "ac2g", "name": "ac2g"})
+            kargs.update({"device": 0, "stream": 7, "correlation": eid, "registers per thread": 32,
+                          "shared memory": 0, "blocks per SM": 12.5, "warps per SM": 50.0, "grid": [1024, 1, 1],
+                          "block": [128, 1, 1], "est. achieved occupancy %": 100})
+        ev.append(_x(CAST_KERNEL, "kernel", t + 12, 40, **kargs))
+        t += 100
+        eid += 4
+    return ev
+
+
+def _peak_load(path):
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        trace = load_trace(path)
+        return tracemalloc.get_traced_memory()[1], trace
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture(scope="module")
+def kept_only_peak(tmp_path_factory):
+    p = _write(tmp_path_factory.mktemp("kept"), _kineto_decode(2_000, keep_only=True))
+    return _peak_load(p)[0]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_memory_follows_the_events_kept_not_the_file(tmp_path, kept_only_peak, gz):
+    """The reader held the whole text, its JSON and every event (7.5x the trace: 1.5 GiB for 200 MiB). Now
+    the file is a stream: the peak is what the doctor keeps, about that of a trace holding only those events
+    (the same 2,000 layers without the runtime calls, flows and args the doctor never reads), plus one read
+    window (1 MiB of text)."""
+    p = _write(tmp_path, _kineto_decode(2_000), name="t.json.gz" if gz else "t.json", gz=gz)
+    text_bytes = len(gzip.decompress(p.read_bytes())) if gz else p.stat().st_size
+    peak, trace = _peak_load(p)
+    window = 4 * 2**20  # the read window: 1 MiB of text with its bytes and one copy while it slides
+    assert peak < 1.25 * kept_only_peak + window, (peak, kept_only_peak)
+    assert peak < 1.25 * text_bytes + window, (peak, text_bytes)
+    assert len(trace.cpu_ops) == 6_000 and len(trace.gpu) == 2_000
+    r = diagnose(trace, pool_bytes=4096 * 576)
+    assert r.casts and r.casts[0].calls == 2_000 and r.casts[0].src == "float8_e4m3fn"
+
+
+def _summary(trace):
+    return [(e.name, e.cat, e.ts, e.dur, e.pid, e.tid, e.args, e.parent.name if e.parent else None)
+            for e in trace.events]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 64])
+def test_a_stream_cut_anywhere_reads_the_same(tmp_path, monkeypatch, chunk):
+    """Values, strings with escapes, numbers and keys cut by the read window at every position read the same
+    as from one window; other top-level keys before and after traceEvents are read past."""
+    import fp8mla.tools.trace as trace_mod
+    ev = _linked_trace(n_tokens=7, layers=2, steps=2)
+    ev[0]["name"] = "aten::to \"quoted\" \\\\ caf\u00e9 \u2603 \U0001f600"
+    ev[1]["ts"] = 1.25e-3
+    ev.append({"ph": "M", "name": "process_name", "args": {"name": "x" * 50}})
+    data = {"schemaVersion": 1, "deviceProperties": [{"name": "H200", "mem": 2 ** 40}], "traceEvents": ev,
+            "traceName": "t\u00e9st", "displayTimeUnit": "ms"}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+    want = _summary(load_trace(p))
+    monkeypatch.setattr(trace_mod, "_CHUNK", chunk)
+    monkeypatch.setattr(trace_mod, "_MARGIN", min(chunk, 32))
+    assert _summary(load_trace(p)) == want
+    q = _write(tmp_path, ev, name="g.json.gz", gz=True)
+    assert len(load_trace(q).events) == len(want)
+
+
+@pytest.mark.parametrize("content, msg", [
+    (b'{"traceEvents": [{"ph": "X", "ts": 1}] } extra', "Extra data"),
+    (b'{"traceEvents": [{"ph": "X", "ts": 1}]', "not JSON"),            # an object's array must be closed
+    (b'{"traceEvents": [{"ph": "X", "ts": 1},]}', "not JSON"),
+    (b'{"traceEvents": [{"ph": "X", "ts": 1} {"ph": "X"}]}', "Expecting ',' delimiter"),
+    (b'{"a": 1 "traceEvents": []}', "Expecting ',' delimiter"),
+    (b'{"traceEvents": {"ph": "X"}}', "without a 'traceEvents' list"),
+    (b'[{"ph": "X", "ts": 1}, {"ph": "X", "ts"', "not JSON"),           # cut inside the last event
+    (b"  \n\t ", "the file is empty"),
+])
+def test_malformed_streams_are_clear_errors(tmp_path, content, msg):
+    p = tmp_path / "bad.json"
+    p.write_bytes(content)
+    with pytest.raises(TraceError, match=msg):
+        load_trace(p)
+
+
+def test_error_position_is_in_the_file_not_the_window(tmp_path, monkeypatch):
+    import fp8mla.tools.trace as trace_mod
+    monkeypatch.setattr(trace_mod, "_CHUNK", 16)
+    monkeypatch.setattr(trace_mod, "_MARGIN", 16)
+    p = tmp_path / "bad.json"
+    p.write_text('{"traceEvents": [\n' + '{"ph": "X", "ts": 1},\n' * 50 + '{"ph": "X", "ts": 1} oops]}\n')
+    with pytest.raises(TraceError, match=r"Expecting ',' delimiter at line 52 column 22"):
+        load_trace(p)

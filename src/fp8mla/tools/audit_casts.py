@@ -117,6 +117,16 @@ class _PoolCasts:
                         return True
         return False
 
+    def _own_dtype(self, call, src, env) -> bool:
+        """The conversion's target is the dtype of the very pool it converts: ``.to(pool.dtype)``,
+        ``.to(dtype=pool.dtype)``, ``.type(pool.dtype)``, ``.type_as(pool)``, through any name or view of it."""
+        f = call.func
+        if f.attr == "type_as":
+            return bool(call.args) and self.pool(call.args[0], env) == src
+        tgts = [k.value for k in call.keywords if k.arg == "dtype"] + list(call.args[:2])
+        return any(isinstance(t, ast.Attribute) and t.attr == "dtype" and self.pool(t.value, env) == src
+                   for t in tgts)
+
     def check(self, node, env, func, guards):
         for n in ast.walk(node):
             if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
@@ -126,6 +136,8 @@ class _PoolCasts:
             if not src:
                 continue
             desc, tgt = got
+            if self._own_dtype(n, src, env):
+                continue  # `k.to(k.dtype)`: the pool's own dtype, a no-op by construction
             if tgt is not None:
                 index = self.get_index()
                 kind = index.classify(tgt, index.funcs.get(id(func)) if func is not None else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
+from .audit_reach import reaching
 from .flashinfer_signatures import WRAPPER_CLASSES
 
 __all__ = ["ModuleIndex", "KV", "COMPUTE", "MIXED", "dotted", "leaf", "text"]
@@ -283,7 +284,7 @@ class ModuleIndex:
         # a local name or self.<attr>: where its value came from wins over what it is called (a `data_type`
         # assigned the KV-cache dtype is the KV dtype; a `kv_dtype` assigned the model dtype is not)
         if isinstance(e, ast.Name):
-            return self._name_flow(e.id, func, depth) or by_name
+            return self._name_flow(e.id, func, depth, use=e) or by_name
         if parts[0] == "self" and len(parts) == 2 and func is not None and func.cls is not None:
             got = self._attr_flow(func.cls, last, depth)
             if got or by_name:
@@ -291,19 +292,41 @@ class ModuleIndex:
         # another object's attribute: what this module assigns to `<anything>.<last>`
         return _combine([self.classify(v, f, depth + 1) for v, f in self.attr_assigns.get(last, [])][:8])
 
-    def _name_flow(self, name, func, depth):
-        if func is not None:
+    def reach(self, func, name, use):
+        """The bindings of local ``name`` that reach ``use`` in ``func`` (:func:`audit_reach.reaching`)."""
+        key = ("reach", id(func), name, id(use))
+        if key not in self._memo:
+            self._memo[key] = reaching(func.node, name, use, name in func.params)
+        return self._memo[key]
+
+    def _name_flow(self, name, func, depth, use=None):
+        r = self.reach(func, name, use) if func is not None and use is not None and (
+            name in func.assigns or name in func.params) else None
+        if r is not None:
+            # only the assignments that reach this use, the parameter's value if it may arrive unchanged, and
+            # the module's if the name may be unbound here (a global)
+            kinds = [self.classify(v, func, depth + 1) for v in func.assigns.get(name, []) if id(v) in r.values]
+            if r.param:
+                kinds += self._param_kinds(name, func, depth)
+            if r.outer:
+                kinds += [self.classify(v, None, depth + 1) for v in self.module_assigns.get(name, [])]
+            return _combine(kinds)
+        if func is not None and r is None:
             if name in func.assigns:
                 return _combine([self.classify(v, func, depth + 1) for v in func.assigns[name]])
             if name in func.params:
-                ann, default = func.params[name]
-                kinds = [self.classify(default, func, depth + 1)] if default is not None else []
-                if func.cls is not None and func.cls.init is func:
-                    kinds += self._ctor_args(func, name, depth)
-                return _combine(kinds)
+                return _combine(self._param_kinds(name, func, depth))
         if name in self.module_assigns:
             return _combine([self.classify(v, None, depth + 1) for v in self.module_assigns[name]])
         return None
+
+    def _param_kinds(self, name, func, depth):
+        """What a parameter may hold: its default, and for ``__init__`` what the module's constructor calls pass."""
+        ann, default = func.params[name]
+        kinds = [self.classify(default, func, depth + 1)] if default is not None else []
+        if func.cls is not None and func.cls.init is func:
+            kinds += self._ctor_args(func, name, depth)
+        return kinds
 
     def _attr_flow(self, cls, attr, depth):
         kinds = [self.classify(v, f, depth + 1) for v, f in cls.attrs.get(attr, [])]

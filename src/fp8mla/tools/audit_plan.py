@@ -38,16 +38,39 @@ def _loose(name: str) -> str:
     return re.sub(r"^(kv_|qo_|q_|paged_kv_)", "", name)
 
 
+def _keywords(sig, call):
+    """``({parameter: value}, [keywords that bind none])`` of ``call``'s keywords under ``sig``. A keyword that
+    is not a parameter's name binds the one parameter it names once host/device suffixes and ``paged_`` are
+    stripped, as positional arguments' names are read: an engine's faster plan passes ``qo_indptr_cpu=``,
+    ``kv_len_arr_cpu=`` (CUDA-graph replays), FlashInfer's own names them ``qo_indptr``, ``kv_len_arr``."""
+    names = sig.names()
+    bound = {k.arg: k.value for k in call.keywords if k.arg in names}
+    taken = set(sig.params[:len(call.args)]) | set(bound)
+    by_norm: dict = {}
+    for p in sig.params + sig.kwonly:
+        by_norm.setdefault(_norm(p), []).append(p)
+    extra = []
+    for k in call.keywords:
+        if k.arg in names:
+            continue
+        cands = [p for p in by_norm.get(_norm(k.arg), []) if p not in taken]
+        if len(cands) == 1:
+            bound[cands[0]] = k.value
+            taken.add(cands[0])
+        else:
+            extra.append(k.arg)
+    return bound, extra
+
+
 def _fits(sig, call, strict=True) -> bool:
     """``call`` could be a call of ``sig`` (count, keywords, required args, argument names). Not ``strict``
     (the receiver is known to be this wrapper): extra keywords are allowed -- engines replace ``plan`` with a
     faster copy that takes a few more (SGLang's ``fast_decode_plan``)."""
-    args, kws = call.args, {k.arg for k in call.keywords}
-    if not strict:
-        kws &= sig.names()
-    if len(args) > len(sig.params) or not kws <= sig.names():
+    args = call.args
+    bound, extra = _keywords(sig, call)
+    if len(args) > len(sig.params) or (strict and extra):
         return False
-    given = set(sig.params[:len(args)]) | kws
+    given = set(sig.params[:len(args)]) | set(bound)
     if not set(sig.params[:sig.required]) <= given:
         return False
     norm = [_norm(p) for p in sig.params]
@@ -72,7 +95,7 @@ _ALL_NAMES = {_norm(p) for sig in SIGNATURES for p in sig.params}
 
 
 def _looks_like_plan(sig, call) -> bool:
-    kws = {k.arg for k in call.keywords}
+    kws = set(_keywords(sig, call)[0])
     if kws & (set(sig.q) | set(sig.kv)):
         return True
     first = dotted(call.args[0]) if call.args else None
@@ -83,7 +106,7 @@ def _looks_like_plan(sig, call) -> bool:
 def _bind(sig, call):
     """(q expr or None, kv expr or None) of ``call`` under ``sig``; first passed parameter wins."""
     got = dict(zip(sig.params, call.args))
-    got.update({k.arg: k.value for k in call.keywords})
+    got.update(_keywords(sig, call)[0])
     q = next((got[p] for p in sig.q if p in got), None)
     kv = next((got[p] for p in sig.kv if p in got), None)
     return q, kv
@@ -156,7 +179,9 @@ def _check_forwarded(index, forwarders, evidence, emit):
 
 
 def check_plans(index: ModuleIndex, source: str, emit) -> None:
-    evidence = bool(KV_EVIDENCE.search(source))
+    # evidence of an FP8-capable pool: its names in the source, or a class that keeps a KV-cache dtype in an
+    # attribute (`self.kv_dtype = kv_dtype`), whatever plan()'s own keywords are called
+    evidence = bool(KV_EVIDENCE.search(source)) or any(index.kv_attrs(c) for c in index.classes.values())
     forwarders = []
     for call, func in index.plan_calls:
         if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
@@ -173,8 +198,10 @@ def check_plans(index: ModuleIndex, source: str, emit) -> None:
         method = call.func.attr
         wrapper = sigs[0].cls
         if kv is not None:
-            if isinstance(kv, ast.Name) and func is not None and kv.id in func.params and kv.id not in func.assigns:
-                forwarders.append((func, kv.id, call, wrapper))
+            if isinstance(kv, ast.Name) and func is not None and kv.id in func.params:
+                r = index.reach(func, kv.id, kv)  # only bindings that reach this call, not a later one
+                if (r.param if r is not None else kv.id not in func.assigns):
+                    forwarders.append((func, kv.id, call, wrapper))
             kind = index.classify(kv, func)
             if kind == COMPUTE and evidence:
                 where = f"kv_data_type={kv_attrs[0]}" if kv_attrs else \

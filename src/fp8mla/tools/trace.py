@@ -14,6 +14,7 @@ what SGLang's ``/start_profile`` and vLLM's profiler write. What the doctor reli
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -64,7 +65,7 @@ def dtype_bytes(name: str | None) -> int | None:
     return _BYTES.get(name) if name else None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Event:
     """One complete ("X") event. ``parent``/``children`` link CPU-side events of one thread by time nesting."""
 
@@ -115,54 +116,191 @@ class Trace:
     steps: list           # CPU-side ProfilerStep#N annotations, in time order
     shapes_recorded: bool
     ops_by_ext_id: dict   # External id -> CPU op
+    span_all_us: float = 0.0  # first start to last end over every complete event, kept or not
 
     @property
     def span_us(self) -> float:
-        """Wall time covered by the events (first start to last end)."""
-        evs = [e for e in self.events if e.cat.lower() in _NESTED_CATS | GPU_CATS]
-        evs = evs or self.events
+        """Wall time covered by the CPU-side and GPU events (first start to last end); by every complete event
+        when there are none."""
+        evs = [e for e in self.events if e.cat.lower() in _KEEP_CATS]
+        if not evs:
+            return self.span_all_us
         return max(e.end for e in evs) - min(e.ts for e in evs)
 
 
-def _read_json(path: str):
-    if not os.path.exists(path):
-        raise TraceError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise TraceError(f"{path}: is a directory, expected a trace file (.json or .json.gz)")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:  # permission denied, a device, a vanished file
-        raise TraceError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-    if raw[:2] == b"\x1f\x8b":  # gzip magic: trust the bytes, not the file name
+# -- reading: a stream of events, never the whole file in memory ------------------------------------------------
+_CHUNK = 1 << 20        # characters read at a time
+_MARGIN = 32            # a decode error this close to the end of what was read may be a value cut by the chunk
+_WS = re.compile(r"[ \t\n\r]*")
+# the args the doctor reads; the rest (strides, sequence numbers, occupancy, ...) is dropped on reading
+_KEEP_ARGS = ("External id", "Input type", "Input Dims", "Concrete Inputs")
+_KEEP_CATS = _NESTED_CATS | GPU_CATS
+_NO_ARGS: dict = {}     # shared by the many events with none the doctor reads (Python frames); never written to
+
+
+class _Text:
+    """The characters of a trace file, a chunk at a time: gzip by its magic bytes (not the file name), UTF-8
+    decoded incrementally."""
+
+    def __init__(self, path: str):
+        self.path = path
         try:
-            raw = gzip.decompress(raw)
+            self.file = open(path, "rb")
+            self.gz = self.file.read(2) == b"\x1f\x8b"
+            self.file.seek(0)
+        except OSError as e:  # permission denied, a device, a vanished file
+            raise TraceError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        self.raw = gzip.GzipFile(fileobj=self.file, mode="rb") if self.gz else self.file
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.eof = False
+
+    def read(self, n: int) -> str:
+        try:
+            b = self.raw.read(n)
         except (OSError, EOFError, zlib.error) as e:  # a bad header, a cut-off stream, corrupt deflate data
-            raise TraceError(f"{path}: a damaged gzip file ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a text file (not UTF-8); expected a Chrome trace .json or .json.gz") \
-            from None
-    if not text.strip():
-        raise TraceError(f"{path}: the file is empty")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise TraceError(f"{path}: JSON nested too deeply to read; expected a Chrome trace (a flat list of "
-                         "events)") from None
-    except json.JSONDecodeError as e:
-        # The Chrome trace format allows an array with its closing bracket missing (a profile cut short).
-        stripped = text.rstrip().rstrip(",")
-        if stripped.startswith("[") and not stripped.endswith("]"):
+            if self.gz:
+                raise TraceError(f"{self.path}: a damaged gzip file ({e})") from None
+            raise TraceError(f"{self.path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+        self.eof = not b
+        try:
+            return self.utf8.decode(b, final=self.eof)
+        except UnicodeDecodeError:
+            raise TraceError(f"{self.path}: not a text file (not UTF-8); expected a Chrome trace .json or "
+                             ".json.gz") from None
+
+    def close(self):
+        self.raw.close()
+        self.file.close()
+
+
+class _Scanner:
+    """JSON values one at a time from a :class:`_Text` (``json.JSONDecoder.raw_decode`` over a window of the
+    text), so that a trace of a million events is never one string nor one list in memory."""
+
+    def __init__(self, text: _Text):
+        self.text, self.buf, self.pos = text, "", 0
+        self.decoder = json.JSONDecoder()
+        self.lines, self.col = 1, 0  # line and column at the start of buf (for error messages)
+
+    def more(self, n=_CHUNK) -> bool:
+        if self.text.eof:
+            return False
+        got = self.text.read(n)
+        done = self.buf[:self.pos]
+        nl = done.count("\n")
+        self.lines += nl
+        self.col = len(done) - done.rfind("\n") - 1 if nl else self.col + len(done)
+        self.buf, self.pos = self.buf[self.pos:] + got, 0
+        return bool(got) or not self.text.eof
+
+    def peek(self) -> str:
+        """The next character that is not whitespace ("" at the end of the file)."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.more():
+                return ""
+
+    def fail(self, msg: str, pos: int):
+        before = self.buf[:pos]
+        nl = before.count("\n")
+        line = self.lines + nl
+        col = (pos - before.rfind("\n") if nl else self.col + pos + 1)
+        raise TraceError(f"{self.text.path}: not JSON ({msg} at line {line} column {col}); expected a Chrome "
+                         "trace from torch.profiler export_chrome_trace")
+
+    def value(self):
+        self.peek()
+        n = _CHUNK
+        while True:
             try:
-                return json.loads(stripped + "]")
-            except json.JSONDecodeError:
-                pass
-        raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected a Chrome "
-                         "trace from torch.profiler export_chrome_trace") from None
-    except ValueError as e:  # JSON that the decoder refuses past parsing: an integer of over 4300 digits
-        raise TraceError(f"{path}: not a readable JSON trace ({e})") from None
+                v, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                cut = e.pos >= len(self.buf) - _MARGIN or e.msg.startswith("Unterminated string")
+                if cut and self.more(n):
+                    n *= 2  # a value longer than a chunk: read geometrically more, linear time overall
+                    continue
+                self.fail(e.msg, e.pos)
+            except RecursionError:
+                raise TraceError(f"{self.text.path}: JSON nested too deeply to read; expected a Chrome trace (a "
+                                 "flat list of events)") from None
+            except ValueError as e:  # JSON the decoder refuses past parsing: an integer of over 4300 digits
+                raise TraceError(f"{self.text.path}: not a readable JSON trace ({e})") from None
+            if end >= len(self.buf) and self.more():
+                continue  # a number at the end of the window may go on in the next chunk
+            self.pos = end
+            return v
+
+    def expect(self, ch: str, what: str):
+        if self.peek() != ch:
+            self.fail(f"Expecting {what}", self.pos)
+        self.pos += 1
+
+    def items(self, cut_ok: bool):
+        """The elements of the array at the current position, one by one. ``cut_ok``: the file may end before
+        the closing bracket (the Chrome trace format allows it for a trace written as a bare array)."""
+        self.expect("[", "'['")
+        first = True
+        while True:
+            ch = self.peek()
+            if ch == "]":
+                self.pos += 1
+                return
+            if ch == "":
+                if cut_ok:
+                    return
+                self.fail("Expecting value" if first else "Expecting ',' delimiter", self.pos)
+            if not first:
+                if ch != ",":
+                    self.fail("Expecting ',' delimiter", self.pos)
+                self.pos += 1
+                if self.peek() == "" and cut_ok:
+                    return  # `[ev, ev,` cut after a comma
+            first = False
+            yield self.value()
+
+
+def _raw_events(scan: _Scanner, path: str):
+    """The raw event objects of a Chrome trace: a JSON array of events (its closing bracket may be missing) or
+    an object with a ``traceEvents`` array, whatever other keys it has, in any order."""
+    ch = scan.peek()
+    if ch == "":
+        raise TraceError(f"{path}: the file is empty")
+    if ch == "[":
+        yield from scan.items(cut_ok=True)
+    elif ch == "{":
+        scan.pos += 1
+        keys, found, first = [], False, True
+        while True:
+            ch = scan.peek()
+            if ch == "}":
+                scan.pos += 1
+                break
+            if not first:
+                scan.expect(",", "',' delimiter")
+            first = False
+            if scan.peek() != '"':
+                scan.fail("Expecting property name enclosed in double quotes", scan.pos)
+            key = scan.value()
+            scan.expect(":", "':' delimiter")
+            keys.append(key)
+            if key == "traceEvents" and scan.peek() == "[":
+                found = True
+                yield from scan.items(cut_ok=False)
+            else:
+                scan.value()  # another key's value (deviceProperties, schemaVersion, ...): read and dropped
+        if not found:
+            raise TraceError(f"{path}: a JSON object without a 'traceEvents' list; expected a Chrome trace "
+                             f"(keys found: {sorted(keys)[:8]})")
+    else:
+        v = scan.value()
+        if scan.peek() != "":
+            scan.fail("Extra data", scan.pos)
+        raise TraceError(f"{path}: expected a Chrome trace (a JSON object with 'traceEvents' or a list of "
+                         f"events), got a JSON {type(v).__name__}")
+    if scan.peek() != "":
+        scan.fail("Extra data", scan.pos)
 
 
 def _key(v):
@@ -197,33 +335,43 @@ def _link(events: list) -> None:
 
 
 def load_trace(path) -> Trace:
-    """Parse a Chrome trace file; raises :class:`TraceError` with a plain reason when it cannot."""
+    """Parse a Chrome trace file; raises :class:`TraceError` with a plain reason when it cannot.
+
+    The file is read as a stream of events: what stays in memory is the events the doctor uses (CPU ops, GPU
+    work, annotations and Python frames, with only the args it reads), not the file nor its JSON."""
     path = os.fspath(path)
-    data = _read_json(path)
-    if isinstance(data, dict):
-        raw = data.get("traceEvents")
-        if not isinstance(raw, list):
-            raise TraceError(f"{path}: a JSON object without a 'traceEvents' list; expected a Chrome trace "
-                             f"(keys found: {sorted(data)[:8]})")
-    elif isinstance(data, list):
-        raw = data
-    else:
-        raise TraceError(f"{path}: expected a Chrome trace (a JSON object with 'traceEvents' or a list of "
-                         f"events), got a JSON {type(data).__name__}")
-    events = []
-    for r in raw:
-        if not isinstance(r, dict) or r.get("ph") != "X" or "ts" not in r:
-            continue  # metadata, flows, counters, instant events
-        try:
-            ts, dur = float(r["ts"]), float(r.get("dur", 0.0))
-        except (TypeError, ValueError):
-            continue
-        args = r.get("args") if isinstance(r.get("args"), dict) else {}
-        if "External id" in args:
-            args = {**args, "External id": _key(args["External id"])}
-        events.append(Event(str(r.get("name", "")), str(r.get("cat", "")), ts, dur, _key(r.get("pid")),
-                            _key(r.get("tid")), args))
-    if not events:
+    if not os.path.exists(path):
+        raise TraceError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise TraceError(f"{path}: is a directory, expected a trace file (.json or .json.gz)")
+    text = _Text(path)
+    events, names = [], {}
+    intern = lambda s: names.setdefault(s, s)  # noqa: E731 - a million events share a few hundred names
+    first, last = float("inf"), float("-inf")
+    try:
+        for r in _raw_events(_Scanner(text), path):
+            if not isinstance(r, dict) or r.get("ph") != "X" or "ts" not in r:
+                continue  # metadata, flows, counters, instant events
+            try:
+                ts, dur = float(r["ts"]), float(r.get("dur", 0.0))
+            except (TypeError, ValueError):
+                continue
+            first, last = min(first, ts), max(last, ts + dur)
+            cat = intern(str(r.get("cat", "")))
+            if cat.lower() not in _KEEP_CATS:
+                continue  # cuda_runtime, ac2g, ...: only their time span is used
+            raw_args = r.get("args") if isinstance(r.get("args"), dict) else {}
+            args = {k: raw_args[k] for k in _KEEP_ARGS if k in raw_args} or _NO_ARGS
+            if "External id" in args:
+                args["External id"] = _key(args["External id"])
+            t = args.get("Input type")
+            if isinstance(t, list):
+                args["Input type"] = [intern(x) if isinstance(x, str) else x for x in t]
+            events.append(Event(intern(str(r.get("name", ""))), cat, ts, dur, _key(r.get("pid")),
+                                _key(r.get("tid")), args))
+    finally:
+        text.close()
+    if not events and first == float("inf"):
         raise TraceError(f"{path}: no complete ('X') events: the trace is empty (was the profiler active while "
                          "the steps ran?)")
     _link(events)
@@ -233,7 +381,7 @@ def load_trace(path) -> Trace:
                    key=lambda e: e.ts)
     shapes = any("Input type" in e.args for e in cpu_ops)
     by_id = {e.ext_id: e for e in cpu_ops if e.ext_id is not None}
-    return Trace(path, events, cpu_ops, gpu, steps, shapes, by_id)
+    return Trace(path, events, cpu_ops, gpu, steps, shapes, by_id, last - first)
 
 
 # -- kernel names ---------------------------------------------------------------------------------------------
