@@ -216,6 +216,26 @@ def test_cancelled_step_refuses_to_run():
     m(torch.randn(1, 256, device=DEVICE), st)
 
 
+def test_begin_step_takes_one_id_as_the_cache_does():
+    """``begin_step(cache, seq_id, 3)``: one id, as the cache takes one elsewhere (was "'int' object is not
+    iterable"); a tuple id is refused by name."""
+    m = tiny_model()
+    cache = m.make_cache(16, 4, "bf16")
+    s = cache.add_sequence()
+    st = m.begin_step(cache, s, 3)
+    assert st.seq_ids == [s] and st.num_tokens == [3]
+    m(torch.randn(3, 256, device=DEVICE), st)
+    st = m.begin_step(cache, s, 1)
+    assert st.seq_ids == [s] and st.decode_only
+    m(torch.randn(1, 256, device=DEVICE), st)
+    assert cache.seq_len(s) == 4
+    r = DecodeRunner(m, cache, max_batch=2, use_cuda_graph=False)
+    assert r.step(s, 1, torch.randn(1, 256, device=DEVICE)).shape == (1, 256)
+    r.close()
+    with pytest.raises(TypeError, match="seq_id: expected an int or a str, got a tuple"):
+        m.begin_step(cache, [(s, 1)], 1)
+
+
 def test_runner_refuses_a_cancelled_step():
     m = tiny_model(backend="torch")
     cache = m.make_cache(32, 4, "bf16")

@@ -390,3 +390,31 @@ def test_merge_state_with_value_dim_0_merges_the_lse(merge_backend):
     want = torch.logaddexp2(s_a.double(), s_b.double())
     assert out.shape == (5, 3, 0)
     torch.testing.assert_close(s.cpu().double(), want, rtol=1e-6, atol=1e-6)
+
+
+# -- unclear errors made clear ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_layout_on_cuda_without_cuda_names_the_device():
+    """Was a bare AssertionError ("Torch not compiled with CUDA enabled")."""
+    from fp8mla.layout import PagedLayout
+    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for make in (lambda d: PagedLayout.from_csr(t([0, 1]), t([0, 1]), t([0]), t([5]), 16, device=d),
+                 lambda d: PagedLayout.from_block_table(t([[0]]), t([5]), 16, device=d),
+                 lambda d: PagedLayout.decode_rows(t([[0]]), [5], 16, device=d)):
+        for d in ("cuda", "cuda:1", torch.device("cuda", 0)):
+            with pytest.raises(ValueError, match=r"device: .*no CUDA device.*expected 'cpu'"):
+                make(d)
+        with pytest.raises(ValueError, match="device: expected a torch device"):
+            make("gpu0")
+        assert make("cpu").device == torch.device("cpu")
+
+
+def test_tuple_seq_id_is_refused_by_name():
+    """A tuple id used to be accepted, then read as the list of ids it holds (a misleading KeyError)."""
+    cache = PagedMLACache(1, 4, 4, "bf16", head_dim_ckv=128, head_dim_kpe=16)
+    for call in (lambda: cache.add_sequence((1, 2)), lambda: cache.seq_len((1, 2)), lambda: cache.free((1,)),
+                 lambda: cache.fork(cache.add_sequence(), (3, 4))):
+        with pytest.raises(TypeError, match=r"seq_id: expected an int or a str, got a tuple"):
+            call()
+    assert cache.add_sequence("a") == "a" and cache.add_sequence(7) == 7
+    assert cache.reserve(("a", 7), 1).numel() == 2  # a tuple of ids is still a list of ids

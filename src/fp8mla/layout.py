@@ -17,6 +17,7 @@ Host work is O(batch) Python plus vectorized torch ops; nothing here loops over 
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from array import array
@@ -98,6 +99,36 @@ def int32_saturated(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.int32:
         return t
     return t.clamp(-INT32_MAX - 1, INT32_MAX).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_devices() -> int:
+    # Asked once: the cache's host tables plan onto its CUDA device every step.
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(device, tensor: torch.Tensor) -> torch.device:
+    """The layout's device: ``device`` (``tensor``'s when None), ``"cuda"`` resolved to the current index. A CUDA
+    device asked for where torch has none is refused by name (torch's own error is a bare assert about how it was
+    built); the check costs nothing when ``tensor`` is on CUDA already (the per-step paths)."""
+    if device is None:
+        d = tensor.device
+    else:
+        try:
+            d = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") \
+                from None
+    if d.type == "cuda" and (d.index is None or tensor.device.type != "cuda"):
+        n = _cuda_devices()
+        if n == 0:
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch {torch.__version__}, "
+                             f"CUDA build {torch.version.cuda}); expected 'cpu' (or None: the tables' own device)")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        elif d.index >= n:
+            raise ValueError(f"device: expected cuda:0 .. cuda:{n - 1} ({n} CUDA device(s)), got {device!r}")
+    return d
 
 
 def debug_checks() -> bool:
@@ -185,9 +216,7 @@ class PagedLayout:
                 raise ValueError(f"{name}: expected at least {B + 1} entries (batch size {B} from {len_name}, "
                                  f"+ 1), got {t.numel()}")
         check_tensor("kv_indices", kv_indices, dtype=INDEX_DTYPES, ndim=1)
-        device = torch.device(device) if device is not None else kv_indices.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device, kv_indices)
         qo_indptr, kv_indptr = qo_indptr[: B + 1], kv_indptr[: B + 1]
 
         qo_lens = kv_lens = max_page = active = None
@@ -237,6 +266,7 @@ class PagedLayout:
         """
         check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2)
         check_tensor("kv_len", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        resolve_device(device, block_table)  # (the error naming ``device``, before any copy)
         B, W = block_table.shape
         if kv_len.numel() != B:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {kv_len.numel()}")
@@ -274,9 +304,7 @@ class PagedLayout:
             if not 0 <= n <= cap:
                 raise ValueError(f"kv_len: request {b} has kv_len {n}, expected 0 <= kv_len <= its {W} pages x "
                                  f"page_size {page_size} = {cap} (block_table has {W} pages per row)")
-        device = torch.device(device) if device is not None else block_table.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device, block_table)
         qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W)) if W else [0] * (B + 1)
         packed = host_ints(qo + kvp + lens, pin=device.type == "cuda")
         # "lists": the same arrays as lists, lengths checked against their rows, one query per row: the backends'

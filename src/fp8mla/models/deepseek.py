@@ -153,7 +153,8 @@ def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
 
 
 def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -> tuple[list, list]:
-    ids = list(seq_ids)
+    # One id (an int, a str) or an ordered collection of ids, as the cache takes them everywhere else.
+    ids = cache._id_list(seq_ids) if hasattr(cache, "_id_list") else list(seq_ids)
     counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
     if not ids:
         raise ValueError("seq_ids: expected at least one sequence")
