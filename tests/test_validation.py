@@ -390,6 +390,10 @@ def test_merge_state_with_value_dim_0_merges_the_lse(merge_backend):
     want = torch.logaddexp2(s_a.double(), s_b.double())
     assert out.shape == (5, 3, 0)
     torch.testing.assert_close(s.cpu().double(), want, rtol=1e-6, atol=1e-6)
+    from fp8mla.ragged import merge_state_in_place
+    s_in = s_a.to(DEVICE).clone()
+    merge_state_in_place(v, s_in, v.clone(), s_b.to(DEVICE), backend=merge_backend)
+    torch.testing.assert_close(s_in.cpu().double(), want, rtol=1e-6, atol=1e-6)
 
 
 # -- unclear errors made clear ----------------------------------------------------------------------------------------
