@@ -1,4 +1,5 @@
-"""``fp8mla demo`` end to end at a tiny size on the CPU, and ``fp8mla bench step``'s refusal without CUDA."""
+"""``fp8mla demo`` end to end at a tiny size on the CPU (what it prints and the folder it leaves), and
+``fp8mla bench step``'s refusal without CUDA."""
 from __future__ import annotations
 
 import contextlib
@@ -18,22 +19,22 @@ HAS_DOCTOR = importlib.util.find_spec("fp8mla.tools.doctor") is not None
 # 2 layers so the pool cast repeats within a step (the doctor's signature of a per-layer cast); a pool much
 # larger than the batch's tokens so that gather_cast's cast of the active tokens stays far below pool size.
 TINY = ["demo", "--device", "cpu", "--scale", "small", "--layers", "2", "--heads", "16", "--pool-tokens", "8192",
-        "--batch", "2", "--context", "300", "--reps", "1",
+        "--batch", "2", "--context", "300", "--reps", "2",
         "--threads", "1"]  # 1 thread: CI runs test files in parallel, and OpenMP threads spin when oversubscribed
 
 
 @pytest.fixture(scope="module")
 def demo_output(tmp_path_factory):
-    trace_dir = tmp_path_factory.mktemp("traces")
+    out_dir = tmp_path_factory.mktemp("demo") / "results"  # made by the demo
     torch.manual_seed(0)
     buf = io.StringIO()
     threads = torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(buf):
-            rc = main(TINY + ["--trace-dir", str(trace_dir)])
+            rc = main(TINY + ["--out", str(out_dir)])
     finally:
         torch.set_num_threads(threads)  # --threads 1 set it for the whole process
-    return rc, buf.getvalue(), trace_dir
+    return rc, buf.getvalue(), out_dir / "traces"
 
 
 def _summary_rows(text: str) -> dict:
@@ -59,6 +60,92 @@ def test_demo_has_every_section(demo_output):
     assert set(rows) == set(WAYS), out
     assert "no CUDA device" in out  # the CPU run says that native is the torch backend here
     assert out.rstrip().splitlines()[-1].startswith("demo done in")
+
+
+def test_demo_says_what_each_time_is_and_what_to_conclude(demo_output):
+    """Two times per way (the timed steps, the profiled one), named apart; the timed repeats' spread; one line
+    saying what to conclude as the summary's last."""
+    _, out, _ = demo_output
+    rows = _summary_rows(out)
+    for way, line in rows.items():
+        cells = line.split()
+        med, (lo, hi), prof = float(cells[2]), map(float, cells[3].split("-")), float(cells[4])
+        assert lo <= med <= hi and prof > 0, line
+    assert "ms/step: the timed steps, without the profiler: median of 2, min-max their spread" in out
+    assert "profiled: the one step run under torch.profiler" in out
+    assert "the doctor's times are of the one step run under torch.profiler" in out
+    lines = out.rstrip().splitlines()
+    assert lines[-2].startswith("conclusion: "), lines[-2]
+    assert "what holds on any device is the trace" in lines[-2] and "cast_pool spending" in lines[-2], lines[-2]
+
+
+def test_demo_leaves_its_results_in_the_folder_it_names(demo_output):
+    """The folder named on the last line holds the summary (Markdown, CSV), both PNGs and the traces; the CSV
+    holds what the table printed."""
+    import csv
+    _, out, trace_dir = demo_output
+    folder = trace_dir.parent
+    last = out.rstrip().splitlines()[-1]
+    assert f"results in {folder}/: " in last, last
+    names = last.split(": ", 1)[1].split(", ")
+    assert names[:6] == ["summary.md", "summary.csv", "formats.csv", "step_time.png", "cast_pool_step.png",
+                         "traces/cast_pool.json"], names
+    for name in names:
+        assert (folder / name).stat().st_size > 0, name
+    for png in ("step_time.png", "cast_pool_step.png"):
+        assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    with open(folder / "summary.csv") as f:
+        csv_rows = {r["way"]: r for r in csv.DictReader(f)}
+    printed = _summary_rows(out)
+    assert set(csv_rows) == set(WAYS)
+    for way, r in csv_rows.items():
+        assert abs(float(r["ms_median"]) - float(printed[way].split()[2])) <= 0.0051, (r, printed[way])
+        assert int(r["timed_reps"]) == 2 and float(r["ms_min"]) <= float(r["ms_median"]) <= float(r["ms_max"])
+        assert float(r["pool_cast_share_pct"]) > 0 if way == "cast_pool" else float(r["pool_cast_share_pct"]) == 0
+    with open(folder / "formats.csv") as f:
+        assert {r["format"] for r in csv.DictReader(f)} == set(FORMATS)
+    md = (folder / "summary.md").read_text()
+    for part in ("## 1. KV formats", "## 2. The small scenario", "| cast_pool | torch |", "**conclusion: ",
+                 "`traces/native.json`"):
+        assert part in md, part
+
+
+def test_default_out_dir_is_new_and_timestamped(tmp_path, monkeypatch):
+    from fp8mla.commands.demo_output import default_out_dir
+    monkeypatch.chdir(tmp_path)
+    first = default_out_dir(now=0)
+    assert first == str(tmp_path / "fp8mla-demo-19700101-000000")
+    (tmp_path / "fp8mla-demo-19700101-000000").mkdir()
+    assert default_out_dir(now=0) == first + "-2"  # never into an earlier run's folder
+
+
+def _fake_result(native_times, cast_times, *, cuda=False):
+    from types import SimpleNamespace
+    doc = dict(available=True, cast_share=0.8, pool_cast_share=0.75)
+    ways = {w: dict(backend="torch", graph=False, times=t, ms=sorted(t)[len(t) // 2], extra_mem=0, err=1e-3,
+                    doctor=dict(doc, pool_cast_share=0.75 if w == "cast_pool" else 0.0))
+            for w, t in (("cast_pool", cast_times), ("gather_cast", native_times), ("native", native_times))}
+    return dict(sc=SimpleNamespace(context_lens=[10, 20]), ways=ways)
+
+
+def test_conclusion_says_when_cpu_times_are_noise():
+    from fp8mla.commands.demo_output import conclusion
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    overlap = conclusion(_fake_result([6.0, 37.0, 12.0], [9.0, 30.0, 20.0]), cpu)
+    assert overlap.startswith("conclusion: the timed steps overlap here (native 6-37 ms, cast_pool 9-30 ms): on a "
+                              "CPU the times are noise"), overlap
+    assert "cast_pool spending 75% of its profiled step casting the whole pool, native 0%" in overlap
+    apart = conclusion(_fake_result([5.0, 6.0, 7.0], [150.0, 160.0, 170.0]), cpu)
+    assert "native beat cast_pool in every timed repeat here (5-7 vs 150-170 ms)" in apart, apart
+    assert "x faster per step than casting it" in conclusion(_fake_result([1.0, 1.0], [10.0, 10.0]), gpu)
+
+
+def test_numpy_is_a_dependency():
+    """torch warns "NumPy is missing" on every command without it."""
+    import tomllib
+    from pathlib import Path
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in project["dependencies"])
 
 
 def test_demo_errors_are_small(demo_output):
@@ -193,8 +280,17 @@ def test_demo_refuses_a_device_it_cannot_use(device, msg, monkeypatch, capsys):
     assert "fp8mla demo: --device: " in err and msg in err and "Traceback" not in err
 
 
-def test_demo_refuses_a_trace_dir_that_is_a_file(tmp_path, capsys):
+def test_demo_refuses_an_out_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "results"
+    f.write_text("not a folder")
+    assert main(["demo", "--device", "cpu", "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "fp8mla demo: --out: " in err and "is a file; expected a folder" in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_trace_dir_that_is_a_file(tmp_path, capsys, monkeypatch):
     """``--trace-dir <a file>`` used to run the whole scenario, then end in FileExistsError."""
+    monkeypatch.chdir(tmp_path)  # (a refused run makes no default folder: checked below)
     f = tmp_path / "traces"
     f.write_text("not a folder")
     assert main(["demo", "--device", "cpu", "--trace-dir", str(f)]) == 2
@@ -202,3 +298,4 @@ def test_demo_refuses_a_trace_dir_that_is_a_file(tmp_path, capsys):
     assert "fp8mla demo: --trace-dir: " in err and "is a file; expected a folder" in err and "Traceback" not in err
     assert main(["demo", "--device", "cpu", "--trace-dir", str(f / "below")]) == 2
     assert "cannot make the folder" in capsys.readouterr().err
+    assert not list(tmp_path.glob("fp8mla-demo-*"))

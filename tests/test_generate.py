@@ -62,6 +62,14 @@ def test_generate_errors_name_the_argument(capsys, argv, msg):
     assert rc == 2 and msg in err, err
 
 
+@pytest.mark.parametrize("flag", ["--prompt-len", "--max-new-tokens", "--max-batch", "--page-size", "--prompts"])
+def test_generate_sizes_past_memory_name_the_flag(capsys, flag):
+    """10**12-token sizes: refused before anything is allocated, naming the flag (was: a raw allocator error)."""
+    rc, out, err = run(capsys, "--device", "cpu", "--no-progress", flag, str(10**12))
+    assert rc == 2 and f"{flag} {10**12}" in err.replace(": ", " ") and "memory" in err, err
+    assert "alloc" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_generate_cuda_without_cuda_names_the_device(capsys):
     rc, out, err = run(capsys, "--device", "cuda", "--no-progress", "--prompts", "1")

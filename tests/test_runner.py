@@ -177,6 +177,84 @@ def test_failed_plan_gives_the_reservation_back(monkeypatch):
     assert cache_state(cache) == before
 
 
+def test_cancelled_step_refuses_to_run():
+    """A step whose reservation went back to the cache must not write its tokens into the returned slots (another
+    sequence may own them by then): ``model(x, step)`` refuses it by name, and so does a step whose sequences lost
+    the reservation another way (``cache.unreserve``, ``cache.free``)."""
+    m = tiny_model()
+    cache = m.make_cache(32, 4, "bf16")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    m(torch.randn(6, 256, device=DEVICE), m.begin_step(cache, [a, b], [3, 3]))
+    st = m.begin_step(cache, [a, b], [1, 1])
+    st.cancel()
+    c = cache.add_sequence()
+    m(torch.randn(4, 256, device=DEVICE), m.begin_step(cache, [c], [4]))  # may take the slots st gave back
+    pool = cache.pool.clone()
+    with pytest.raises(ValueError, match="step: .*cancelled"):
+        m(torch.randn(2, 256, device=DEVICE), st)
+    assert torch.equal(cache.pool, pool), "a cancelled step wrote into the pool"
+    # a forward pass that failed cancels its step: running it again is refused too
+    st = m.begin_step(cache, [a, b], [1, 1])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        m(torch.randn(3, 256, device=DEVICE), st)
+    with pytest.raises(ValueError, match="step: .*cancelled"):
+        m(torch.randn(2, 256, device=DEVICE), st)
+    # the cache gave the reservation back without the step knowing
+    st = m.begin_step(cache, [a, b], [1, 1])
+    cache.unreserve([a, b])
+    with pytest.raises(ValueError, match=r"step: sequence 0 .*reserved"):
+        m(torch.randn(2, 256, device=DEVICE), st)
+    st = m.begin_step(cache, [a, b], [1, 1])
+    cache.free(b)
+    with pytest.raises(ValueError, match=r"step: sequence 1 .*no longer in the cache"):
+        m(torch.randn(2, 256, device=DEVICE), st)
+    assert torch.equal(cache.pool, pool)
+    # a completed step may run again (it rewrites its own tokens, in its own slots: what benchmarks time)
+    st = m.begin_step(cache, [a], [1])
+    y = m(torch.randn(1, 256, device=DEVICE), st)
+    assert y.shape == (1, 256)
+    m(torch.randn(1, 256, device=DEVICE), st)
+
+
+def test_begin_step_takes_one_id_as_the_cache_does():
+    """``begin_step(cache, seq_id, 3)``: one id, as the cache takes one elsewhere (was "'int' object is not
+    iterable"); a tuple id is refused by name."""
+    m = tiny_model()
+    cache = m.make_cache(16, 4, "bf16")
+    s = cache.add_sequence()
+    st = m.begin_step(cache, s, 3)
+    assert st.seq_ids == [s] and st.num_tokens == [3]
+    m(torch.randn(3, 256, device=DEVICE), st)
+    st = m.begin_step(cache, s, 1)
+    assert st.seq_ids == [s] and st.decode_only
+    m(torch.randn(1, 256, device=DEVICE), st)
+    assert cache.seq_len(s) == 4
+    r = DecodeRunner(m, cache, max_batch=2, use_cuda_graph=False)
+    assert r.step(s, 1, torch.randn(1, 256, device=DEVICE)).shape == (1, 256)
+    r.close()
+    with pytest.raises(TypeError, match="seq_id: expected an int or a str, got a tuple"):
+        m.begin_step(cache, [(s, 1)], 1)
+
+
+def test_runner_refuses_a_cancelled_step():
+    m = tiny_model(backend="torch")
+    cache = m.make_cache(32, 4, "bf16")
+    r = DecodeRunner(m, cache, max_batch=4, use_cuda_graph=False)
+    ids = [cache.add_sequence() for _ in range(2)]
+    r.step(ids, [3, 3], torch.randn(6, 256, device=DEVICE))
+    prefix = [cache.seq_len(s) for s in ids]
+    st = r.begin_step(ids, prefix)
+    st.cancel()
+    other = cache.add_sequence()
+    r.step([other], [5], torch.randn(5, 256, device=DEVICE))
+    pool = cache.pool.clone()
+    with pytest.raises(ValueError, match="step: .*cancelled"):
+        r.forward(torch.randn(2, 256, device=DEVICE), st)
+    assert torch.equal(cache.pool, pool), "a cancelled step wrote into the pool"
+    r.step(ids, [1, 1], torch.randn(2, 256, device=DEVICE))  # the runner still works
+    r.close()
+
+
 def test_unreserve_frees_only_the_new_pages():
     cache = PagedMLACache(1, 8, 4, "bf16", head_dim_ckv=128, head_dim_kpe=16)
     s = cache.add_sequence(num_tokens=3)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import BACKEND_PARAMS, DEVICE
 from fp8mla import MLAPagedAttention, OutOfPagesError, PagedMLACache
 from fp8mla.testing import make_paged_batch
 
@@ -318,3 +318,107 @@ def test_cache_write_errors():
     with pytest.raises(TypeError, match="slot_mapping"):
         cache.write(0, torch.tensor([0.0], device=DEVICE), c[:1], k[:1])
     assert (cache.pool.float() == 0).all(), "a refused write changed the pool"
+
+
+# -- misuse that used to give a silent wrong answer (each test failed before its fix) -----------------------------
+def test_int64_block_table_past_int32_is_refused_not_wrapped():
+    """An int64 table holding page p + 2**32 was cast to int32 before it was checked, and read as page p."""
+    from fp8mla.layout import PagedLayout
+    pb = _batch()
+    pages = pb.plan_args["kv_indices"][:3].long()
+    bt = torch.stack([pages, pages]).cpu()
+    lens = torch.tensor([33, 20])
+    PagedLayout.from_block_table(bt, lens, 16)  # fine as it is
+    for bad in (2**32, -2**32):
+        wrapped = bt.clone()
+        wrapped[1, 1] += bad
+        with pytest.raises(ValueError, match=r"block_table: request 1 references page -?42949672\d\d"):
+            PagedLayout.from_block_table(wrapped, lens, 16)
+    # FlashInfer's arrays: the same check, naming kv_indices
+    idx = pb.plan_args["kv_indices"].long().clone()
+    idx[1] += 2**32
+    with pytest.raises(ValueError, match=r"kv_indices: request 0 references page 42949672\d\d"):
+        _plan(kv_indices=idx)
+
+
+def test_int64_ids_saturate_on_the_way_to_int32():
+    """Device tables are not read on the host: their int64 ids become int32 clamped, never wrapped, so page
+    p + 2**32 stays outside the pool (a kernel never reads it) instead of becoming page p."""
+    from fp8mla.layout import int32_saturated
+    t = torch.tensor([5, 2**32 + 5, -2**32 + 5, -1, 2**31 - 1])
+    assert int32_saturated(t).tolist() == [5, 2**31 - 1, -2**31, -1, 2**31 - 1]
+    assert int32_saturated(t).dtype == torch.int32
+    i32 = torch.tensor([1, 2], dtype=torch.int32)
+    assert int32_saturated(i32) is i32
+
+
+def test_understated_page_id_hint_is_refused(backend):
+    """``max_page_id`` (the largest page id, when the caller knows it) below the table's: a named error, not NaN
+    (triton) or an IndexError (torch)."""
+    from fp8mla.layout import PagedLayout
+    pb = _batch()
+    a = pb.plan_args
+    hi = int(a["kv_indices"].max())
+    host = [a[k].cpu() for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")]
+    PagedLayout.from_csr(*host, 16, max_page_id=hi)  # an exact hint is taken as given
+    with pytest.raises(ValueError, match=rf"max_page_id: .*{hi - 1}.*page {hi}"):
+        PagedLayout.from_csr(*host, 16, max_page_id=hi - 1)
+    # a hint that misses a page past the pool: refused at plan time, before any kernel reads the page
+    idx = host[2].clone()
+    idx[0] = pb.pool.shape[0] + 5
+    with pytest.raises(ValueError, match="max_page_id"):
+        lay = PagedLayout.from_csr(host[0], host[1], idx, host[3], 16, max_page_id=hi, device=DEVICE)
+        attn = MLAPagedAttention(backend=backend)
+        attn.plan_layout(lay, 16, 512, 64, True, pb.plan_args["sm_scale"], torch.bfloat16, "fp8_e4m3")
+        out = attn.run(**pb.run_args)
+        assert not torch.isnan(out).any()
+    # ids outside the used range (padding, unused slots) do not count against the hint
+    idx = torch.cat([host[2][:3], torch.tensor([10**6], dtype=host[2].dtype), host[2][3:]])
+    kvp = torch.tensor([0, 4, 6], dtype=host[1].dtype)
+    PagedLayout.from_csr(host[0], kvp, idx, host[3], 16, max_page_id=hi)
+
+
+@pytest.mark.parametrize("merge_backend", BACKEND_PARAMS)
+def test_merge_state_with_value_dim_0_merges_the_lse(merge_backend):
+    """A value dimension of 0 still has log-sum-exps to merge (they were left uninitialized)."""
+    from fp8mla.ragged import merge_state
+    g = torch.Generator().manual_seed(3)
+    s_a, s_b = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    s_b[0, 0] = -math.inf
+    v = torch.zeros(5, 3, 0, device=DEVICE)
+    out, s = merge_state(v, s_a.to(DEVICE), v.clone(), s_b.to(DEVICE), backend=merge_backend)
+    want = torch.logaddexp2(s_a.double(), s_b.double())
+    assert out.shape == (5, 3, 0)
+    torch.testing.assert_close(s.cpu().double(), want, rtol=1e-6, atol=1e-6)
+    from fp8mla.ragged import merge_state_in_place
+    s_in = s_a.to(DEVICE).clone()
+    merge_state_in_place(v, s_in, v.clone(), s_b.to(DEVICE), backend=merge_backend)
+    torch.testing.assert_close(s_in.cpu().double(), want, rtol=1e-6, atol=1e-6)
+
+
+# -- unclear errors made clear ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_layout_on_cuda_without_cuda_names_the_device():
+    """Was a bare AssertionError ("Torch not compiled with CUDA enabled")."""
+    from fp8mla.layout import PagedLayout
+    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for make in (lambda d: PagedLayout.from_csr(t([0, 1]), t([0, 1]), t([0]), t([5]), 16, device=d),
+                 lambda d: PagedLayout.from_block_table(t([[0]]), t([5]), 16, device=d),
+                 lambda d: PagedLayout.decode_rows(t([[0]]), [5], 16, device=d)):
+        for d in ("cuda", "cuda:1", torch.device("cuda", 0)):
+            with pytest.raises(ValueError, match=r"device: .*no CUDA device.*expected 'cpu'"):
+                make(d)
+        with pytest.raises(ValueError, match="device: expected a torch device"):
+            make("gpu0")
+        assert make("cpu").device == torch.device("cpu")
+
+
+def test_tuple_seq_id_is_refused_by_name():
+    """A tuple id used to be accepted, then read as the list of ids it holds (a misleading KeyError)."""
+    cache = PagedMLACache(1, 4, 4, "bf16", head_dim_ckv=128, head_dim_kpe=16)
+    for call in (lambda: cache.add_sequence((1, 2)), lambda: cache.seq_len((1, 2)), lambda: cache.free((1,)),
+                 lambda: cache.fork(cache.add_sequence(), (3, 4))):
+        with pytest.raises(TypeError, match=r"seq_id: expected an int or a str, got a tuple"):
+            call()
+    assert cache.add_sequence("a") == "a" and cache.add_sequence(7) == 7
+    assert cache.reserve(("a", 7), 1).numel() == 2  # a tuple of ids is still a list of ids

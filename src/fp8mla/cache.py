@@ -50,7 +50,12 @@ def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
 
 
 def _hashable(seq_id):
-    """``seq_id`` itself, or an error naming it when it cannot key the sequence table (a list, a set, ...)."""
+    """``seq_id`` itself, or an error naming it when it cannot key the sequence table (a list, a set, ...). A tuple
+    is refused too: where one id or several are taken (``reserve``, ``plan_inputs``, ...), a tuple is a list of ids,
+    so a tuple id would be read as the ids it holds (a misleading "no sequence" KeyError, or another sequence)."""
+    if isinstance(seq_id, tuple):
+        raise TypeError(f"seq_id: expected an int or a str, got a tuple {seq_id!r} (seq_ids reads a tuple as a list "
+                        f"of ids, so a tuple cannot be an id itself)")
     try:
         hash(seq_id)
     except TypeError:

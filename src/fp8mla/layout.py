@@ -17,6 +17,7 @@ Host work is O(batch) Python plus vectorized torch ops; nothing here loops over 
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from array import array
@@ -89,6 +90,47 @@ def stage_ints(segments, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
     return packed(*pack_ints(segments, "i" if dtype == torch.int32 else "q"), dtype=dtype, pin=pin)
 
 
+INT32_MAX = 2**31 - 1
+
+
+def int32_saturated(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int32, values outside int32 clamped to its range instead of wrapped: a page id ``p + 2**32`` stays
+    out of the pool (the kernels never read it) instead of becoming page ``p``. No sync; int32 comes as it is."""
+    if t.dtype == torch.int32:
+        return t
+    return t.clamp(-INT32_MAX - 1, INT32_MAX).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_devices() -> int:
+    # Asked once: the cache's host tables plan onto its CUDA device every step.
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(device, tensor: torch.Tensor) -> torch.device:
+    """The layout's device: ``device`` (``tensor``'s when None), ``"cuda"`` resolved to the current index. A CUDA
+    device asked for where torch has none is refused by name (torch's own error is a bare assert about how it was
+    built); the check costs nothing when ``tensor`` is on CUDA already (the per-step paths)."""
+    if device is None:
+        d = tensor.device
+    else:
+        try:
+            d = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") \
+                from None
+    if d.type == "cuda" and (d.index is None or tensor.device.type != "cuda"):
+        n = _cuda_devices()
+        if n == 0:
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch {torch.__version__}, "
+                             f"CUDA build {torch.version.cuda}); expected 'cpu' (or None: the tables' own device)")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        elif d.index >= n:
+            raise ValueError(f"device: expected cuda:0 .. cuda:{n - 1} ({n} CUDA device(s)), got {device!r}")
+    return d
+
+
 def debug_checks() -> bool:
     """``FP8MLA_CHECK=1``: check device-only page tables too, at the price of a device-to-host sync."""
     return os.environ.get("FP8MLA_CHECK") == "1"
@@ -147,11 +189,19 @@ class PagedLayout:
     @classmethod
     def from_csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                  kv_len: torch.Tensor, page_size: int, *, device=None,
-                 len_name: str = "kv_len_arr", max_page_id: int | None = None) -> "PagedLayout":
+                 len_name: str = "kv_len_arr", max_page_id: int | None = None,
+                 indices_name: str = "kv_indices") -> "PagedLayout":
         """A layout from FlashInfer's arrays.
 
         ``max_page_id``: the largest page id in ``kv_indices``, when the caller knows it (the cache, from its own
-        tables): the O(tokens) host scan of the page ids is skipped (the O(batch) length checks still run).
+        tables): the O(tokens) host scan of the page ids is skipped (the O(batch) length checks still run). A hint
+        is still checked, by one vectorized min/max of the listed ids (the scan runs only when that bound says the
+        hint may be low): an understated hint would pass the pool check and let a kernel meet a page past the
+        pool (NaN rows) or a torch index error. With CUDA page ids the hint is taken as given (reading them would
+        sync; ``FP8MLA_CHECK=1`` checks it).
+
+        Page ids and lengths may be int64; values past int32 are refused on the host (they used to wrap around:
+        page ``p + 2**32`` read as page ``p``) and clamped, never wrapped, on the device.
 
         ``qo_indptr`` and ``kv_indptr`` may be longer than B + 1 (slices of larger buffers, as FlashInfer
         allows): B = ``kv_len.numel()`` and only their first B + 1 entries are read. CPU tensors are checked
@@ -166,12 +216,11 @@ class PagedLayout:
                 raise ValueError(f"{name}: expected at least {B + 1} entries (batch size {B} from {len_name}, "
                                  f"+ 1), got {t.numel()}")
         check_tensor("kv_indices", kv_indices, dtype=INDEX_DTYPES, ndim=1)
-        device = torch.device(device) if device is not None else kv_indices.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device, kv_indices)
         qo_indptr, kv_indptr = qo_indptr[: B + 1], kv_indptr[: B + 1]
 
         qo_lens = kv_lens = max_page = active = None
+        checked = False  # the page ids a token uses were checked (and max_page is their largest)
         if _on_host(qo_indptr):
             _check_indptr_values("qo_indptr", qo_indptr)
             qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
@@ -179,30 +228,33 @@ class PagedLayout:
             active = (qo_indptr[1:] - qo_indptr[:-1]) > 0
         if _on_host(kv_indptr) and _on_host(kv_len):  # lengths against pages: needs only these two
             kv_lens = cls._check_table(kv_indptr, kv_indices.numel(), kv_len, page_size, active, len_name)
-            if max_page_id is not None:
+            if _on_host(kv_indices):
+                max_page = cls._check_hint(max_page_id, kv_indptr, kv_indices, kv_len, page_size, active,
+                                           indices_name)
+                checked = True
+            else:
                 max_page = max_page_id
-            elif _on_host(kv_indices):
-                max_page = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active)
         elif _on_host(kv_len):
             kv_lens = kv_len.tolist()
             if any(L < 0 for L in kv_lens):
                 raise ValueError(f"{len_name}: expected non-negative lengths, got {min(kv_lens)}")
-        if max_page is None and debug_checks():
+        if not checked and debug_checks():
             h = [t.cpu() for t in (kv_indptr, kv_indices, kv_len)]
             cls._check_table(h[0], h[1].numel(), h[2], page_size, active, len_name)
-            max_page = cls._max_page(h[0], h[1], h[2], page_size, active)
+            max_page = cls._check_hint(max_page_id, h[0], h[1], h[2], page_size, active, indices_name)
 
         i32 = dict(dtype=torch.int32, device=device, non_blocking=True)  # host -> device never syncs
         host = None
         if _on_host(qo_indptr) and _on_host(kv_indptr) and _on_host(kv_len):
             # The three small arrays in one host -> device copy (each copy is a launch's worth of host time).
-            packed = torch.cat([qo_indptr.to(torch.int32), kv_indptr.to(torch.int32), kv_len.to(torch.int32)])
+            packed = torch.cat([int32_saturated(qo_indptr), int32_saturated(kv_indptr), int32_saturated(kv_len)])
             host = dict(qo_indptr=packed[: B + 1], kv_indptr=packed[B + 1: 2 * B + 2], kv_len=packed[2 * B + 2:])
             d = to_device(packed, device)
             qo_d, kv_d, len_d = d[: B + 1], d[B + 1: 2 * B + 2], d[2 * B + 2:]
         else:
-            qo_d, kv_d, len_d = qo_indptr.to(**i32), kv_indptr.to(**i32), kv_len.to(**i32)
-        return cls(qo_d, kv_d, kv_indices.to(**i32), len_d, page_size, device, qo_lens, kv_lens, max_page, host)
+            qo_d, kv_d, len_d = (int32_saturated(t).to(**i32) for t in (qo_indptr, kv_indptr, kv_len))
+        return cls(qo_d, kv_d, int32_saturated(kv_indices).to(**i32), len_d, page_size, device, qo_lens, kv_lens,
+                   max_page, host)
 
     @classmethod
     def from_block_table(cls, block_table: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
@@ -214,21 +266,23 @@ class PagedLayout:
         """
         check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2)
         check_tensor("kv_len", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        resolve_device(device, block_table)  # (the error naming ``device``, before any copy)
         B, W = block_table.shape
         if kv_len.numel() != B:
             raise ValueError(f"kv_len: expected {B} entries (one per block_table row), got {kv_len.numel()}")
         dev = block_table.device
-        block_table = block_table.to(torch.int32).contiguous()  # no copy for vLLM's int32 table (row slices)
+        block_table = block_table.contiguous()  # no copy for vLLM's int32 table (row slices)
         if qo_indptr is None and _on_host(kv_len) and not _on_host(block_table) and not debug_checks():
-            return cls.decode_rows(block_table, kv_len.tolist(), page_size, device=device)
+            return cls.decode_rows(int32_saturated(block_table), kv_len.tolist(), page_size, device=device)
         # Row b starts at b * W. Built on the host when the lengths are there too: checked there in O(batch), and
         # staged with them in one copy (a device arange would be two launches).
         kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cpu" if _on_host(kv_len) else dev) * W
         if qo_indptr is None:
             qo_indptr = torch.arange(B + 1, dtype=torch.int32)  # host: decode, one query per request
         try:
+            # int64 ids are checked before they become int32 (from_csr): page p + 2**32 is refused, not page p
             return cls.from_csr(qo_indptr, kv_indptr, block_table.view(-1), kv_len, page_size, device=device,
-                                len_name="kv_len")
+                                len_name="kv_len", indices_name="block_table")
         except ValueError as e:
             if str(e).startswith("kv_len:"):
                 raise ValueError(f"{e} (block_table has {W} pages per row)") from None
@@ -250,9 +304,7 @@ class PagedLayout:
             if not 0 <= n <= cap:
                 raise ValueError(f"kv_len: request {b} has kv_len {n}, expected 0 <= kv_len <= its {W} pages x "
                                  f"page_size {page_size} = {cap} (block_table has {W} pages per row)")
-        device = torch.device(device) if device is not None else block_table.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device, block_table)
         qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W)) if W else [0] * (B + 1)
         packed = host_ints(qo + kvp + lens, pin=device.type == "cuda")
         # "lists": the same arrays as lists, lengths checked against their rows, one query per row: the backends'
@@ -300,15 +352,37 @@ class PagedLayout:
         return kv_indices.long()[pos], req
 
     @classmethod
-    def _max_page(cls, kv_indptr, kv_indices, kv_len, page_size, active=None) -> int:
+    def _max_page(cls, kv_indptr, kv_indices, kv_len, page_size, active=None, name: str = "kv_indices") -> int:
         used, req = cls._used_pages(kv_indptr, kv_indices, kv_len, page_size, active)
         if used.numel() == 0:
             return -1
-        if bool((used < 0).any()):
-            i = int(torch.nonzero(used < 0)[0])
-            raise ValueError(f"kv_indices: request {int(req[i])} references page {int(used[i])}, expected page "
-                             "ids >= 0")
+        bad = (used < 0) | (used > INT32_MAX)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"{name}: request {int(req[i])} references page {int(used[i])}, expected page ids >= 0 "
+                             f"and < 2**31 (int32)")
         return int(used.max())
+
+    @classmethod
+    def _check_hint(cls, hint, kv_indptr, kv_indices, kv_len, page_size, active=None,
+                    name: str = "kv_indices") -> int:
+        """The largest page id a token uses (host tables): ``hint`` when it holds (a caller's ``max_page_id``,
+        confirmed by one vectorized min/max of the listed ids), else from the scan, which refuses a low hint."""
+        if hint is None:
+            return cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active, name)
+        if isinstance(hint, bool) or not isinstance(hint, int):
+            raise TypeError(f"max_page_id: expected an int (the largest page id in {name}) or None, got "
+                            f"{type(hint).__name__}: {hint!r}")
+        n = min(int(kv_indptr[-1]), kv_indices.numel())
+        if n:
+            lo, hi = torch.aminmax(kv_indices[:n])
+            if int(lo) >= 0 and int(hi) <= hint:  # every listed id is within the hint: so is every used one
+                return hint
+        top = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active, name)
+        if top > hint:
+            raise ValueError(f"max_page_id: {hint} was given as the largest page id, but {name} has a token in page "
+                             f"{top}; expected a hint >= every page id in use (or None: the layout finds it)")
+        return hint
 
     def check_pool(self, num_pages: int) -> None:
         """Every page a token uses is < ``num_pages`` (known on the host; device-only tables are guarded in the

@@ -257,9 +257,11 @@ def _merge_torch(v_a, s_a, v_b, s_b, v_out, s_out) -> None:
 
 
 def _merge(v_a, s_a, v_b, s_b, v_out, s_out, backend: str) -> None:
-    if v_a.numel() == 0:
+    if s_a.numel() == 0:
         return
-    if _choose_backend(backend, v_a.device) == "triton":
+    # A value dimension of 0 still has log-sum-exps to merge (returning early left them uninitialized); the
+    # kernel's tiles need D >= 1, and with nothing to move the torch code is as fast.
+    if v_a.shape[-1] and _choose_backend(backend, v_a.device) == "triton":
         from .kernels.merge_state import merge_state as _merge_triton
         _merge_triton(v_a, s_a, v_b, s_b, v_out, s_out)
     else:

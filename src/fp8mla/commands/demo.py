@@ -10,17 +10,18 @@
    trace read by the doctor. Every row says which backend it ran.
 
 CPU by default at a small size (well under a minute on two cores); on a GPU, ``--scale glm5|dsv3`` runs the
-deployments' sizes.
+deployments' sizes. The results stay in a folder named at the end (``--out``, default
+``./fp8mla-demo-<UTC time>/``): the summary as Markdown and CSV, a PNG of the step time by way, a PNG of where a
+cast-pool step's time goes, and the profiler traces (``traces/``, for ``fp8mla doctor``); see
+:mod:`fp8mla.commands.demo_output` for what each time means (timed steps vs the profiled one).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -33,6 +34,7 @@ from ..cache import PagedMLACache
 from ..formats import FORMATS
 from ..reference import mla_reference
 from ..testing import compare
+from . import demo_output
 
 FORMAT_SEQ_LENS = (1, 17, 97, 300, 514)  # crosses page boundaries: 1 token, page +- 1, several pages
 MTP = 3          # query tokens per sequence in the multi-token step (speculative / MTP decode)
@@ -61,7 +63,9 @@ def add_arguments(p):
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: torch's choice). On a busy machine 1 is often faster: "
                         "OpenMP threads spin waiting for each other when other processes hold the cores")
-    p.add_argument("--trace-dir", help="keep the profiler traces here (default: a temporary folder)")
+    p.add_argument("--out", help="folder for the results: summary.md/.csv, PNGs, traces (default "
+                   "./fp8mla-demo-<UTC time>, made if missing)")
+    p.add_argument("--trace-dir", help="write the profiler traces here instead of OUT/traces")
 
 
 class Progress:
@@ -210,7 +214,21 @@ def gather_cast_attention() -> MLAPagedAttention:
     return MLAPagedAttention(backend="auto", strategy="gather_cast")
 
 
-def run_scenario(args, device: torch.device, progress) -> dict:
+def _gpu_times(fn, reps: int, graph: bool) -> list:
+    """CUDA-event ms of each of ``reps`` timed steps (``bench.common.time_ms``'s method, every time kept: a CUDA
+    graph replay when ``graph``, L2 flushed before each)."""
+    from ..bench.common import L2Flush, capture, events_ms
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = capture(fn) if graph else None
+    run = g.replay if g is not None else fn
+    run()
+    torch.cuda.synchronize()
+    return events_ms(run, reps, L2Flush())
+
+
+def run_scenario(args, device: torch.device, progress, trace_dir: str) -> dict:
     scale = SCALES[args.scale]
     layers, heads = args.layers or scale.layers, args.heads or scale.heads
     B, ctx = args.batch or scale.batch, args.context or scale.context
@@ -220,43 +238,38 @@ def run_scenario(args, device: torch.device, progress) -> dict:
                       use_cuda_graph=device.type == "cuda")
     sc.ways["gather_cast"] = gather_cast_attention()  # before set_batch, which plans every way
     sc.set_batch(spread_context_lens(B, ctx))
-    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="fp8mla-demo-")
     os.makedirs(trace_dir, exist_ok=True)
     res = dict(scale=args.scale, layers=layers, heads=heads, sc=sc, trace_dir=trace_dir, ways={})
-    try:
-        for way in WAYS:
-            r = res["ways"][way] = dict(backend=sc.backend(way), graph=False, times=[])
-            progress(f"{way}: first step (warm-up), checked against float64")
-            r["err"] = sc.check(way).rel_l2
-        if device.type == "cuda":  # CUDA-graph replays where the way can be captured, as an engine runs
-            from ..bench.common import time_ms
-            from ..bench.step import capturable
-            for way, r in res["ways"].items():
-                progress(f"{way}: timing")
-                fn = lambda w=way: sc.step(w)  # noqa: E731
-                r["graph"] = sc.backend(way) == "triton" and capturable(fn)
-                r["ms"] = time_ms(fn, reps=max(args.reps, 5), cuda_graph=r["graph"])
-        else:
-            # Round-robin over the ways: a busy CPU then slows each of them alike.
-            for i in range(args.reps):
-                for way, r in res["ways"].items():
-                    progress(f"timing step {i + 1}/{args.reps}: {way}")
-                    t = time.perf_counter()
-                    sc.step(way)
-                    r["times"].append((time.perf_counter() - t) * 1e3)
-            for r in res["ways"].values():
-                r["ms"] = statistics.median(r["times"])
+    for way in WAYS:
+        r = res["ways"][way] = dict(backend=sc.backend(way), graph=False, times=[])
+        progress(f"{way}: first step (warm-up), checked against float64")
+        r["err"] = sc.check(way).rel_l2
+    if device.type == "cuda":  # CUDA-graph replays where the way can be captured, as an engine runs
+        from ..bench.step import capturable
         for way, r in res["ways"].items():
-            progress(f"{way}: profiling one step")
-            r["trace"] = os.path.join(trace_dir, f"{way}.json")
-            # On the CPU the same profiled step gives the memory peak; on a GPU the allocator's counters do.
-            _profile_step(sc, way, r["trace"], device, memory=device.type == "cpu")
-            progress(f"{way}: doctor")
-            r["doctor"] = diagnose(r["trace"], sc.layer_bytes)
-            r["extra_mem"] = peak_from_trace(r["trace"]) if device.type == "cpu" else sc.extra_memory_bytes(way)
-    finally:
-        if not args.trace_dir:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+            progress(f"{way}: timing")
+            fn = lambda w=way: sc.step(w)  # noqa: E731
+            r["graph"] = sc.backend(way) == "triton" and capturable(fn)
+            r["times"] = _gpu_times(fn, max(args.reps, 5), r["graph"])
+            r["ms"] = statistics.median(r["times"])
+    else:
+        # Round-robin over the ways: a busy CPU then slows each of them alike.
+        for i in range(args.reps):
+            for way, r in res["ways"].items():
+                progress(f"timing step {i + 1}/{args.reps}: {way}")
+                t = time.perf_counter()
+                sc.step(way)
+                r["times"].append((time.perf_counter() - t) * 1e3)
+        for r in res["ways"].values():
+            r["ms"] = statistics.median(r["times"])
+    for way, r in res["ways"].items():
+        progress(f"{way}: profiling one step")
+        r["trace"] = os.path.join(trace_dir, f"{way}.json")
+        # On the CPU the same profiled step gives the memory peak; on a GPU the allocator's counters do.
+        _profile_step(sc, way, r["trace"], device, memory=device.type == "cpu")
+        progress(f"{way}: doctor")
+        r["doctor"] = diagnose(r["trace"], sc.layer_bytes)
+        r["extra_mem"] = peak_from_trace(r["trace"]) if device.type == "cpu" else sc.extra_memory_bytes(way)
     return res
 
 
@@ -272,28 +285,36 @@ def print_scenario(res: dict, device: torch.device) -> None:
     for way, r in ways.items():
         d = r["doctor"]
         print(f"{way:12s} ({r['backend']}) doctor: {d['verdict']}")
+    print("(the doctor's times are of the one step run under torch.profiler, not the timed steps of the summary)")
 
 
 def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
-    sc, ways = res["sc"], res["ways"]
-    base = ways["cast_pool"]["ms"]
+    sc = res["sc"]
     pool_note = " (one layer allocated, shared by all)" if sc.shared_pool else ""
     print(f"\n== Summary: {res['scale']}, {res['layers']} layers x {res['heads']} heads, B={len(sc.context_lens)}, "
           f"FP8 e4m3 pool {_mb(sc.kv_pool_bytes)}{pool_note} (BF16: {_mb(2 * sc.kv_pool_bytes)}), {device} ==")
-    hdr = (f"{'way':12s} {'backend':20s} {'ms/step':>9s} {'tok/s':>8s} {'speedup':>8s} {'casts':>7s} "
-           f"{'pool casts':>10s} {'extra mem/step':>14s} {'rel L2 vs f64':>13s}")
+    hdr = (f"{'way':12s} {'backend':20s} {'ms/step':>9s} {'min-max':>15s} {'profiled':>9s} {'tok/s':>8s} "
+           f"{'speedup':>8s} {'casts':>7s} {'pool casts':>10s} {'extra mem/step':>14s} {'rel L2 vs f64':>13s}")
     print(hdr)
     print("-" * len(hdr))
-    for way, r in ways.items():
-        be = r["backend"] + ("*" if device.type != "cuda" and way == "native" else "") + ("+g" if r["graph"] else "")
-        B = len(sc.context_lens)
-        print(f"{way:12s} {be:20s} {r['ms']:9.2f} {B / (r['ms'] * 1e-3):8.1f} {base / r['ms']:7.1f}x "
-              f"{_share(r['doctor'], 'cast_share'):>7s} {_share(r['doctor'], 'pool_cast_share'):>10s} "
-              f"{_mb(r['extra_mem']):>14s} {r['err']:13.1e}")
+    rows = demo_output.scenario_rows(res)
+    for r in rows:
+        be = r["backend"] + ("*" if device.type != "cuda" and r["way"] == "native" else "") + \
+            ("+g" if r["cuda_graph"] else "")
+        prof = "n/a" if r["profiled_step_ms"] is None else f"{r['profiled_step_ms']:.2f}"
+        share = {k: "n/a" if r[k] is None else f"{r[k]:.1f}%" for k in ("cast_share_pct", "pool_cast_share_pct")}
+        mm = f"{r['ms_min']:.2f}-{r['ms_max']:.2f}"
+        print(f"{r['way']:12s} {be:20s} {r['ms_median']:9.2f} {mm:>15s} "
+              f"{prof:>9s} {r['tok_per_s']:8.1f} {r['speedup_vs_cast_pool']:7.1f}x {share['cast_share_pct']:>7s} "
+              f"{share['pool_cast_share_pct']:>10s} {_mb(r['extra_mem_bytes']):>14s} {r['rel_l2_vs_f64']:13.1e}")
+    n = rows[0]["timed_reps"]
+    print(f"ms/step: the timed steps, without the profiler: median of {n}, min-max their spread; profiled: the one "
+          f"step run under torch.profiler (recording shapes{' and memory' if device.type == 'cpu' else ''}), whose "
+          f"trace the doctor read and whose time its shares are of")
     print("backend: what each way ran: triton = the fp8mla kernel reading FP8 in registers; gather_cast+X = the "
           "batch's tokens gathered and cast to BF16, then backend X on that copy; torch = torch ops")
-    print("speedup: vs cast_pool; casts / pool casts: share of the profiled step in dtype casts / in casts the size "
-          "of the pool (doctor); +g: CUDA-graph replay")
+    print("speedup: vs cast_pool (medians); casts / pool casts: share of the profiled step in dtype casts / in casts "
+          "the size of the pool (doctor); +g: CUDA-graph replay")
     if device.type != "cuda":
         print("* no CUDA device: 'native' (backend auto) is the torch backend on the CPU (its casts are the "
               "gathered tokens' fp8 -> fp32, never the pool); the Triton kernel, which casts nothing, and "
@@ -303,6 +324,7 @@ def print_summary(res: dict, fmt_rows, device: torch.device) -> None:
         print(f"KV storage: fp8_e4m3 {f['bytes_per_token']} B/token vs bf16 {BF16_BYTES}: {100 * f['saved']:.0f}% "
               f"less; decode error vs float64 {f['decode'].get('err', math.nan):.1e} on the dequantized KV, "
               f"{f['decode'].get('err_orig', math.nan):.1e} on the original values.")
+    print(demo_output.conclusion(res, device))
 
 
 def _device(text: str):
@@ -322,19 +344,6 @@ def _device(text: str):
     return device, None
 
 
-def _trace_dir_error(path: str):
-    """Why ``--trace-dir`` cannot hold the traces (it is made when missing), checked before anything runs."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{path} is a file; expected a folder (made if missing)"
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        return f"cannot make the folder {path} ({e.strerror or e})"
-    if not os.access(path, os.W_OK):
-        return f"the folder {path} is not writable"
-    return None
-
-
 def main(args) -> int:
     for name in ("layers", "heads", "pool_tokens", "batch", "context", "reps", "threads"):
         v = getattr(args, name)
@@ -345,9 +354,13 @@ def main(args) -> int:
     if why:
         print(f"fp8mla demo: --device: {why}", file=sys.stderr)
         return 2
-    if args.trace_dir is not None and (why := _trace_dir_error(args.trace_dir)):
-        print(f"fp8mla demo: --trace-dir: {why}", file=sys.stderr)
-        return 2
+    # (--trace-dir first: a refused run leaves no empty default folder behind)
+    for flag, path in (("--trace-dir", args.trace_dir), ("--out", args.out or demo_output.default_out_dir())):
+        if path is not None and (why := demo_output.folder_error(path)):
+            print(f"fp8mla demo: {flag}: {why}", file=sys.stderr)
+            return 2
+    out_dir = os.path.abspath(path)
+    trace_dir = os.path.abspath(args.trace_dir or os.path.join(out_dir, "traces"))
     if args.scale is None:
         args.scale = "glm5" if device.type == "cuda" else "small"
     note = ""
@@ -372,12 +385,18 @@ def main(args) -> int:
             progress.clear()
             print_formats(fmt_rows, device, args.heads or scale.heads)
         if args.part in ("all", "scenario"):
-            res = run_scenario(args, device, progress)
+            res = run_scenario(args, device, progress, trace_dir)
             progress.clear()
             print_scenario(res, device)
     finally:
         progress.clear()
     if res:
         print_summary(res, fmt_rows, device)
-    print(f"demo done in {time.perf_counter() - t0:.1f} s")
+    title = f"{args.scale}, {name}{threads}, fp8mla {__version__}, torch {torch.__version__}"
+    files, notes = demo_output.write_all(out_dir, title=title, res=res, fmt_rows=fmt_rows, device=device,
+                                         concl=demo_output.conclusion(res, device) if res else None)
+    for n in notes:
+        print(f"note: {n}")
+    shown = out_dir if not out_dir.startswith(os.getcwd() + os.sep) else "./" + os.path.relpath(out_dir)
+    print(f"demo done in {time.perf_counter() - t0:.1f} s; results in {shown}/: {', '.join(files)}")
     return 0

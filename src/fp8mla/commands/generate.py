@@ -118,6 +118,36 @@ def _check_device(device) -> None:
         raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
 
 
+# Host bytes each request costs before it runs (its drawn lengths: two int64 tensors and two Python lists).
+BYTES_PER_REQUEST = 100
+
+
+def _check_sizes(args, cfg, layers: int, device: torch.device) -> None:
+    """Refuse sizes whose cache (or request list) cannot fit in the device's memory, before allocating anything:
+    a 10**12-token request would otherwise end in a raw allocator error that names no flag."""
+    from ..cache import _device_memory
+    from ..formats import get_format
+    total = _device_memory(device)
+    if total is None:
+        return
+    if args.prompts * BYTES_PER_REQUEST > total:
+        raise ValueError(f"--prompts: {args.prompts} requests take ~{args.prompts * BYTES_PER_REQUEST:.3g} B of host "
+                         f"memory for their lengths alone, more than the {total / 2**30:.1f} GiB of {device}; "
+                         f"expected fewer requests")
+    ps = args.page_size
+    per_seq = -(-(args.prompt_len + args.max_new_tokens) // ps)
+    per_token = layers * get_format(args.kv_format).bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    need = (args.max_batch * per_seq + 1) * ps * per_token
+    # The largest prefill step's inputs too: up to --max-batch prompts of --prompt-len tokens at once.
+    need += args.max_batch * args.prompt_len * cfg.hidden_size * 4
+    if need > total:
+        raise ValueError(
+            f"--max-batch {args.max_batch} x (--prompt-len {args.prompt_len} + --max-new-tokens "
+            f"{args.max_new_tokens}) tokens in pages of --page-size {ps}: the cache ({args.max_batch * per_seq} pages "
+            f"x {ps} tokens x {per_token} B over {layers} layers) and the prompts' inputs need {need:.3g} B, more "
+            f"than the {total / 2**30:.1f} GiB of memory of {device}; expected smaller sizes")
+
+
 def _run(args) -> int:
     from ..models.config import load_config
     from ..models.deepseek import DeepseekMLAModel
@@ -127,11 +157,6 @@ def _run(args) -> int:
     _check_device(args.device)
     for name in ("prompts", "prompt_len", "max_new_tokens", "max_batch", "page_size", "tp"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    group, device = init_tensor_parallel(args.tp, args.device)
-    rank = 0 if group is None else torch.distributed.get_rank(group)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    dtype = DTYPES[args.dtype]
-
     cfg = load_config(args.checkpoint if args.checkpoint else args.config)
     if args.layers == "all":
         layers = cfg.num_layers
@@ -141,6 +166,11 @@ def _run(args) -> int:
         except ValueError as e:
             raise ValueError(f"--layers: expected a positive int or 'all', got {args.layers!r}") from e
     layers = min(layers, cfg.num_layers)
+    _check_sizes(args, cfg, layers, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    group, device = init_tensor_parallel(args.tp, args.device)
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
     kw = dict(dtype=dtype, device=device, tp_group=group, backend=args.backend)
     if args.checkpoint:

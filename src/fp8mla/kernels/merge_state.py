@@ -57,6 +57,8 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     R = n * H
     if R == 0:
         return
+    if D == 0:  # (no tile of 0 columns: fp8mla.ragged.merge_state merges such states' lse in torch)
+        raise ValueError("v_a: expected a value dimension >= 1 for the kernel, got shape [n, H, 0]")
     for name, t in (("v_a", v_a), ("v_b", v_b), ("v_out", v_out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension, got strides {tuple(t.stride())}")

@@ -101,6 +101,7 @@ class MLAStep:
     reserved: bool = True        # the slots are still this step's to give back (see cancel())
     committed: bool = False      # a forward pass finished: a later failure no longer gives the slots back
     undo: object = None          # called by cancel() after the cache's undo (the runner's own bookkeeping)
+    records: list | None = None  # the cache's record of each sequence at begin_step (None: not checked)
 
     @property
     def num_rows(self) -> int:
@@ -110,9 +111,35 @@ class MLAStep:
     def decode_only(self) -> bool:
         return self.prefill_rows is None
 
+    def check_runnable(self) -> None:
+        """Refuse a step whose reservation went back to the cache.
+
+        The contract: a step runs while it holds its reservation, from ``begin_step`` until :meth:`cancel` (or a
+        failed forward pass, which cancels it). A completed step may run again: it rewrites its own tokens in its
+        own slots (what benchmarks time); a cancelled one would write into slots the pool may have handed to
+        another sequence. With ``records`` (the model's steps), the sequences must also still hold the tokens:
+        a ``cache.unreserve`` or ``cache.free`` behind the step's back is refused the same way. O(batch)."""
+        if not self.reserved:
+            raise ValueError("step: this step was cancelled (its reservation went back to the cache, whose pages may "
+                             "hold another sequence's tokens by now); expected a step from a new begin_step")
+        if self.records is None:
+            return
+        table = getattr(self.cache, "_seqs", {})
+        for sid, rec, p, n in zip(self.seq_ids, self.records, self.prefix_lens, self.num_tokens):
+            now = table.get(sid)
+            if now is not rec:
+                raise ValueError(f"step: sequence {sid!r} is no longer in the cache as it was at begin_step (freed"
+                                 f"{' and added again' if now is not None else ''}): its slots may belong to another "
+                                 f"sequence; expected a step from a new begin_step")
+            if rec.length < p + n:
+                raise ValueError(f"step: sequence {sid!r} holds {rec.length} tokens, fewer than the {p + n} this step "
+                                 f"reserved (its reservation was given back: cache.unreserve); expected a step from a "
+                                 f"new begin_step")
+
     def cancel(self) -> None:
         """Give the step's reservation back to the cache (a failed step): nothing leaks. Once only; a step whose
-        forward pass completed keeps its tokens."""
+        forward pass completed keeps its tokens. A cancelled step never runs again (its slots may be another
+        sequence's by then): ``model(x, step)`` and ``DecodeRunner.forward`` refuse it."""
         if self.reserved and not self.committed:
             self.cache.unreserve(self.seq_ids)
             self.reserved = False
@@ -126,7 +153,8 @@ def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
 
 
 def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -> tuple[list, list]:
-    ids = list(seq_ids)
+    # One id (an int, a str) or an ordered collection of ids, as the cache takes them everywhere else.
+    ids = cache._id_list(seq_ids) if hasattr(cache, "_id_list") else list(seq_ids)
     counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
     if not ids:
         raise ValueError("seq_ids: expected at least one sequence")
@@ -166,8 +194,12 @@ def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rop
     prefix = [cache.seq_len(s) for s in ids]
     slots = _reserve(cache, ids, counts)
     try:
-        return _plan_step(cache, ids, counts, prefix, slots, cfg=cfg, rope=rope, num_heads=num_heads,
+        step = _plan_step(cache, ids, counts, prefix, slots, cfg=cfg, rope=rope, num_heads=num_heads,
                           attn_dtype=attn_dtype, backend=backend, fused=fused)
+        table = getattr(cache, "_seqs", None)
+        if table is not None:
+            step.records = [table[i] for i in ids]
+        return step
     except BaseException:
         cache.unreserve(ids)
         raise
@@ -320,6 +352,8 @@ class DeepseekMLA(nn.Module):
         """``x [T, hidden_size]`` (the step's new tokens, in order) -> ``[T, hidden_size]``."""
         c = self.cfg
         T, H = step.num_rows, self.num_local_heads
+        if not step.reserved:
+            step.check_runnable()  # (raises: a cancelled step)
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")
         if step.fused:
@@ -511,7 +545,9 @@ class DeepseekMLAModel(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: MLAStep) -> torch.Tensor:
         """The residual stream after every layer's ``x + attn(norm(x))``, ``[T, hidden_size]``. A failure gives the
-        step's reservation back to the cache (see :meth:`MLAStep.cancel`)."""
+        step's reservation back to the cache (see :meth:`MLAStep.cancel`); a cancelled step is refused (see
+        :meth:`MLAStep.check_runnable`)."""
+        step.check_runnable()  # before the try: a refused step has nothing to give back
         try:
             for blk in self.layers:
                 x = blk(x, step)
