@@ -106,7 +106,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(cid: gl.constexpr, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem,
                   xm, k16_ready, k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale,
-                  sm_scale_log2, DIRECT: gl.constexpr, NSPLIT: gl.constexpr):
+                  sm_scale_log2, NSPLIT, DIRECT: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -227,23 +227,23 @@ if gluon is not None:
     @gluon.jit
     def _consumer0(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   DIRECT: gl.constexpr, NSPLIT: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr):
         _consumer(0, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  DIRECT, NSPLIT)
+                  NSPLIT, DIRECT)
 
     @gluon.jit
     def _consumer1(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   DIRECT: gl.constexpr, NSPLIT: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr):
         _consumer(1, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  DIRECT, NSPLIT)
+                  NSPLIT, DIRECT)
 
     @gluon.jit
     def many_heads_kernel(kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse_out, part_o,
-                          part_lse, H, ckv_scale, kpe_scale, sm_scale_log2,
-                          NSPLIT: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr):
+                          part_lse, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT,
+                          NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr):
         pid = gl.program_id(0)
         hg = gl.program_id(1)
         b = pid // NSPLIT
@@ -277,33 +277,42 @@ if gluon is not None:
                           bars.index(1), b, t0, n, NS)),
             (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
                           bars.index(0), bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, DIRECT, NSPLIT)),
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
             (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
                           bars.index(0), bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, DIRECT, NSPLIT)),
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
         ], [4, 4], [REGS, REGS])
 
 
 @triton.jit
-def _merge_kernel(out, lse_out, part_o, part_lse, H, NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One (request, head) per program: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m), lse = m + log2(sum);
-    all splits empty: out 0, lse -inf."""
+def _merge_kernel(out, lse_out, part_o, part_lse, H, NSPLIT, BLOCK_S: tl.constexpr):
+    """One (request, head) per program, over its NSPLIT partials in BLOCK_S chunks (fixed order: reruns are
+    bit-identical): m = max lse; out = sum 2^(lse - m) o / sum 2^(lse - m), lse = m + log2(sum); all partials
+    empty (lse -inf): out 0, lse -inf."""
     r = tl.program_id(0)           # b * H + h
     b = r // H
     h = r % H
-    s = tl.arange(0, BLOCK_S)
-    sm = s < NSPLIT
-    lse = tl.load(part_lse + (b * NSPLIT + s) * H + h, mask=sm, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(sm & (lse > float("-inf")), tl.exp2(lse - m_use), 0.0)
-    wsum = tl.sum(w, axis=0)
+    s0 = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, DC)
-    o = tl.load(part_o + ((b * NSPLIT + s) * H + h).to(tl.int64)[:, None] * DC + cols[None, :],
-                mask=(sm & (w > 0))[:, None], other=0.0)
-    acc = tl.sum(o * w[:, None], axis=0)
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
+    for c in range(0, NSPLIT, BLOCK_S):
+        s = c + s0
+        lse = tl.load(part_lse + (b * NSPLIT + s) * H + h, mask=s < NSPLIT, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, axis=0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([DC], dtype=tl.float32)
+    wsum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    for c in range(0, NSPLIT, BLOCK_S):
+        s = c + s0
+        lse = tl.load(part_lse + (b * NSPLIT + s) * H + h, mask=s < NSPLIT, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m_use), 0.0)
+        o = tl.load(part_o + ((b * NSPLIT + s) * H + h).to(tl.int64)[:, None] * DC + cols[None, :],
+                    mask=(w > 0)[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
+        wsum += tl.sum(w, axis=0)
     ok = wsum > 0
-    tl.store(out + r.to(tl.int64) * DC + cols, tl.where(ok, acc / tl.where(ok, wsum, 1.0), 0.0).to(out.dtype.element_ty))
+    tl.store(out + r.to(tl.int64) * DC + cols,
+             tl.where(ok, acc / tl.where(ok, wsum, 1.0), 0.0).to(out.dtype.element_ty))
     tl.store(lse_out + r, tl.where(ok, m_use + tl.log2(tl.where(ok, wsum, 1.0)), float("-inf")))
 
 
@@ -395,11 +404,11 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
     if B:
         many_heads_kernel[(B * num_splits, H // HG)](
             kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse, part_o, part_lse, H,
-            float(ckv_scale), float(kpe_scale), sm_scale_log2,
-            NSPLIT=num_splits, NS=ns, REGS=regs, DIRECT=direct, num_warps=4)
+            float(ckv_scale), float(kpe_scale), sm_scale_log2, num_splits,
+            NS=ns, REGS=regs, DIRECT=direct, num_warps=4)
         if not direct:
-            _merge_kernel[(B * H,)](out, lse, part_o, part_lse, H, NSPLIT=num_splits,
-                                    BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+            _merge_kernel[(B * H,)](out, lse, part_o, part_lse, H, num_splits,
+                                    BLOCK_S=16, num_warps=4)
     return out, lse
 
 
@@ -408,8 +417,8 @@ KERNEL_SIGNATURE = {
     "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
     "q_nope": "*bf16", "q_pe": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i32", "kv_len": "*i32",
     "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "H": "i32",
-    "ckv_scale": "fp32", "kpe_scale": "fp32", "sm_scale_log2": "fp32",
-    "NSPLIT": "constexpr", "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr"}
+    "ckv_scale": "fp32", "kpe_scale": "fp32", "sm_scale_log2": "fp32", "NSPLIT": "i32",
+    "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr"}
 
 
 def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, sass_path=None) -> dict:
@@ -419,7 +428,7 @@ def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, sass_path=
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
     fn = many_heads_kernel
     names = fn.arg_names
-    consts = {"NSPLIT": num_splits, "NS": ns, "REGS": regs, "DIRECT": num_splits == 1}
+    consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1}
     src = GluonASTSource(fn=fn, signature=KERNEL_SIGNATURE,
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)
