@@ -40,6 +40,7 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here
     gluon = None
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
+D_CKV, D_KPE, PAGE_SIZE, HEADS_PER_CTA = 512, 64, 64, 64   # host ints; the kernels' constexpr twins below
 # c_kv dims, k_pe dims, page = tile tokens, heads per CTA; NCH: 64-column chunks of a 576-wide row (8 c_kv + 1 k_pe)
 DC, DK, PAGE, TILE, HG, NCH = (tl.constexpr(v) for v in (512, 64, 64, 64, 64, 9))
 SMEM_LIMIT = 232448
@@ -47,7 +48,7 @@ SMEM_LIMIT = 232448
 
 def smem_bytes(ns: int) -> int:
     """Shared memory of the build: Q 72 KB, the fp16 tile 72 KB, NS FP8 stages of 36 KB, P 8 KB, exchange, barriers."""
-    return HG * 576 * 2 + TILE * 576 * 2 + ns * TILE * 576 + HG * TILE * 2 + 4 * HG * 4 + 8 * (2 * ns + 6)
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5)
 
 
 if gluon is not None:
@@ -85,16 +86,21 @@ if gluon is not None:
             z = _opaque_zero(i)   # the store addresses stay in the loop (24 registers here)
             # the fp16 tile is free once both consumers finished tile i - 1 (scores and P.V)
             mbarrier.wait(k16_free, (i & 1) ^ 1, pred=i > 0)
+            # chunk by chunk, each announced on its own barrier: the consumers' score MMAs of chunk c start while
+            # chunk c + 1 is converted
             if valid < TILE:   # the request's last tile: rows past kv_len become 0 (they may hold NaN)
                 for c in gl.static_range(NCH):
                     x = stage.index(s * NCH + c).load(cl).to(gl.float16)
                     k16.index(z + c).store(gl.where(keep, x, 0.0))
+                    fence_async_shared()   # generic-proxy stores before the consumers' wgmma (async proxy) reads
+                    _cta_barrier()         # every converter warp has stored its part of the chunk
+                    mbarrier.arrive(k16_ready.index(c), count=1)
             else:              # a full tile: no select per element
                 for c in gl.static_range(NCH):
                     k16.index(z + c).store(stage.index(s * NCH + c).load(cl).to(gl.float16))
-            fence_async_shared()   # generic-proxy stores before the consumers' wgmma (async proxy) reads
-            _cta_barrier()         # every converter warp is done with the stage and the tile
-            mbarrier.arrive(k16_ready, count=1)
+                    fence_async_shared()
+                    _cta_barrier()
+                    mbarrier.arrive(k16_ready.index(c), count=1)
             if i + NS < n:         # the stage is free again: the tile NS ahead goes into it
                 page = gl.load(kv_indices + pbase + t0 + i + NS)
                 bar = ready8.index(s)
@@ -153,11 +159,12 @@ if gluon is not None:
         for i in range(n):
             ph = i & 1
             valid = L - (t0 + i) * TILE
-            mbarrier.wait(k16_ready, ph)
             z = _opaque_zero(i)
-            # -- scores of this consumer's 32 tokens: S [64 heads, 32] over the nine 64-column chunks --
+            # -- scores of this consumer's 32 tokens: S [64 heads, 32] over the nine 64-column chunks, each MMA
+            # issued as its chunk lands --
             sc = gl.zeros([HG, 32], gl.float32, s_l)
             for c in gl.static_range(NCH):
+                mbarrier.wait(k16_ready.index(c), ph)
                 sc = warpgroup_mma(q_smem.index(z + c), k16.index(z + c).slice(cid * 32, 32, dim=0).permute((1, 0)), sc,
                                    is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -174,7 +181,7 @@ if gluon is not None:
             p = gl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            # -- P to shared memory (the buffer is free: k16_ready(i) came after both consumers' P.V of i - 1) --
+            # -- P to shared memory (the buffer is free: tile i's chunks came after both consumers' P.V of i - 1) --
             p_smem.index(cid).store(p.to(gl.float16))
             fence_async_shared()
             _cta_barrier()
@@ -263,23 +270,25 @@ if gluon is not None:
         p_smem = gl.allocate_shared_memory(gl.float16, [2, HG, 32], p_l)   # P's two 32-token halves
         xm = gl.allocate_shared_memory(gl.float32, [4, HG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready8 = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        k16_ready = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())   # one per chunk
         bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready8.index(i), count=1)
-        mbarrier.init(bars.index(0), count=1)   # k16_ready: the converter
+        for c in gl.static_range(NCH):
+            mbarrier.init(k16_ready.index(c), count=1)   # the converter, once per tile
         mbarrier.init(bars.index(1), count=2)   # k16_free: both consumers
         mbarrier.init(bars.index(2), count=2)   # x_bar: the row-max exchange
         mbarrier.init(bars.index(3), count=2)   # p_bar: P complete
         mbarrier.init(bars.index(4), count=2)   # q_bar: Q complete
         fence_async_shared()
         gl.warp_specialize([
-            (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, bars.index(0),
+            (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
                           bars.index(1), b, t0, n, NS)),
             (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          bars.index(0), bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                          k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
                           t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
             (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          bars.index(0), bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                          k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
                           t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
         ], [4, 4], [REGS, REGS])
 
@@ -318,7 +327,7 @@ def _merge_kernel(out, lse_out, part_o, part_lse, H, NSPLIT, BLOCK_S: tl.constex
 
 def pick_splits(batch: int, num_heads: int, max_tiles: int, n_sm: int = 132) -> int:
     """KV splits per request: enough CTAs to cover the SMs once (at least 4 tiles per split)."""
-    groups = batch * (num_heads // HG)
+    groups = batch * (num_heads // HEADS_PER_CTA)
     s = max(1, n_sm // max(groups, 1))
     return max(1, min(s, max(1, max_tiles // 4)))
 
@@ -326,29 +335,29 @@ def pick_splits(batch: int, num_heads: int, max_tiles: int, n_sm: int = 132) -> 
 def check_args(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len):
     """Refuse what the prototype does not take, naming the argument, what it takes and what came."""
     import torch
-    if q_nope.dim() != 3 or q_nope.shape[2] != DC:
-        raise ValueError(f"q_nope: expected [batch, heads, {DC}], got {tuple(q_nope.shape)}")
+    if q_nope.dim() != 3 or q_nope.shape[2] != D_CKV:
+        raise ValueError(f"q_nope: expected [batch, heads, {D_CKV}], got {tuple(q_nope.shape)}")
     B, H, _ = q_nope.shape
     if H not in (64, 128):
         raise ValueError(f"q_nope: the prototype takes 64 or 128 heads, got {H}")
     if q_nope.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
         raise ValueError(f"q_nope / q_pe: expected torch.bfloat16, got {q_nope.dtype} / {q_pe.dtype}")
-    if tuple(q_pe.shape) != (B, H, DK):
-        raise ValueError(f"q_pe: expected {(B, H, DK)}, got {tuple(q_pe.shape)}")
+    if tuple(q_pe.shape) != (B, H, D_KPE):
+        raise ValueError(f"q_pe: expected {(B, H, D_KPE)}, got {tuple(q_pe.shape)}")
     if not (q_nope.is_contiguous() and q_pe.is_contiguous()):
         raise ValueError("q_nope / q_pe: expected contiguous tensors")
     if ckv_cache.dtype != torch.float8_e4m3fn or kpe_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"ckv_cache / kpe_cache: expected torch.float8_e4m3fn, got {ckv_cache.dtype} / "
                          f"{kpe_cache.dtype}")
-    if ckv_cache.dim() != 3 or ckv_cache.shape[1:] != (PAGE, DC):
-        raise ValueError(f"ckv_cache: expected [pages, {PAGE}, {DC}], got {tuple(ckv_cache.shape)}")
-    if kpe_cache.shape != (ckv_cache.shape[0], PAGE, DK):
-        raise ValueError(f"kpe_cache: expected {(ckv_cache.shape[0], PAGE, DK)}, got {tuple(kpe_cache.shape)}")
+    if ckv_cache.dim() != 3 or ckv_cache.shape[1:] != (PAGE_SIZE, D_CKV):
+        raise ValueError(f"ckv_cache: expected [pages, {PAGE_SIZE}, {D_CKV}], got {tuple(ckv_cache.shape)}")
+    if kpe_cache.shape != (ckv_cache.shape[0], PAGE_SIZE, D_KPE):
+        raise ValueError(f"kpe_cache: expected {(ckv_cache.shape[0], PAGE_SIZE, D_KPE)}, got {tuple(kpe_cache.shape)}")
     if ckv_cache.stride(2) != 1 or kpe_cache.stride(2) != 1 or ckv_cache.stride(1) % 16 or \
-            kpe_cache.stride(1) % 16 or ckv_cache.stride(0) != PAGE * ckv_cache.stride(1) or \
-            kpe_cache.stride(0) != PAGE * kpe_cache.stride(1):
+            kpe_cache.stride(1) % 16 or ckv_cache.stride(0) != PAGE_SIZE * ckv_cache.stride(1) or \
+            kpe_cache.stride(0) != PAGE_SIZE * kpe_cache.stride(1):
         raise ValueError("ckv_cache / kpe_cache: expected rows of one pool (contiguous last dim, 16-byte aligned "
-                         f"row stride, page stride = {PAGE} rows), got strides {ckv_cache.stride()} / "
+                         f"row stride, page stride = {PAGE_SIZE} rows), got strides {ckv_cache.stride()} / "
                          f"{kpe_cache.stride()}")
     for name, t, n in (("kv_indptr", kv_indptr, B + 1), ("kv_len", kv_len, B)):
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != n:
@@ -363,8 +372,8 @@ def kv_descriptors(ckv_cache, kpe_cache):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     P = ckv_cache.shape[0]
     lay = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-    kv = TensorDescriptor(ckv_cache, [P * PAGE, DC], [ckv_cache.stride(1), 1], [TILE, 64], lay)
-    kpe = TensorDescriptor(kpe_cache, [P * PAGE, DK], [kpe_cache.stride(1), 1], [TILE, 64], lay)
+    kv = TensorDescriptor(ckv_cache, [P * PAGE_SIZE, D_CKV], [ckv_cache.stride(1), 1], [PAGE_SIZE, 64], lay)
+    kpe = TensorDescriptor(kpe_cache, [P * PAGE_SIZE, D_KPE], [kpe_cache.stride(1), 1], [PAGE_SIZE, 64], lay)
     return kv, kpe
 
 
@@ -385,10 +394,10 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
     if max_kv_len is None:
         max_kv_len = int(kv_len.max().item()) if B else 0
     if num_splits is None:
-        num_splits = pick_splits(B, H, triton.cdiv(max_kv_len, TILE))
+        num_splits = pick_splits(B, H, triton.cdiv(max_kv_len, PAGE_SIZE))
     dev = q_nope.device
     if out is None:
-        out = torch.empty(B, H, DC, dtype=q_nope.dtype, device=dev)
+        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=dev)
     if lse is None:
         lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     direct = num_splits == 1
@@ -396,13 +405,13 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
         part_o, part_lse = out, lse   # unused placeholders
     else:
         if part is None:
-            part = (torch.empty(B, num_splits, H, DC, dtype=torch.float32, device=dev),
+            part = (torch.empty(B, num_splits, H, D_CKV, dtype=torch.float32, device=dev),
                     torch.empty(B, num_splits, H, dtype=torch.float32, device=dev))
         part_o, part_lse = part
     kv_desc, kpe_desc = descs if descs is not None else kv_descriptors(ckv_cache, kpe_cache)
     sm_scale_log2 = float(sm_scale) * 1.4426950408889634   # exp2 softmax: scores in log2 units
     if B:
-        many_heads_kernel[(B * num_splits, H // HG)](
+        many_heads_kernel[(B * num_splits, H // HEADS_PER_CTA)](
             kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse, part_o, part_lse, H,
             float(ckv_scale), float(kpe_scale), sm_scale_log2, num_splits,
             NS=ns, REGS=regs, DIRECT=direct, num_warps=4)
