@@ -118,7 +118,6 @@ if gluon is not None:
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_l)
         row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        xl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         # -- Q: per-head power-of-two range factor f, then Q x scale x f in fp16 (consumer cid stores its chunks) --
         hq = gl.arange(0, HG, layout=gl.SliceLayout(1, ql))
@@ -268,7 +267,7 @@ if gluon is not None:
         k16 = gl.allocate_shared_memory(gl.float16, [NCH, TILE, 64], h_l)
         q_smem = gl.allocate_shared_memory(gl.float16, [NCH, HG, 64], h_l)
         p_smem = gl.allocate_shared_memory(gl.float16, [2, HG, 32], p_l)   # P's two 32-token halves
-        xm = gl.allocate_shared_memory(gl.float32, [4, HG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        xm = gl.allocate_shared_memory(gl.float32, [4, HG], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # [slot, head]: a 1-D layout per slot
         ready8 = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         k16_ready = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())   # one per chunk
         bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
