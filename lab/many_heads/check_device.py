@@ -90,7 +90,7 @@ def reference(c, *, ckv_scale, kpe_scale, sm_scale=SM_SCALE):
         L = lens[b]
         if L == 0:
             continue
-        rows = pool[idx[ip[b]:ip[b + 1]]].reshape(-1, DC + DK)[:L].double()
+        rows = pool[idx[ip[b]:ip[b + 1]]].reshape(-1, DC + DK)[:L].float().double()   # (fp8 -> fp32 is exact)
         ckv, kpe = rows[:, :DC] * ckv_scale, rows[:, DC:] * kpe_scale
         s = (qn[b] @ ckv.T + qp[b] @ kpe.T) * sm_scale
         m = s.max(dim=1, keepdim=True).values
@@ -118,6 +118,18 @@ def check_output(out, lse, ref_out, ref_lse, lens, *, tol=3e-3):
         facts["empty_ok"] = bool((o[~live] == 0).all() and (ls[~live] == -math.inf).all())
     else:
         facts["empty_ok"] = True
+    if live.any():   # where the error sits (for a remote diagnosis): per request, head group, output half
+        d = (o - r).nan_to_num(1e30).abs()
+        w = int(d.flatten().argmax())
+        H = o.shape[1]
+        facts["worst"] = {"request": w // (H * DC), "head": (w // DC) % H, "col": w % DC,
+                          "abs": float(d.flatten()[w])}
+        facts["rel_l2_by_request"] = [float((o[b] - r[b]).norm() / r[b].norm()) if lens[b] else 0.0
+                                      for b in range(len(lens))]
+        facts["rel_l2_by_heads64"] = [float((o[live, g:g + 64] - r[live, g:g + 64]).norm()
+                                            / r[live, g:g + 64].norm()) for g in range(0, H, 64)]
+        facts["rel_l2_by_cols256"] = [float((o[live, :, c:c + 256] - r[live, :, c:c + 256]).norm()
+                                            / r[live, :, c:c + 256].norm()) for c in (0, 256)]
     ok = (facts["nan_out"] == 0 and facts["nan_lse"] == 0 and facts["rel_l2"] <= tol
           and facts["lse_rel_l2"] <= 2e-4 and facts["empty_ok"])
     return ok, facts
@@ -159,6 +171,12 @@ def run_checks(device, seed0=1000):
             facts["rerun_identical"] = bool(torch.equal(o2.view(torch.int16), out.view(torch.int16))
                                             and torch.equal(l2, lse))
             rec.update(facts, ok=ok and facts["rerun_identical"])
+            if not rec["ok"]:
+                log(f"  diagnosis {name}: worst {facts.get('worst')}, by request "
+                    f"{[f'{x:.1e}' for x in facts.get('rel_l2_by_request', [])]}, by 64 heads "
+                    f"{[f'{x:.1e}' for x in facts.get('rel_l2_by_heads64', [])]}, by 256 columns "
+                    f"{[f'{x:.1e}' for x in facts.get('rel_l2_by_cols256', [])]}, nan {facts['nan_out']}/"
+                    f"{facts['nan_lse']}")
         except Exception as e:  # noqa: BLE001 - fail soft: report and go on
             rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
         RESULTS["checks"].append(rec)
