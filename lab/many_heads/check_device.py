@@ -151,9 +151,18 @@ CHECKS = [
 ]
 
 
+BUILDS = {"prototype": dict(owner=False), "prototype owner": dict(owner=True)}   # name: decode() options
+
+
 def run_checks(device, seed0=1000):
+    for build, bopts in BUILDS.items():
+        run_checks_build(device, build, bopts, seed0)
+
+
+def run_checks_build(device, build, bopts, seed0):
     for k, (name, H, lens, splits, vmag, qmag, sc, sk) in enumerate(CHECKS):
-        rec = {"name": name, "H": H, "lens": lens, "splits": splits}
+        name = f"{build}: {name}"
+        rec = {"name": name, "build": build, "H": H, "lens": lens, "splits": splits}
         try:
             c = make_case(lens, H, device=device, seed=seed0 + k, vmag=vmag, qmag=qmag)
             ckv, kpe = views(c["pool"])
@@ -162,7 +171,7 @@ def run_checks(device, seed0=1000):
             out = torch.full((B, H, DC), float("nan"), dtype=torch.bfloat16, device=device)   # poisoned
             lse = torch.full((B, H), float("nan"), dtype=torch.float32, device=device)
             args = (c["q_nope"], c["q_pe"], ckv, kpe, c["kv_indptr"], c["kv_indices"], c["kv_len"])
-            kw = dict(sm_scale=SM_SCALE, ckv_scale=sc, kpe_scale=sk, num_splits=splits)
+            kw = dict(sm_scale=SM_SCALE, ckv_scale=sc, kpe_scale=sk, num_splits=splits, **bopts)
             mh.decode(*args, out=out, lse=lse, **kw)
             torch.cuda.synchronize()
             ok, facts = check_output(out, lse, ref_o, ref_l, lens)
@@ -180,6 +189,7 @@ def run_checks(device, seed0=1000):
         except Exception as e:  # noqa: BLE001 - fail soft: report and go on
             rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
         RESULTS["checks"].append(rec)
+        save(CHILD_OUT)   # a partial record survives a hang in a later check
         log(f"check {'PASS' if rec['ok'] else 'FAIL'}  {name}: "
             + (rec.get("error") or f"rel_l2 {rec['rel_l2']:.2e} lse rel {rec['lse_rel_l2']:.1e} "
                f"empty_ok {rec['empty_ok']} rerun {rec['rerun_identical']}"))
@@ -259,7 +269,8 @@ def flashinfer_runner(c, H, out, lse):
 
 
 SHAPES = [(64, 8192), (8, 8192), (1, 32768)]
-PROTOTYPE_OK = True   # False after its checks hang or do not compile: its timings are skipped
+PROTOTYPE_OK = {}   # build: timed only when some of its checks passed (none after a hang)
+CHILD_OUT = None    # the checks child's JSON directory
 
 
 def run_timings(device, reps, out_dir, use_flashinfer):
@@ -303,18 +314,21 @@ def time_shape(device, H, B, L, read, mm, flush, reps, fi_pass):
         RESULTS["errors"].append(f"reference H{H} B{B} L{L}: {e}")
     runners = {}
     if not fi_pass:
-        if PROTOTYPE_OK:
+        for build, bopts in BUILDS.items():
+            if not PROTOTYPE_OK.get(build, False):
+                continue
             try:
                 ns = mh.pick_splits(B, H, -(-L // PAGE))
                 part = None if ns == 1 else (torch.empty(B, ns, H, DC, device=device),
                                              torch.empty(B, ns, H, device=device))
                 descs = mh.kv_descriptors(ckv, kpe)
                 args = (c["q_nope"], c["q_pe"], ckv, kpe, c["kv_indptr"], c["kv_indices"], c["kv_len"])
-                runners["prototype"] = (lambda: mh.decode(*args, sm_scale=SM_SCALE, num_splits=ns, max_kv_len=L,
-                                                          out=out, lse=lse, part=part, descs=descs))
+                runners[build] = (lambda bopts=bopts, ns=ns, part=part, descs=descs, args=args: mh.decode(
+                    *args, sm_scale=SM_SCALE, num_splits=ns, max_kv_len=L, out=out, lse=lse, part=part,
+                    descs=descs, **bopts))
                 row["prototype_splits"] = ns
             except Exception as e:  # noqa: BLE001
-                RESULTS["errors"].append(f"prototype H{H} B{B} L{L}: {type(e).__name__}: {e}")
+                RESULTS["errors"].append(f"{build} H{H} B{B} L{L}: {type(e).__name__}: {e}")
         try:
             runners["fp8mla gluon"] = fp8mla_runner(c, H, out, lse)
         except Exception as e:  # noqa: BLE001
@@ -343,8 +357,9 @@ def time_shape(device, H, B, L, read, mm, flush, reps, fi_pass):
 
 
 def table():
-    names = ["prototype", "fp8mla gluon", "flashinfer fa3 bf16"]
-    lines = ["| shape | floor ms | " + " | ".join(names) + " | fa3 / proto | fp8mla / proto |", "|---" * 6 + "|"]
+    names = list(BUILDS) + ["fp8mla gluon", "flashinfer fa3 bf16"]
+    lines = ["| shape | floor ms | " + " | ".join(names) + " | fa3 / best proto | fp8mla / best proto |",
+             "|---" * (len(names) + 4) + "|"]
     for r in RESULTS["timings"]:
         ms = {n: r.get(n, {}).get("ms") for n in names}
         cells = []
@@ -353,7 +368,8 @@ def table():
                 cells.append(f"{ms[n]:.4f} ({r[n]['tflops']:.0f} TF/s, err {r[n]['rel_l2_req0']:.1e})")
             else:
                 cells.append("error" if n in r else "-")
-        p, g, f = ms["prototype"], ms["fp8mla gluon"], ms["flashinfer fa3 bf16"]
+        p = min([ms[b] for b in BUILDS if ms[b]], default=None)
+        g, f = ms["fp8mla gluon"], ms["flashinfer fa3 bf16"]
         ratio = [f"{x / p:.2f}x" if p and x else "-" for x in (f, g)]
         lines.append(f"| H{r['H']} B{r['B']} L{r['L']} | {r['floor_ms']:.4f} | " + " | ".join(cells + ratio) + " |")
     return "\n".join(lines)
@@ -507,8 +523,9 @@ def main():
     dev = "cuda"
     RESULTS["env"]["gpu"] = torch.cuda.get_device_name(0)
     t0 = time.time()
-    global PROTOTYPE_OK
-    if a.checks_only:   # the child: the checks, into its own JSON
+    if a.checks_only:   # the child: the checks, into its own JSON (rewritten after each)
+        global CHILD_OUT
+        CHILD_OUT = a.out
         run_checks(dev)
         save(a.out)
         return 0
@@ -524,16 +541,24 @@ def main():
         with open(os.path.join(child_out, "many_heads.json")) as f:
             RESULTS["checks"] = json.load(f)["checks"]
     except subprocess.TimeoutExpired as e:
-        RESULTS["errors"].append(f"checks: no result within {a.check_timeout} s (a hang?); stdout so far: "
+        RESULTS["errors"].append(f"checks: not done within {a.check_timeout} s (a hang?); stdout so far: "
                                  f"{(e.stdout or b'')[-1500:]!r}")
-        PROTOTYPE_OK = False
+        try:   # the checks done before the hang; the build that hung is the one with checks missing
+            with open(os.path.join(child_out, "many_heads.json")) as f:
+                RESULTS["checks"] = json.load(f)["checks"]
+        except Exception:  # noqa: BLE001
+            pass
+        hung = [b for b in BUILDS if sum(r.get("build") == b for r in RESULTS["checks"]) < len(CHECKS)]
+        RESULTS["checks"].append({"name": f"{hung[0] if hung else '?'}: the next check (hang)", "ok": False,
+                                  "build": hung[0] if hung else None, "error": "timed out"})
     except Exception as e:  # noqa: BLE001
         RESULTS["errors"].append(f"checks: {type(e).__name__}: {e}")
-        PROTOTYPE_OK = False
-    if RESULTS["checks"] and not any(r["ok"] for r in RESULTS["checks"]):
-        PROTOTYPE_OK = False   # nothing right: its timings would mean nothing (and could hang)
+    for build in BUILDS:   # timed only if some check passed and none hung (its times would mean nothing, or hang)
+        mine = [r for r in RESULTS["checks"] if r.get("build") == build]
+        PROTOTYPE_OK[build] = any(r["ok"] for r in mine) and not any(r.get("error") == "timed out" for r in mine)
     save(a.out)
-    log(f"checks: {sum(r['ok'] for r in RESULTS['checks'])}/{len(CHECKS)} passed ({time.time() - t0:.0f} s)")
+    log(f"checks: {sum(r['ok'] for r in RESULTS['checks'])}/{len(CHECKS) * len(BUILDS)} passed "
+        f"({time.time() - t0:.0f} s); timed: {[b for b, ok in PROTOTYPE_OK.items() if ok]}")
     if not a.no_timing:
         run_timings(dev, a.reps, a.out, not a.no_flashinfer)
         log(table())

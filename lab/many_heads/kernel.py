@@ -112,7 +112,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(cid: gl.constexpr, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem,
                   xm, k16_ready, k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale,
-                  sm_scale_log2, NSPLIT, DIRECT: gl.constexpr):
+                  sm_scale_log2, NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -145,6 +145,8 @@ if gluon is not None:
         mbarrier.arrive(q_bar, count=1)
         row_scale = gl.convert_layout(sm_scale_log2 / f, row_s)
         tok = gl.arange(0, 32, layout=gl.SliceLayout(0, s_l)) + cid * 32
+        tok64 = gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
+        row_scale_o = gl.convert_layout(sm_scale_log2 / f, row_o)
         hrow = gl.arange(0, HG, layout=row_s)
         L = gl.load(kv_len + b)
 
@@ -159,52 +161,89 @@ if gluon is not None:
             ph = i & 1
             valid = L - (t0 + i) * TILE
             z = _opaque_zero(i)
-            # -- scores of this consumer's 32 tokens: S [64 heads, 32] over the nine 64-column chunks, each MMA
-            # issued as its chunk lands --
-            sc = gl.zeros([HG, 32], gl.float32, s_l)
-            for c in gl.static_range(NCH):
-                mbarrier.wait(k16_ready.index(c), ph)
-                sc = warpgroup_mma(q_smem.index(z + c), k16.index(z + c).slice(cid * 32, 32, dim=0).permute((1, 0)), sc,
-                                   is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc,))
-            sc = gl.where((tok < valid)[None, :], sc * row_scale[:, None], float("-inf"))
-            # -- the two consumers' row maxima meet in shared memory (two-party barrier x_bar) --
-            m_loc = gl.max(sc, axis=1)
-            xm.index(cid).store(m_loc)
-            _cta_barrier()
-            mbarrier.arrive(x_bar, count=1)
-            mbarrier.wait(x_bar, ph)
-            m_other = xm.index(1 - cid).load(row_s)
-            m_new = gl.maximum(m_i, gl.maximum(m_loc, m_other))   # finite: every tile has a valid token
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            # -- P to shared memory (the buffer is free: tile i's chunks came after both consumers' P.V of i - 1) --
-            p_smem.index(cid).store(p.to(gl.float16))
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(p_bar, count=1)
-            mbarrier.wait(p_bar, ph)
+            if OWNER:
+                # -- alternating owners: consumer i % 2 computes the whole S [64 heads, 64 tokens] (m64n64 MMAs:
+                # Q read once per 64 tokens, not twice) and the softmax; it hands P and the new maximum over --
+                if (i % 2) == cid:
+                    sc = gl.zeros([HG, 64], gl.float32, o_l)
+                    for c in gl.static_range(NCH):
+                        mbarrier.wait(k16_ready.index(c), ph)
+                        sc = warpgroup_mma(q_smem.index(z + c), k16.index(z + c).permute((1, 0)), sc, is_async=True)
+                    sc = warpgroup_mma_wait(0, deps=(sc,))
+                    sc = gl.where((tok64 < valid)[None, :], sc * row_scale_o[:, None], float("-inf"))
+                    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(sc, axis=1), row_s))
+                    p = gl.exp2(sc - gl.convert_layout(m_new, row_o)[:, None])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.convert_layout(gl.sum(p, axis=1), row_s)
+                    p_smem.index(z).store(p.to(gl.float16))
+                    xm.index(0).store(m_new)
+                    fence_async_shared()
+                    _cta_barrier()
+                    mbarrier.arrive(p_bar, count=1)
+                else:
+                    mbarrier.wait(p_bar, ph)
+                    for c in gl.static_range(4):   # (implied by p_bar; cheap: already complete)
+                        mbarrier.wait(k16_ready.index(4 * cid + c), ph)
+                    m_new = xm.index(0).load(row_s)
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha
+                m_i = m_new
+            else:
+                # -- scores of this consumer's 32 tokens: S [64 heads, 32] over the nine 64-column chunks, each MMA
+                # issued as its chunk lands --
+                sc = gl.zeros([HG, 32], gl.float32, s_l)
+                for c in gl.static_range(NCH):
+                    mbarrier.wait(k16_ready.index(c), ph)
+                    sc = warpgroup_mma(q_smem.index(z + c), k16.index(z + c).slice(cid * 32, 32, dim=0).permute((1, 0)), sc,
+                                       is_async=True)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                sc = gl.where((tok < valid)[None, :], sc * row_scale[:, None], float("-inf"))
+                # -- the two consumers' row maxima meet in shared memory (two-party barrier x_bar) --
+                m_loc = gl.max(sc, axis=1)
+                xm.index(cid).store(m_loc)
+                _cta_barrier()
+                mbarrier.arrive(x_bar, count=1)
+                mbarrier.wait(x_bar, ph)
+                m_other = xm.index(1 - cid).load(row_s)
+                m_new = gl.maximum(m_i, gl.maximum(m_loc, m_other))   # finite: every tile has a valid token
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                # -- P to shared memory (the buffer is free: tile i's chunks came after both consumers' P.V of i - 1) --
+                p_smem.index(cid).store(p.to(gl.float16))
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(p_bar, count=1)
+                mbarrier.wait(p_bar, ph)
             # -- O [64 heads, 256 dims of this consumer] += P [64, 64 tokens] . V [64 tokens, 256] --
             a2 = gl.convert_layout(alpha, row_o)[:, None]
-            o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0).slice(0, 32, dim=0), o0 * a2, is_async=True)
-            o0 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 0).slice(32, 32, dim=0), o0, is_async=True)
-            o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1).slice(0, 32, dim=0), o1 * a2, is_async=True)
-            o1 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 1).slice(32, 32, dim=0), o1, is_async=True)
-            o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2).slice(0, 32, dim=0), o2 * a2, is_async=True)
-            o2 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 2).slice(32, 32, dim=0), o2, is_async=True)
-            o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3).slice(0, 32, dim=0), o3 * a2, is_async=True)
-            o3 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 3).slice(32, 32, dim=0), o3, is_async=True)
+            if OWNER:
+                o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
+                o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
+                o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
+                o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
+            else:
+                o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0).slice(0, 32, dim=0), o0 * a2, is_async=True)
+                o0 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 0).slice(32, 32, dim=0), o0, is_async=True)
+                o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1).slice(0, 32, dim=0), o1 * a2, is_async=True)
+                o1 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 1).slice(32, 32, dim=0), o1, is_async=True)
+                o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2).slice(0, 32, dim=0), o2 * a2, is_async=True)
+                o2 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 2).slice(32, 32, dim=0), o2, is_async=True)
+                o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3).slice(0, 32, dim=0), o3 * a2, is_async=True)
+                o3 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 3).slice(32, 32, dim=0), o3, is_async=True)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             _cta_barrier()
             mbarrier.arrive(k16_free, count=1)
 
-        # -- end: the row sums of both consumers' tokens (x_bar's phase n), then this consumer's 256 columns --
+        # -- end: the row sums of both consumers' tokens, then this consumer's 256 columns --
         xm.index(2 + cid).store(l_i)
         _cta_barrier()
         mbarrier.arrive(x_bar, count=1)
-        mbarrier.wait(x_bar, n & 1)
+        if OWNER:   # x_bar's first phase (no row-max exchange in the loop)
+            mbarrier.wait(x_bar, 0)
+        else:       # its phase n
+            mbarrier.wait(x_bar, n & 1)
         l_tot = l_i + xm.index(3 - cid).load(row_s)
         ok = l_tot > 0
         lse = gl.where(ok, m_i + gl.log2(gl.where(ok, l_tot, 1.0)), float("-inf"))
@@ -233,23 +272,23 @@ if gluon is not None:
     @gluon.jit
     def _consumer0(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   NSPLIT, DIRECT: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
         _consumer(0, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  NSPLIT, DIRECT)
+                  NSPLIT, DIRECT, OWNER)
 
     @gluon.jit
     def _consumer1(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   NSPLIT, DIRECT: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
         _consumer(1, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  NSPLIT, DIRECT)
+                  NSPLIT, DIRECT, OWNER)
 
     @gluon.jit
     def many_heads_kernel(kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse_out, part_o,
                           part_lse, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT,
-                          NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr):
+                          NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr, OWNER: gl.constexpr):
         pid = gl.program_id(0)
         hg = gl.program_id(1)
         b = pid // NSPLIT
@@ -266,7 +305,10 @@ if gluon is not None:
         stage = gl.allocate_shared_memory(gl.float8e4nv, [NS * NCH, TILE, 64], st_l)
         k16 = gl.allocate_shared_memory(gl.float16, [NCH, TILE, 64], h_l)
         q_smem = gl.allocate_shared_memory(gl.float16, [NCH, HG, 64], h_l)
-        p_smem = gl.allocate_shared_memory(gl.float16, [2, HG, 32], p_l)   # P's two 32-token halves
+        if OWNER:   # P [64 heads, 64 tokens], written by the tile's owner
+            p_smem = gl.allocate_shared_memory(gl.float16, [1, HG, 64], h_l)
+        else:       # P's two 32-token halves, one per consumer
+            p_smem = gl.allocate_shared_memory(gl.float16, [2, HG, 32], p_l)
         xm = gl.allocate_shared_memory(gl.float32, [4, HG], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # [slot, head]: a 1-D layout per slot
         ready8 = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         k16_ready = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())   # one per chunk
@@ -277,7 +319,7 @@ if gluon is not None:
             mbarrier.init(k16_ready.index(c), count=1)   # the converter, once per tile
         mbarrier.init(bars.index(1), count=2)   # k16_free: both consumers
         mbarrier.init(bars.index(2), count=2)   # x_bar: the row-max exchange
-        mbarrier.init(bars.index(3), count=2)   # p_bar: P complete
+        mbarrier.init(bars.index(3), count=1 if OWNER else 2)   # p_bar: P complete (its owner / both halves)
         mbarrier.init(bars.index(4), count=2)   # q_bar: Q complete
         fence_async_shared()
         gl.warp_specialize([
@@ -285,10 +327,10 @@ if gluon is not None:
                           bars.index(1), b, t0, n, NS)),
             (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
                           k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER)),
             (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
                           k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT)),
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -378,12 +420,13 @@ def kv_descriptors(ckv_cache, kpe_cache):
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *, sm_scale: float,
            ckv_scale: float = 1.0, kpe_scale: float = 1.0, num_splits: int | None = None, max_kv_len: int | None = None,
-           ns: int = 2, regs: int = 240, out=None, lse=None, part=None, descs=None):
+           ns: int = 2, regs: int = 240, owner: bool = False, out=None, lse=None, part=None, descs=None):
     """The prototype's launcher. q_nope [B, H, 512] / q_pe [B, H, 64] bf16 (one query per request, H 64 or 128);
     ckv_cache [P, 64, 512] / kpe_cache [P, 64, 64] float8_e4m3fn views of one [P, 64, 576] pool; kv_indptr [B+1],
     kv_indices (page ids), kv_len [B] int32. Returns (out [B, H, 512] bf16, lse [B, H] fp32, base 2).
     ``max_kv_len`` (host int) sizes the splits without a device read; pass it, with ``out``/``lse``/``part``/
-    ``descs``, to capture the call in a CUDA graph."""
+    ``descs``, to capture the call in a CUDA graph. ``owner``: the alternating-owner build (consumer i % 2 computes
+    tile i's whole score tile and softmax) instead of the token split."""
     import torch
     B, H = check_args(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)
     if gluon is None:
@@ -413,7 +456,7 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
         many_heads_kernel[(B * num_splits, H // HEADS_PER_CTA)](
             kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse, part_o, part_lse, H,
             float(ckv_scale), float(kpe_scale), sm_scale_log2, num_splits,
-            NS=ns, REGS=regs, DIRECT=direct, num_warps=4)
+            NS=ns, REGS=regs, DIRECT=direct, OWNER=bool(owner), num_warps=4)
         if not direct:
             _merge_kernel[(B * H,)](out, lse, part_o, part_lse, H, num_splits,
                                     BLOCK_S=16, num_warps=4)
@@ -426,17 +469,17 @@ KERNEL_SIGNATURE = {
     "q_nope": "*bf16", "q_pe": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i32", "kv_len": "*i32",
     "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "H": "i32",
     "ckv_scale": "fp32", "kpe_scale": "fp32", "sm_scale_log2": "fp32", "NSPLIT": "i32",
-    "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr"}
+    "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr", "OWNER": "constexpr"}
 
 
-def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, sass_path=None) -> dict:
+def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, owner: bool = False, sass_path=None) -> dict:
     """Compile the prototype for sm_90a with triton's own ptxas (no GPU) and read its SASS."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
     fn = many_heads_kernel
     names = fn.arg_names
-    consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1}
+    consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1, "OWNER": bool(owner)}
     src = GluonASTSource(fn=fn, signature=KERNEL_SIGNATURE,
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)
