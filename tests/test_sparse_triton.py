@@ -169,13 +169,13 @@ def test_gpu_glm5_sizes_and_cuda_graph(fmt, heads):
     assert_close(out, b.reference()[0], TOL, "replayed after new indices")
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3_group", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3_group", "fp8_e4m3", "fp8_e5m2"])
 def test_sm80_uint8_path(fmt, monkeypatch):
     """Before sm_89 Triton has no FP8 type: the launcher passes the e4m3 bytes as uint8 and converts them to
     value / 256 by bit manipulation, the 256 folded back into the scores. The record's k_pe is bf16 (not
     divided by 256): its score term must not be multiplied by 256. Run here by making the launcher see sm_80."""
     from fp8mla.kernels import sparse_decode
-    scales = dict(ckv_scale=0.5, kpe_scale=2.0) if fmt == "fp8_e4m3" else {}
+    scales = dict(ckv_scale=0.5, kpe_scale=2.0) if fmt in ("fp8_e4m3", "fp8_e5m2") else {}
     b = make_sparse_batch([40, 9], [2, 1], 16, 64, 16, fmt, seed=3, device=DEVICE, **scales)
     attn = fp8mla.MLASparseAttention(backend="triton")
     attn.plan(**b.plan_args)
@@ -191,7 +191,7 @@ def test_sm80_uint8_path(fmt, monkeypatch):
     monkeypatch.setattr(sparse_decode, "device_arch", lambda t: 80)
     monkeypatch.setattr(sparse_decode, "_sparse_mla_kernel", Spy())
     out, lse = attn.run(**b.run_args, return_lse=True)
-    assert seen == [(1, torch.uint8)]
+    assert seen == [(2 if fmt == "fp8_e5m2" else 1, torch.uint8)]
     ref_o, ref_l = b.reference()
     assert_close(out, ref_o, TOL, "out")
     assert_close(lse, ref_l, LSE_TOL, "lse")
