@@ -195,3 +195,22 @@ def test_sm80_uint8_path(fmt, monkeypatch):
     ref_o, ref_l = b.reference()
     assert_close(out, ref_o, TOL, "out")
     assert_close(lse, ref_l, LSE_TOL, "lse")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_group", "bf16"])
+def test_separate_ckv_and_kpe_caches(backend, fmt):
+    """``kv_cache`` = c_kv ``[P, page, 512]`` with ``kpe_cache [P, page, 64]`` (two tensors, as FlashInfer's
+    dense API takes them) reads what the joined pool reads."""
+    b = make_sparse_batch([33, 8], [2, 1], 16, 64, 16, fmt, seed=12, device=DEVICE)
+    r = dict(b.run_args)
+    pool = r.pop("kv_cache")
+    ckv, kpe = pool[..., :512].contiguous(), pool[..., 512:].contiguous()
+    attn = fp8mla.MLASparseAttention(backend=backend)
+    attn.plan(**b.plan_args)
+    out, lse = attn.run(**r, kv_cache=ckv, kpe_cache=kpe, return_lse=True)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l, LSE_TOL, "lse")
+    with pytest.raises(ValueError, match=r"kpe_cache: expected shape"):
+        attn.run(**r, kv_cache=ckv, kpe_cache=kpe[:, :8].contiguous())
