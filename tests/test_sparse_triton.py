@@ -71,6 +71,13 @@ def test_topk_128_fp16_queries_group():
     check(b)
 
 
+def test_fp16_queries_over_records():
+    """fp16 queries against the record's bf16 k_pe (on a GPU: hi + lo bf16 parts of the rope query)."""
+    b = make_sparse_batch([60, 20], [2, 1], 16, 64, 16, "fp8_ds_mla", q_dtype=torch.float16, seed=13,
+                          device=DEVICE)
+    check(b)
+
+
 def test_topk_2048_tiny_batch_splits_and_merge():
     """GLM-5's topk at one token: the row is split over programs and merged; splitting does not change the answer
     beyond rounding."""
