@@ -221,3 +221,17 @@ def test_separate_ckv_and_kpe_caches(backend, fmt):
     assert_close(lse, ref_l, LSE_TOL, "lse")
     with pytest.raises(ValueError, match=r"kpe_cache: expected shape"):
         attn.run(**r, kv_cache=ckv, kpe_cache=kpe[:, :8].contiguous())
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_lse_base_e_split_and_unsplit(num_splits):
+    """``return_lse_base_on_e`` on both store paths: the kernel's own (one split) and the merge's."""
+    b = make_sparse_batch([50, 30], [1, 2], 16, 128, 16, "fp8_ds_mla", seed=14, device=DEVICE,
+                          selected=lambda b, i: 20 + 10 * i)
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args, num_splits=num_splits, min_split=64)
+    assert attn.splits_for(3) == num_splits
+    out, lse = attn.run(**b.run_args, return_lse=True, return_lse_base_on_e=True)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l * math.log(2), LSE_TOL, "lse base e")
