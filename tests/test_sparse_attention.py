@@ -152,3 +152,18 @@ def test_device_tensor_scales():
     assert torch.equal(out, want)
     with pytest.raises(ValueError, match="kpe_scale: expected a float or a 1-element fp32 tensor"):
         attn.run(**{**r, "kpe_scale": torch.tensor([2.0, 2.0])})
+
+
+def test_flashmla_4d_record_pool_and_misaligned_views():
+    """FlashMLA's ``[P, page, 1, 656]`` record pool reads as the 3-d one; views whose rows are not 4-byte aligned
+    (the fp32 scales could not be read in place) are refused by name."""
+    attn, r = _planned()
+    want = attn.run(**r)
+    kv = r["kv_cache"]
+    assert torch.equal(attn.run(**{**r, "kv_cache": kv.unsqueeze(2)}), want)
+    with pytest.raises(ValueError, match=r"kv_cache: expected shape"):
+        attn.run(**{**r, "kv_cache": torch.cat([kv.unsqueeze(2)] * 2, dim=2)})
+    wide = torch.zeros(*kv.shape[:2], 658, dtype=torch.uint8)
+    wide[..., 2:] = kv
+    with pytest.raises(ValueError, match="kv_cache: expected 656-byte records with contiguous bytes and 4-byte"):
+        attn.run(**{**r, "kv_cache": wide[..., 2:]})
