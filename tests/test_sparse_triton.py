@@ -235,3 +235,27 @@ def test_lse_base_e_split_and_unsplit(num_splits):
     ref_o, ref_l = b.reference()
     assert_close(out, ref_o, TOL, "out")
     assert_close(lse, ref_l * math.log(2), LSE_TOL, "lse base e")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_flashmla_typed_padded_record_pool(backend):
+    """A pool as FlashMLA's test quantizer lays it out: float8_e4m3fn-typed bytes, ``[P, page, 1, 656]``, each
+    block padded by one record (block stride ``(page + 1) x 656``). Same answer as the plain uint8 pool."""
+    b = make_sparse_batch([45, 12], [2, 1], 16, 64, 16, "fp8_ds_mla", seed=15, device=DEVICE)
+    r = dict(b.run_args)
+    kv = r.pop("kv_cache")
+    P, page, _ = kv.shape
+    buf = torch.full((P, page + 1, 656), 0xFF, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    flash = buf[:, :page]
+    flash.view(torch.uint8).copy_(kv)
+    flash = flash.view(P, page, 1, 656)
+    assert flash.dtype == torch.float8_e4m3fn and flash.stride(0) == (page + 1) * 656
+    attn = fp8mla.MLASparseAttention(backend=backend)
+    attn.plan(**b.plan_args)
+    want, want_l = attn.run(**r, kv_cache=kv, return_lse=True)
+    out, lse = attn.run(**r, kv_cache=flash, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_l)
+    ref_o, _ = fp8mla.reference.sparse_mla_reference(r["q_nope"], r["q_pe"], flash, r["indices"],
+                                                     sm_scale=b.plan_args["sm_scale"], kv_format="fp8_ds_mla",
+                                                     page_size=page)
+    assert_close(out, ref_o, TOL, "out")
