@@ -72,6 +72,18 @@ def test_bad_configs_are_named():
                              "num_hidden_layers": 1, "q_lora_rank": 4})
 
 
+def test_unreadable_config_files_are_named(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a valid JSON file"):
+        load_dsa_config(tmp_path)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list"):
+        load_dsa_config(str(bad))
+    with pytest.raises(ValueError, match="neither a known name"):
+        load_dsa_config(tmp_path / "missing.json")
+
+
 def _dense_twin(ours: DSAModel) -> DeepseekMLAModel:
     dense = DeepseekMLAModel(ours.cfg, len(ours.layers), dtype=ours.dtype, backend="torch")
     for d, s in zip(dense.layers, ours.layers):

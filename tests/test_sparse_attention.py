@@ -133,3 +133,37 @@ def test_docstring_example_runs():
     for t in tests:
         runner.run(t)
     assert runner.failures == 0
+
+
+def test_device_tensor_scales():
+    """Per-tensor scales as 1-element fp32 tensors (read on the device, no sync) give what the floats give; an
+    invalid one (<= 0, inf, NaN) makes the output NaN rather than a silent wrong answer."""
+    b = make_sparse_batch([30, 7], [2, 1], 8, 64, 16, "fp8_e4m3", seed=5, ckv_scale=0.5, kpe_scale=2.0,
+                          selected=lambda b, i: 6)
+    want, want_l = run(b)
+    r = {**b.run_args, "ckv_scale": torch.tensor([0.5]), "kpe_scale": torch.tensor(2.0)}
+    attn = fp8mla.MLASparseAttention(backend="torch")
+    attn.plan(**b.plan_args)
+    out, lse = attn.run(**r, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_l)
+    out = attn.run(**{**r, "kpe_scale": torch.tensor(-1.0)})
+    assert torch.isnan(out).all()
+    out = attn.run(**b.run_args)  # back to floats: the device copy of the scales is refreshed
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="kpe_scale: expected a float or a 1-element fp32 tensor"):
+        attn.run(**{**r, "kpe_scale": torch.tensor([2.0, 2.0])})
+
+
+def test_flashmla_4d_record_pool_and_misaligned_views():
+    """FlashMLA's ``[P, page, 1, 656]`` record pool reads as the 3-d one; views whose rows are not 4-byte aligned
+    (the fp32 scales could not be read in place) are refused by name."""
+    attn, r = _planned()
+    want = attn.run(**r)
+    kv = r["kv_cache"]
+    assert torch.equal(attn.run(**{**r, "kv_cache": kv.unsqueeze(2)}), want)
+    with pytest.raises(ValueError, match=r"kv_cache: expected shape"):
+        attn.run(**{**r, "kv_cache": torch.cat([kv.unsqueeze(2)] * 2, dim=2)})
+    wide = torch.zeros(*kv.shape[:2], 658, dtype=torch.uint8)
+    wide[..., 2:] = kv
+    with pytest.raises(ValueError, match="kv_cache: expected 656-byte records with contiguous bytes and 4-byte"):
+        attn.run(**{**r, "kv_cache": wide[..., 2:]})

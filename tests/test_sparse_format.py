@@ -57,6 +57,17 @@ def test_saturation_and_nonfinite():
     assert torch.isfinite(c[1]).all() and torch.isfinite(k).all()
 
 
+def test_record_format_has_no_single_dtype_quantize():
+    """The inherited per-dtype helpers would cast to uint8: the record format names pack / unpack instead."""
+    x = torch.randn(2, 512)
+    with pytest.raises(TypeError, match="use pack"):
+        FP8_DS_MLA.quantize(x)
+    with pytest.raises(TypeError, match="use unpack"):
+        FP8_DS_MLA.dequantize(FP8_DS_MLA.pack(x, torch.randn(2, 64)))
+    with pytest.raises(TypeError, match="use pack"):
+        FP8_DS_MLA.quantize_groups(x, FP8_DS_MLA.group_scales(x))
+
+
 def test_dense_api_refuses_the_record_format():
     with pytest.raises(ValueError, match="kv_data_type: 'fp8_ds_mla' is the sparse"):
         get_format("fp8_ds_mla")

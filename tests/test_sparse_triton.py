@@ -71,6 +71,13 @@ def test_topk_128_fp16_queries_group():
     check(b)
 
 
+def test_fp16_queries_over_records():
+    """fp16 queries against the record's bf16 k_pe (on a GPU: hi + lo bf16 parts of the rope query)."""
+    b = make_sparse_batch([60, 20], [2, 1], 16, 64, 16, "fp8_ds_mla", q_dtype=torch.float16, seed=13,
+                          device=DEVICE)
+    check(b)
+
+
 def test_topk_2048_tiny_batch_splits_and_merge():
     """GLM-5's topk at one token: the row is split over programs and merged; splitting does not change the answer
     beyond rounding."""
@@ -167,3 +174,88 @@ def test_gpu_glm5_sizes_and_cuda_graph(fmt, heads):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, b.reference()[0], TOL, "replayed after new indices")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3_group", "fp8_e4m3", "fp8_e5m2"])
+def test_sm80_uint8_path(fmt, monkeypatch):
+    """Before sm_89 Triton has no FP8 type: the launcher passes the e4m3 bytes as uint8 and converts them to
+    value / 256 by bit manipulation, the 256 folded back into the scores. The record's k_pe is bf16 (not
+    divided by 256): its score term must not be multiplied by 256. Run here by making the launcher see sm_80."""
+    from fp8mla.kernels import sparse_decode
+    scales = dict(ckv_scale=0.5, kpe_scale=2.0) if fmt in ("fp8_e4m3", "fp8_e5m2") else {}
+    b = make_sparse_batch([40, 9], [2, 1], 16, 64, 16, fmt, seed=3, device=DEVICE, **scales)
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args)
+    seen = []
+    real = sparse_decode._sparse_mla_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["RAW_FP8"], args[2].dtype))
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(sparse_decode, "device_arch", lambda t: 80)
+    monkeypatch.setattr(sparse_decode, "_sparse_mla_kernel", Spy())
+    out, lse = attn.run(**b.run_args, return_lse=True)
+    assert seen == [(2 if fmt == "fp8_e5m2" else 1, torch.uint8)]
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l, LSE_TOL, "lse")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_group", "bf16"])
+def test_separate_ckv_and_kpe_caches(backend, fmt):
+    """``kv_cache`` = c_kv ``[P, page, 512]`` with ``kpe_cache [P, page, 64]`` (two tensors, as FlashInfer's
+    dense API takes them) reads what the joined pool reads."""
+    b = make_sparse_batch([33, 8], [2, 1], 16, 64, 16, fmt, seed=12, device=DEVICE)
+    r = dict(b.run_args)
+    pool = r.pop("kv_cache")
+    ckv, kpe = pool[..., :512].contiguous(), pool[..., 512:].contiguous()
+    attn = fp8mla.MLASparseAttention(backend=backend)
+    attn.plan(**b.plan_args)
+    out, lse = attn.run(**r, kv_cache=ckv, kpe_cache=kpe, return_lse=True)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l, LSE_TOL, "lse")
+    with pytest.raises(ValueError, match=r"kpe_cache: expected shape"):
+        attn.run(**r, kv_cache=ckv, kpe_cache=kpe[:, :8].contiguous())
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_lse_base_e_split_and_unsplit(num_splits):
+    """``return_lse_base_on_e`` on both store paths: the kernel's own (one split) and the merge's."""
+    b = make_sparse_batch([50, 30], [1, 2], 16, 128, 16, "fp8_ds_mla", seed=14, device=DEVICE,
+                          selected=lambda b, i: 20 + 10 * i)
+    attn = fp8mla.MLASparseAttention(backend="triton")
+    attn.plan(**b.plan_args, num_splits=num_splits, min_split=64)
+    assert attn.splits_for(3) == num_splits
+    out, lse = attn.run(**b.run_args, return_lse=True, return_lse_base_on_e=True)
+    ref_o, ref_l = b.reference()
+    assert_close(out, ref_o, TOL, "out")
+    assert_close(lse, ref_l * math.log(2), LSE_TOL, "lse base e")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_flashmla_typed_padded_record_pool(backend):
+    """A pool as FlashMLA's test quantizer lays it out: float8_e4m3fn-typed bytes, ``[P, page, 1, 656]``, each
+    block padded by one record (block stride ``(page + 1) x 656``). Same answer as the plain uint8 pool."""
+    b = make_sparse_batch([45, 12], [2, 1], 16, 64, 16, "fp8_ds_mla", seed=15, device=DEVICE)
+    r = dict(b.run_args)
+    kv = r.pop("kv_cache")
+    P, page, _ = kv.shape
+    buf = torch.full((P, page + 1, 656), 0xFF, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    flash = buf[:, :page]
+    flash.view(torch.uint8).copy_(kv)
+    flash = flash.view(P, page, 1, 656)
+    assert flash.dtype == torch.float8_e4m3fn and flash.stride(0) == (page + 1) * 656
+    attn = fp8mla.MLASparseAttention(backend=backend)
+    attn.plan(**b.plan_args)
+    want, want_l = attn.run(**r, kv_cache=kv, return_lse=True)
+    out, lse = attn.run(**r, kv_cache=flash, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_l)
+    ref_o, _ = fp8mla.reference.sparse_mla_reference(r["q_nope"], r["q_pe"], flash, r["indices"],
+                                                     sm_scale=b.plan_args["sm_scale"], kv_format="fp8_ds_mla",
+                                                     page_size=page)
+    assert_close(out, ref_o, TOL, "out")

@@ -257,6 +257,16 @@ class DSMLAFormat(KVFormat):
         kpe = r[..., 528:].view(torch.bfloat16).to(dtype)
         return vals * expand_group_scales(scales, 512), kpe
 
+    def quantize(self, x, scale=1.0):
+        raise TypeError("quantize: an fp8_ds_mla record is not one stored dtype (e4m3 c_kv, fp32 scales, bf16 k_pe): "
+                        "use pack(c_kv, k_pe)")
+
+    def dequantize(self, stored, scale=1.0, dtype=torch.float32):
+        raise TypeError("dequantize: an fp8_ds_mla record is not one stored dtype: use unpack(records)")
+
+    def quantize_groups(self, c_kv, scales):
+        raise TypeError("quantize_groups: an fp8_ds_mla record is written whole: use pack(c_kv, k_pe)")
+
     def scales_of(self, records: torch.Tensor) -> torch.Tensor:
         """The fp32 ``[..., 4]`` scales stored in records ``uint8 [..., 656]``."""
         return records.contiguous()[..., 512:528].view(torch.float32)

@@ -90,8 +90,10 @@ def sparse_mla_reference(q_nope, q_pe, kv_cache, indices, *, sm_scale: float, kv
             continue
         ids = torch.tensor(row, dtype=torch.long, device=kv_cache.device)
         page, slot = ids // page_size, ids % page_size
-        if fmt.scale_kind == "record":
-            ckv, kpe = fmt.unpack(kv_cache[page, slot], dtype=torch.float64)
+        if fmt.scale_kind == "record":  # [P, page, 656] or FlashMLA's [P, page, 1, 656], uint8 or e4m3-typed
+            rec = kv_cache.view(torch.uint8)
+            rec = rec[:, :, 0] if rec.dim() == 4 else rec
+            ckv, kpe = fmt.unpack(rec[page, slot], dtype=torch.float64)
         else:
             ckv_all = kv_cache if kpe_cache is not None else kv_cache[..., :Dc]
             kpe_all = kpe_cache if kpe_cache is not None else kv_cache[..., Dc:]

@@ -196,7 +196,7 @@ class MLASparseAttention:
         Args:
             q_nope: ``[n, H, 512]``, q_pe: ``[n, H, 64]`` in the planned query dtype (absorbed queries).
             kv_cache: the layer's pool. ``fp8_ds_mla``: uint8 ``[P, page_size, 656]`` (or FlashMLA's
-                ``[P, page_size, 1, 656]``). Other formats: ``[P, page_size, 576]`` of the storage dtype
+                ``[P, page_size, 1, 656]``; the bytes may be typed float8_e4m3fn, as FlashMLA's tests do). Other formats: ``[P, page_size, 576]`` of the storage dtype
                 (c_kv | k_pe), or ``ckv_cache [P, page_size, 512]`` with ``kpe_cache`` given.
             indices: int32 ``[n, topk]`` global token slots ``page * page_size + offset``; -1 = no token.
                 Entries outside ``[0, P * page_size)`` are skipped like -1 (``FP8MLA_CHECK=1`` raises instead).
@@ -249,7 +249,9 @@ class MLASparseAttention:
         if p.fmt.scale_kind == "record":
             if kpe_cache is not None:
                 raise ValueError("kpe_cache: an fp8_ds_mla record holds k_pe itself; expected None")
-            check_tensor("kv_cache", kv_cache, dtype=torch.uint8, device=dev)
+            # uint8 (vLLM's fp8_ds_mla pool) or float8_e4m3fn (FlashMLA's tests type the same bytes so)
+            check_tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn), device=dev)
+            kv_cache = kv_cache.view(torch.uint8)
             if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:  # FlashMLA's [P, page, h_k = 1, 656]
                 kv_cache = kv_cache[:, :, 0]
             check_tensor("kv_cache", kv_cache, shape=(p.num_pages, page, 656))

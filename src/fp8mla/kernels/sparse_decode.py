@@ -98,8 +98,10 @@ def _sparse_mla_kernel(
         # Largest |q| near 2^14: far from fp16's 65504, small entries stay normal (a power of two: exact).
         f = tl.where(amax > 0, tl.exp2(tl.floor(tl.log2(16384.0 / amax))), 1.0)
         if KPE_BF16:
-            # bf16 k_pe of the record: a bf16 MMA; an fp16 query keeps its precision as hi + lo bf16 parts
-            qp_s = qp32 * f[:, None]
+            # bf16 k_pe of the record: a bf16 MMA; an fp16 query keeps its precision as hi + lo bf16 parts.
+            # row_scale below multiplies every score by raw_f (the uint8 e4m3 path's c_kv comes as value / 256);
+            # the bf16 k_pe is not divided, so its query part takes 1 / raw_f (a power of two: exact).
+            qp_s = qp32 * (f / raw_f)[:, None]
             if FP32_DOT:
                 qp_m = qp_s
             else:

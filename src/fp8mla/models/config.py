@@ -128,23 +128,19 @@ class MLAConfig:
         return MLAConfig(**{**asdict(self), **kw})
 
 
-def load_config(spec: str | os.PathLike | dict | MLAConfig) -> MLAConfig:
-    """A config from a short name (``tiny``, ``dsv3``, ``dsv2-lite``, ``kimi-k2``), a ``config.json`` path, a
-    checkpoint directory holding one, a dict, or an :class:`MLAConfig`."""
-    if isinstance(spec, MLAConfig):
-        return spec
-    if isinstance(spec, dict):
-        return MLAConfig.from_dict(spec)
+def read_config_json(spec, names: dict) -> tuple[dict, str]:
+    """``(the config dict, its name)`` of a short name in ``names`` (a file of ``models/configs``), a
+    ``config.json`` path or a checkpoint directory holding one; a named error for anything else."""
     s = str(spec)
-    if s in CONFIG_NAMES:
-        path, name = _CONFIG_DIR / CONFIG_NAMES[s], s
+    if s in names:
+        path, name = _CONFIG_DIR / names[s], s
     else:
         path = Path(s)
         if path.is_dir():
             path = path / "config.json"
         name = path.parent.name if path.name == "config.json" else path.stem
         if not path.is_file():
-            raise ValueError(f"config: {spec!r} is neither a known name {sorted(CONFIG_NAMES)} nor a config.json "
+            raise ValueError(f"config: {spec!r} is neither a known name {sorted(names)} nor a config.json "
                              "file or checkpoint directory")
     try:
         with open(path) as f:
@@ -153,6 +149,17 @@ def load_config(spec: str | os.PathLike | dict | MLAConfig) -> MLAConfig:
         raise ValueError(f"config: {path} is not a valid JSON file ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"config: {path} holds a JSON {type(d).__name__}, expected an object (a config.json)")
+    return d, name
+
+
+def load_config(spec: str | os.PathLike | dict | MLAConfig) -> MLAConfig:
+    """A config from a short name (``tiny``, ``dsv3``, ``dsv2-lite``, ``kimi-k2``), a ``config.json`` path, a
+    checkpoint directory holding one, a dict, or an :class:`MLAConfig`."""
+    if isinstance(spec, MLAConfig):
+        return spec
+    if isinstance(spec, dict):
+        return MLAConfig.from_dict(spec)
+    d, name = read_config_json(spec, CONFIG_NAMES)
     return MLAConfig.from_dict(d, name=name)
 
 

@@ -41,7 +41,8 @@ from torch import nn
 from ..cache import PagedMLACache
 from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
-from .deepseek import DeepseekMLA, RMSNorm, _attn_dtype, _randn, _reserve, _rope, _write, check_step_args
+from .deepseek import (DeepseekMLA, DeepseekMLAModel, RMSNorm, _attn_dtype, _reserve, _rope, _write,
+                       check_step_args)
 from .dsa_config import DSAConfig, load_dsa_config
 from .indexer import DSACache, LightningIndexer, select_topk
 
@@ -227,21 +228,10 @@ class DSAModel(nn.Module):
         self.backend, self.dtype, self.device = backend, dtype, torch.device(device)
         self.rope = YarnRope(cfg, device=device)
 
-    @classmethod
-    def random(cls, cfg, num_layers=None, *, seed: int = 0, **kw) -> "DSAModel":
-        """A model with random weights (reproducible from ``seed``)."""
-        m = cls(cfg, num_layers, **kw)
-        for i, blk in enumerate(m.layers):
-            blk.self_attn.init_random(seed)
-            with torch.no_grad():
-                blk.input_layernorm.weight.copy_(1.0 + 0.1 * _randn((m.cfg.hidden_size,), [seed, i, 7]))
-        return m
-
-    @classmethod
-    def from_pretrained(cls, path, num_layers=None, **kw) -> "DSAModel":
-        """Attention weights (the indexers' too) of a local ``glm_moe_dsa`` / ``deepseek_v32`` checkpoint."""
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(cls, path, num_layers, **kw)
+    # The dense stack's constructors, on this class: random weights reproducible from ``seed``; the attention
+    # weights (the indexers' too) of a local glm_moe_dsa / deepseek_v32 checkpoint.
+    random = classmethod(DeepseekMLAModel.random.__func__)
+    from_pretrained = classmethod(DeepseekMLAModel.from_pretrained.__func__)
 
     def make_cache(self, num_pages: int, page_size: int, kv_format="fp8_e4m3", *, index_dtype=None,
                    **kw) -> DSACache:

@@ -17,15 +17,12 @@ query token, the ``index_topk`` cached tokens the attention reads. The indexer's
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from .config import MLAConfig
+from .config import MLAConfig, read_config_json
 
 __all__ = ["DSAConfig", "load_dsa_config", "DSA_CONFIG_NAMES"]
 
-_CONFIG_DIR = Path(__file__).with_name("configs")
 DSA_CONFIG_NAMES = {
     "tiny-dsa": "tiny_dsa.json",
     "glm5": "glm5.json", "glm-5": "glm5.json",
@@ -117,19 +114,5 @@ def load_dsa_config(spec) -> DSAConfig:
         return spec
     if isinstance(spec, dict):
         return DSAConfig.from_dict(spec)
-    s = str(spec)
-    if s in DSA_CONFIG_NAMES:
-        path, name = _CONFIG_DIR / DSA_CONFIG_NAMES[s], s
-    else:
-        path = Path(s)
-        if path.is_dir():
-            path = path / "config.json"
-        name = path.parent.name if path.name == "config.json" else path.stem
-        if not path.is_file():
-            raise ValueError(f"config: {spec!r} is neither a known name {sorted(DSA_CONFIG_NAMES)} nor a "
-                             "config.json file or checkpoint directory")
-    with open(path) as f:
-        d = json.load(f)
-    if not isinstance(d, dict):
-        raise ValueError(f"config: {path} holds a JSON {type(d).__name__}, expected an object (a config.json)")
+    d, name = read_config_json(spec, DSA_CONFIG_NAMES)
     return DSAConfig.from_dict(d, name=name)
