@@ -60,7 +60,9 @@ class MLASparseAttention:
     Args:
         backend: ``"auto"`` (triton on CUDA, else torch), ``"torch"`` (fp32 torch code, any device),
             ``"triton"`` (the portable kernel, ``fp8mla.kernels.sparse_decode``; on the CPU under
-            ``TRITON_INTERPRET=1``), ``"gluon"`` (reserved for the Hopper build; refused until it exists).
+            ``TRITON_INTERPRET=1``), ``"gluon"`` (the Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90,
+            fp8_ds_mla records, bf16 queries; refused by name elsewhere). ``"auto"`` takes gluon only once
+            that module's ``AUTO_SELECT`` is on.
 
     Example:
         >>> import torch, fp8mla
@@ -136,11 +138,8 @@ class MLASparseAttention:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        if self._backend == "gluon":
-            # Reserved: the Hopper Gluon sparse build waits for the kernels/sm90/ structure.
-            raise SparseKernelError("backend: 'gluon' has no sparse build yet (the Hopper sparse kernel waits for "
-                                    "the kernels/sm90/ redesign); use backend='triton' or 'auto'")
-        backend = choose_backend(self._backend, device)
+        backend = choose_backend(self._backend, device, _gluon_support(self._backend, num_heads, fmt,
+                                                                       q_data_type, topk))
         if backend == "triton" and topk % INDEX_BLOCK:
             # No quiet fallback to the torch code on a GPU: padding the rows costs nothing, the torch path a lot.
             raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the index "
@@ -150,6 +149,15 @@ class MLASparseAttention:
         if backend == "triton":
             from .kernels import sparse_decode
             p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
+            cap = self._split_capacity(p)
+            if cap:
+                p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
+                p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
+        elif backend == "gluon":
+            if kernel_options:
+                raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
+                                "'gluon'")
+            p.config = {"block_h": 64}
             cap = self._split_capacity(p)
             if cap:
                 p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
@@ -173,7 +181,7 @@ class MLASparseAttention:
         """Largest ``tokens x splits`` any call can need: splits > 1 only while tokens x head tiles is under the
         GPU's target program count, so this is bounded by O(SMs) and independent of the batch."""
         if p.num_splits is not None:
-            return 0  # a fixed split count: the workspace is sized per call (see _run_triton)
+            return 0  # a fixed split count: the workspace is sized per call (see _run_kernel)
         cap = 0
         for n in range(1, _target_programs(p) + 1):
             s = _splits(p, n)
@@ -235,8 +243,8 @@ class MLASparseAttention:
         if debug_checks() and indices.numel():
             _check_index_values(indices, P * p.page_size)
         if n:
-            if p.backend == "triton":
-                self._run_triton(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse,
+            if p.backend in ("triton", "gluon"):
+                self._run_kernel(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse,
                                  bool(return_lse_base_on_e))
             else:
                 _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, bool(return_lse_base_on_e))
@@ -325,7 +333,7 @@ class MLASparseAttention:
             self._scales_host = None
         return self._scales
 
-    def _run_triton(self, p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e):
+    def _run_kernel(self, p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e):
         from .kernels import sparse_decode
         n = q_nope.shape[0]
         splits = _splits(p, n)
@@ -334,9 +342,26 @@ class MLASparseAttention:
             # only with a fixed num_splits (plan sized nothing): allocated per call, not graph-safe
             part_o = torch.empty(n * splits, p.num_heads, p.head_dim_ckv, dtype=torch.float32, device=p.device)
             part_lse = torch.empty(n * splits, p.num_heads, dtype=torch.float32, device=p.device)
+        if p.backend == "gluon":
+            from .kernels.sm90 import sparse as sm90_sparse
+            sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
+                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0)
+            return
         sparse_decode.sparse_mla(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, part_o, part_lse,
                                  page_size=p.page_size, sm_scale=p.sm_scale, num_splits=splits,
                                  lse_scale=LN2 if base_e else 1.0, **p.config)
+
+
+def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int):
+    """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
+    raises, naming why), for "auto" only while ``kernels.sm90.sparse.AUTO_SELECT`` is on (off until the H200 A/B
+    against the Triton kernel). Imported only when asked (a torch-only install has no triton)."""
+    def check():
+        from .kernels.sm90 import sparse as sm90_sparse
+        if requested == "auto" and not sm90_sparse.AUTO_SELECT:
+            return False, "the gluon sparse build is not auto-selected yet"
+        return sm90_sparse.supports(num_heads, fmt.name, str(q_dtype).removeprefix("torch."), topk)
+    return check
 
 
 def _target_programs(p: _SparsePlan) -> int:
@@ -346,7 +371,7 @@ def _target_programs(p: _SparsePlan) -> int:
 def _splits(p: _SparsePlan, n: int) -> int:
     """Programs per index row: enough that ``n x head tiles x splits`` reaches twice the SM count, each walking
     at least ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
-    if p.backend != "triton":
+    if p.backend not in ("triton", "gluon"):
         return 1
     if p.num_splits is not None:
         return min(p.num_splits, -(-p.topk // INDEX_BLOCK))

@@ -1,0 +1,144 @@
+"""The Hopper Gluon sparse kernel (kernels/sm90/sparse.py) compiled for sm_90a without a GPU, with its SASS facts:
+wgmma (HGMMA) for both products and no HMMA, the record pieces gathered with 16-byte loads, each gathered e4m3 value
+converted once per tile (one packed e4m3 -> f16x2 unpack per pair), no byte-wise shared loads, shared memory within
+one block's limit, and the spills of the default build bounded (triton 3.9: 255 registers; the split build 48 B of
+stack, 4 LDL and no STL inside the tile loop; the unsplit one none). The GPU check is lab/scripts/sparse_gluon_device.py.
+
+Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles). The
+compile helpers come from devtools/sass.py where it exists, else scripts/compile_kernels.py (both name the
+same ``analyse`` / ``loop_bodies`` / ``tools_present``)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+if __name__ != "__main__":
+    import pytest
+    pytest.importorskip("triton")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+KERNEL = os.path.join(ROOT, "src", "fp8mla", "kernels", "sm90", "sparse.py")
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _helpers():
+    for rel in (("devtools", "sass.py"), ("scripts", "compile_kernels.py")):
+        path = os.path.join(ROOT, *rel)
+        if os.path.exists(path):
+            return _load("_sparse_gluon_helpers", path)
+    raise FileNotFoundError("neither devtools/sass.py nor scripts/compile_kernels.py")
+
+
+ck = _helpers()
+
+# Argument types of a real launch: contiguous bf16 [n, H, 512] / [n, H, 64] queries, the record pool's three views,
+# int32 index rows of topk % 64 == 0 entries. Ints the launcher sees divisible by 16 get that hint; the lse rows
+# (H = 8) and partial-lse rows are not; stride_lse_h is 1 (triton makes it a constant).
+_PTR = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "kpe_ptr": "*bf16",
+        "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
+_DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
+          "stride_o_h", "stride_po_i", "stride_po_h"}
+CASES = {"split": dict(SPLIT=True, PREFETCH=False), "nosplit": dict(SPLIT=False, PREFETCH=False),
+         "prefetch": dict(SPLIT=True, PREFETCH=True)}
+
+
+def compile_case(case: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _load("_sm90_sparse", KERNEL)
+    fn = mod.sparse_mla_kernel
+    names = fn.arg_names
+    const = dict(CASES[case], stride_lse_h=1)
+    sig = {n: "constexpr" if n in const else _PTR.get(n, "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n in _DIV16}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                         attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mod.NUM_WARPS))
+    r = ck.analyse(k)
+    sass = r.pop("sass")
+    loops = ck.loop_bodies(sass)
+    r["ops"] = dict(r["ops"])
+    r["loop_count"] = len(loops)
+    body = "\n".join(max(loops, key=len)) if loops else ""
+    r["loop"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", body)) for op in
+                 ("HGMMA.64x32x16.F32.BF16", "HMMA", "LDG.E.128", "LDG.E.U16", "F2FP.F16.E4M3.UNPACK_B",
+                  "F2FP.BF16.F32.PACK_AB", "STL", "LDL", "LDS.U8")}
+    r["hgmma_in_loop"] = len(re.findall(r"\bHGMMA\.", body))
+    r["smem_model"] = mod.smem_bytes()
+    r["smem_limit"] = 232448
+    return r
+
+
+if __name__ == "__main__":
+    out = {}
+    for case in sys.argv[1:]:
+        try:
+            out[case] = compile_case(case)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[case] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
+    print(json.dumps(out))
+    sys.exit(0)
+
+
+def _gluon_ok() -> bool:
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (ck.tools_present() and _gluon_ok()),
+                                reason="ptxas / cuobjdump or triton.experimental.gluon missing")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"compile subprocess failed:\n{p.stderr[-3000:]}"
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    for case, r in res.items():
+        assert "error" not in r, f"{case}: {r['error']}"
+    return res
+
+
+@pytest.mark.parametrize("case", ["split", "nosplit"])
+def test_sparse_gluon_default_build_sass(compiled, case):
+    r = compiled[case]
+    lp = r["loop"]
+    assert r["loop_count"] >= 1, f"{case}: no tile loop found in the SASS"
+    # both products on wgmma: 9 K slabs x 4 k-steps for S, 8 V chunks x 4 for O, per warpgroup's 32 columns
+    assert r["hgmma_in_loop"] == 68 and lp["HGMMA.64x32x16.F32.BF16"] == 68, r
+    assert r["ops"].get("HMMA", 0) == 0, f"{case}: mma.sync in the SASS: {r['ops']}"
+    # gather: 8 c_kv pieces + 2 k_pe halves per thread and tile, each a 16-byte load; no 2-byte loads in the loop
+    assert lp["LDG.E.128"] == 10 and lp["LDG.E.U16"] == 0, lp
+    # dequantize once: 128 e4m3 values per thread per tile -> 64 packed unpacks, 64 bf16 packs (+ 8 for P)
+    assert lp["F2FP.F16.E4M3.UNPACK_B"] == 64 and lp["F2FP.BF16.F32.PACK_AB"] == 72, lp
+    assert r["lds_u8"] == 0 and r["lds_u8_in_loops"] == 0
+    assert r["smem"] <= r["smem_limit"] and r["smem"] >= r["smem_model"], (r["smem"], r["smem_model"])
+    # spill bound of the first build (triton 3.9: 255 registers; split 48 B stack, 4 LDL, no STL in the loop)
+    assert r["regs"] <= 255 and r["stack"] <= 64, (r["regs"], r["stack"])
+    assert lp["STL"] == 0 and lp["LDL"] <= 8, lp
+
+
+def test_sparse_gluon_prefetch_build_compiles(compiled):
+    """The register-prefetch variant: same MMAs and loads; it spills (the reason it is off by default)."""
+    r = compiled["prefetch"]
+    assert r["hgmma_in_loop"] == 68 and r["loop"]["LDG.E.128"] == 10, r["loop"]
+    assert r["smem"] <= r["smem_limit"]
