@@ -51,6 +51,7 @@ HEAD_GROUP = 64        # heads per CTA (the wgmma M side)
 TILE = 64              # index entries per tile
 NUM_WARPS = 8
 MAX_HEADS = 128
+LAST_COMPILED = None
 
 
 def supports(num_heads: int, fmt_name: str, q_dtype_name: str, topk: int) -> tuple[bool, str]:
@@ -292,7 +293,8 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
     po = part_o if split else out
     pl = part_lse if split else lse
     groups = triton.cdiv(H, HEAD_GROUP)
-    sparse_mla_kernel[(n * groups, num_splits)](
+    global LAST_COMPILED  # registers / spills of the last launch, for the device check
+    LAST_COMPILED = sparse_mla_kernel[(n * groups, num_splits)](
         q_nope, q_pe, ckv, scale_arr, kpe, indices, out, lse, po, pl,
         sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits, groups,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
