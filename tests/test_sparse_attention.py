@@ -115,8 +115,15 @@ def test_gluon_plan_refusals_and_auto(monkeypatch):
             g.plan(**args)
     with pytest.raises(TypeError, match="for the triton backend, not 'gluon'"):
         g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", block_h=32)
+    with pytest.raises(ValueError, match="gather: expected one of"):
+        g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="tma")
+    with pytest.raises(TypeError, match="'gather' is for the gluon backend"):
+        fp8mla.MLASparseAttention(backend="triton").plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla",
+                                                         gather="regs")
+    g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="regs")
+    assert g._plan.config["gather"] == "regs"
     g.plan(128, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
-    assert g.backend == "gluon"
+    assert g.backend == "gluon" and g._plan.config["gather"] == sm90_sparse.DEFAULT_GATHER
     assert g.splits_for(1) == 4 and g.splits_for(64) == 1  # 1 token x 2 head groups x 4 splits = 2 x 4 "SMs"
     assert sm90_sparse.AUTO_SELECT is False
     assert sparse_mod._gluon_support("auto", 16, fp8mla.formats.get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16,

@@ -1,9 +1,10 @@
-"""Device check of the Hopper Gluon sparse kernel (kernels/sm90/sparse.py) beside the Triton one, in one run.
+"""Device check of the Hopper Gluon sparse kernel (kernels/sm90/sparse.py, each of its gathers: async, regs,
+prefetch) beside the Triton one, in one run.
 
     PYTHONPATH=src python lab/scripts/sparse_gluon_device.py            # on the H200 (~2 min); JSON to $OUT
     PYTHONPATH=src TRITON_INTERPRET=1 python lab/scripts/sparse_gluon_device.py --dry-run   # CPU: plumbing only
 
-1. correctness of backend="gluon" and "triton" against the float64 reference (``sparse_mla_reference``): heads
+1. correctness of backend="gluon" (every gather) and "triton" against the float64 reference (``sparse_mla_reference``): heads
    8 / 16 / 64 / 128, topk 2048 / 128, B 1 / 8 / 64 (one query token per request), fp8_ds_mla records in shuffled
    pages with NaN in every unused slot, -1 padding (scattered, trailing), one all -1 row and one out-of-pool
    entry, outputs poisoned with NaN before the call; a CUDA-graph replay after poisoning again.
@@ -55,12 +56,18 @@ def _compiled_facts(backend: str) -> dict:
     return out
 
 
-def correctness_case(backend: str, H: int, topk: int, B: int, device, seed: int, pad: str) -> dict:
+# (label, backend, plan kernel options): every gather of the Gluon build beside the Triton kernel
+KERNELS = [("gluon-async", "gluon", dict(gather="async")), ("gluon-regs", "gluon", dict(gather="regs")),
+           ("gluon-prefetch", "gluon", dict(gather="prefetch")), ("triton", "triton", {})]
+
+
+def correctness_case(H: int, topk: int, B: int, device, seed: int, pad: str) -> list[dict]:
+    """One batch, every kernel of KERNELS on it (each failing soft)."""
     import fp8mla
     from fp8mla.testing import compare, make_sparse_batch
     L = topk + 37
     b = make_sparse_batch([L] * B, [1] * B, H, topk, 64, "fp8_ds_mla", pad=pad, seed=seed, device=device)
-    r = dict(b.run_args)
+    r = b.run_args
     idx = r["indices"].clone()
     num_slots = r["kv_cache"].shape[0] * 64
     if B > 1:
@@ -68,27 +75,33 @@ def correctness_case(backend: str, H: int, topk: int, B: int, device, seed: int,
         j = int((idx[1] >= 0).nonzero()[0]) if bool((idx[1] >= 0).any()) else 0
         idx[1, j] = num_slots + 5         # out of the pool: skipped like -1
     r["indices"] = idx
-    b.run_args["indices"] = idx
-    attn = fp8mla.MLASparseAttention(backend=backend)
-    attn.plan(**b.plan_args)
-    out = torch.full((B, H, DC), math.nan, dtype=torch.bfloat16, device=device)
-    lse = torch.full((B, H), math.nan, device=device)
-    attn.run(**r, out=out, lse=lse, return_lse=True)
     ref_o, ref_l = b.reference()
-    c_o, c_l = compare(out, ref_o), compare(lse, ref_l)
     tol = 5e-3 if device == "cpu" else 3e-3
-    res = dict(backend=backend, H=H, topk=topk, B=B, pad=pad, splits=attn.splits_for(B), rel_l2=c_o.rel_l2,
-               lse_rel_l2=c_l.rel_l2, ok=bool(c_o.ok(tol) and c_l.ok(LSE_TOL)))
-    if device != "cpu" and torch.cuda.is_available():
-        from fp8mla.testing import capture_then_replay
-        capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
-        c_g = compare(out, ref_o)
-        res.update(graph_rel_l2=c_g.rel_l2, ok=res["ok"] and bool(c_g.ok(tol)))
-        res.update(_compiled_facts(backend))
-    return res
+    rows = []
+    for label, backend, opts in KERNELS:
+        def one():
+            attn = fp8mla.MLASparseAttention(backend=backend)
+            attn.plan(**b.plan_args, **opts)
+            out = torch.full((B, H, DC), math.nan, dtype=torch.bfloat16, device=device)
+            lse = torch.full((B, H), math.nan, device=device)
+            attn.run(**r, out=out, lse=lse, return_lse=True)
+            c_o, c_l = compare(out, ref_o), compare(lse, ref_l)
+            res = dict(splits=attn.splits_for(B), rel_l2=c_o.rel_l2, lse_rel_l2=c_l.rel_l2,
+                       ok=bool(c_o.ok(tol) and c_l.ok(LSE_TOL)))
+            if device != "cpu":
+                from fp8mla.testing import capture_then_replay
+                capture_then_replay(lambda: attn.run(**r, out=out, lse=lse), out)
+                c_g = compare(out, ref_o)
+                res.update(graph_rel_l2=c_g.rel_l2, ok=res["ok"] and bool(c_g.ok(tol)))
+                res.update(_compiled_facts(backend))
+            return res
+        res = _soft(one)
+        res.update(kernel=label, H=H, topk=topk, B=B, pad=pad)
+        rows.append(res)
+    return rows
 
 
-def timing_case(backend: str, H: int, topk: int, B: int, device, ceil, reps: int) -> dict:
+def timing_case(backend: str, opts: dict, H: int, topk: int, B: int, device, ceil, reps: int) -> dict:
     import fp8mla
     from fp8mla.bench.common import cpu_time_ms, time_ms
     from fp8mla.bench.sparse import _pool, sparse_cost
@@ -105,14 +118,14 @@ def timing_case(backend: str, H: int, topk: int, B: int, device, ceil, reps: int
     lse = torch.empty(B, H, device=device)
     attn = fp8mla.MLASparseAttention(backend=backend)
     attn.plan(H, topk, 64, 1.0 / math.sqrt(576), torch.bfloat16, "fp8_ds_mla", num_pages=kv.shape[0],
-              device=device)
+              device=device, **opts)
     run = lambda: attn.run(q_nope, q_pe, kv, indices, out=out, lse=lse)  # noqa: E731
     if device == "cpu":
         ms = cpu_time_ms(run, reps=1)
     else:
         ms = time_ms(run, reps=reps)
     nbytes, flops = sparse_cost(B, H, topk, fmt)
-    res = dict(backend=backend, H=H, topk=topk, B=B, splits=attn.splits_for(B), ms=ms,
+    res = dict(H=H, topk=topk, B=B, splits=attn.splits_for(B), ms=ms,
                gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9, target_ms=TARGETS_MS.get(H) if (topk, B) == (2048, 64) else None)
     if ceil is not None:
         floor = ceil.floor_ms(nbytes, flops)
@@ -128,7 +141,8 @@ def _soft(fn, *args, **kw) -> dict:
         r = fn(*args, **kw)
     except Exception as e:  # noqa: BLE001 - fail soft per case
         r = dict(error=f"{type(e).__name__}: {str(e)[:400]}", trace=traceback.format_exc()[-1500:])
-    r["wall_s"] = round(time.perf_counter() - t, 2)
+    if isinstance(r, dict):
+        r["wall_s"] = round(time.perf_counter() - t, 2)
     return r
 
 
@@ -140,7 +154,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
-    backends = ("gluon", "triton")
     if dry:
         heads, topks, batches, timings = (16,), (128,), (1, 2), [(16, 128, 2)]
     else:
@@ -153,13 +166,13 @@ def main(argv=None) -> int:
             for B in batches:
                 seed += 1
                 pad = "scattered" if seed % 2 else "trailing"
-                for be in backends:
-                    r = _soft(correctness_case, be, H, topk, B, device, seed, pad)
-                    r.setdefault("backend", be)
-                    r.update(H=H, topk=topk, B=B)
+                rows = _soft(correctness_case, H, topk, B, device, seed, pad)
+                if "error" in rows:   # the batch itself failed
+                    rows = [dict(rows, kernel="(batch)", H=H, topk=topk, B=B, pad=pad)]
+                for r in rows:
                     report["correctness"].append(r)
                     status = "ok" if r.get("ok") else ("ERROR " + r["error"][:90] if "error" in r else "FAIL")
-                    print(f"check {be:6s} H{H:<3d} topk{topk:<5d} B{B:<3d} {pad:9s} "
+                    print(f"check {r['kernel']:14s} H{H:<3d} topk{topk:<5d} B{B:<3d} {pad:9s} "
                           f"rel_l2 {r.get('rel_l2', float('nan')):.2e} lse {r.get('lse_rel_l2', float('nan')):.2e} "
                           f"{status}", flush=True)
     ceil = None
@@ -171,18 +184,17 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             report["ceilings"] = dict(error=f"{type(e).__name__}: {e}")
     for H, topk, B in timings:
-        for be in backends:
-            r = _soft(timing_case, be, H, topk, B, device, ceil, args.reps)
-            r.setdefault("backend", be)
-            r.update(H=H, topk=topk, B=B)
+        for label, backend, opts in KERNELS:
+            r = _soft(timing_case, backend, opts, H, topk, B, device, ceil, args.reps)
+            r.update(kernel=label, H=H, topk=topk, B=B)
             report["timing"].append(r)
-    print(f"\n{'kernel':7s} {'H':>4s} {'topk':>5s} {'B':>3s} {'ms':>8s} {'target':>7s} {'GB/s':>6s} {'TFLOP/s':>7s} "
+    print(f"\n{'kernel':14s} {'H':>4s} {'topk':>5s} {'B':>3s} {'ms':>8s} {'target':>7s} {'GB/s':>6s} {'TFLOP/s':>7s} "
           f"{'%floor':>6s} regs spills")
     for r in report["timing"]:
         if "error" in r:
-            print(f"{r['backend']:7s} {r['H']:4d} {r['topk']:5d} {r['B']:3d}  ERROR {r['error'][:80]}")
+            print(f"{r['kernel']:14s} {r['H']:4d} {r['topk']:5d} {r['B']:3d}  ERROR {r['error'][:80]}")
             continue
-        print(f"{r['backend']:7s} {r['H']:4d} {r['topk']:5d} {r['B']:3d} {r['ms']:8.4f} "
+        print(f"{r['kernel']:14s} {r['H']:4d} {r['topk']:5d} {r['B']:3d} {r['ms']:8.4f} "
               f"{r['target_ms'] or float('nan'):7.3f} {r['gbps']:6.0f} {r['tflops']:7.1f} "
               f"{r.get('pct_floor', float('nan')):6.1f} {r.get('n_regs', '-')} {r.get('n_spills', '-')}")
     if ceil is not None:

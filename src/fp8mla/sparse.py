@@ -111,7 +111,8 @@ class MLASparseAttention:
                 from the number of tokens, so that small batches still fill the GPU).
             min_split: fewest index entries one split program walks (a multiple of 64).
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
-                ``v_convert``).
+                ``v_convert``); for backend="gluon" only ``gather`` (``kernels.sm90.sparse.GATHERS``: how a
+                tile's records reach shared memory).
         """
         check_positive_int("num_heads", num_heads)
         check_positive_int("topk", topk)
@@ -132,7 +133,7 @@ class MLASparseAttention:
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split <= 0 or \
                 min_split % INDEX_BLOCK:
             raise ValueError(f"min_split: expected a positive multiple of {INDEX_BLOCK}, got {min_split!r}")
-        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
+        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert", "gather"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
         if device is None:
@@ -147,6 +148,8 @@ class MLASparseAttention:
         p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
                         num_pages, device, backend, num_splits, min_split)
         if backend == "triton":
+            if "gather" in kernel_options:
+                raise TypeError("plan: kernel option 'gather' is for the gluon backend, not 'triton'")
             from .kernels import sparse_decode
             p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
             cap = self._split_capacity(p)
@@ -154,10 +157,14 @@ class MLASparseAttention:
                 p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
                 p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
         elif backend == "gluon":
+            from .kernels.sm90 import sparse as sm90_sparse
+            gather = kernel_options.pop("gather", sm90_sparse.DEFAULT_GATHER)
             if kernel_options:
                 raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
                                 "'gluon'")
-            p.config = {"block_h": 64}
+            if gather not in sm90_sparse.GATHERS:
+                raise ValueError(f"gather: expected one of {sorted(sm90_sparse.GATHERS)}, got {gather!r}")
+            p.config = {"block_h": sm90_sparse.HEAD_GROUP, "gather": gather}
             cap = self._split_capacity(p)
             if cap:
                 p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
@@ -345,7 +352,8 @@ class MLASparseAttention:
         if p.backend == "gluon":
             from .kernels.sm90 import sparse as sm90_sparse
             sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
-                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0)
+                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0,
+                                   gather=p.config["gather"])
             return
         sparse_decode.sparse_mla(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, part_o, part_lse,
                                  page_size=p.page_size, sm_scale=p.sm_scale, num_splits=splits,

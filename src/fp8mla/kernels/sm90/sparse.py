@@ -15,12 +15,14 @@ are never read and score -inf):
   * online softmax in fp32 with exp2 (scale sm_scale * log2 e), P rounded to bf16 into a [64, 64] slab
   * O_c [64, 64] += P . V_c for the eight 64-column chunks of c_kv (V is K's first 512 columns).
 
-This first build is a single partition, not warp-specialized: every thread issues all of a tile's record loads
-(16 B each) before converting any, and the only overlap is between CTAs. ``PREFETCH`` loads the next tile's
-records into registers while the current tile's MMAs run (register double-buffering); it spills (~450 B on
-triton 3.9), so it is off by default until the H200 says whether it pays. Why single-partition: it is the
+This first build is a pipelined single partition, not warp-specialized. ``GATHER`` picks how the records arrive
+(``GATHERS``): by default ("async") every thread cp.asyncs 16-byte pieces of the NEXT tile's records into a raw
+e4m3/bf16 stage while the current tile's MMAs and softmax run, and reads the stage back for the conversion at the
+top of the next tile; "regs" loads a tile into registers at its top (no overlap inside the CTA); "prefetch"
+loads the next tile into registers during the MMAs (spills ~450 B on triton 3.9). Why single-partition: it is the
 smallest kernel whose numerics and masking can be checked on the GPU against the Triton twin; a producer
-warpgroup (cp.async gather + conversion into a ring) is the next step once this one is verified.
+warpgroup (gather + conversion into a ring of converted slabs, consumers doing only MMAs) is the next step once
+this one is verified and measured.
 
 Splits: with few tokens an index row is cut over ``num_splits`` CTAs, each writing a normalized partial (o, lse
 base 2) that ``kernels/sparse_decode._merge_splits_kernel`` combines by log-sum-exp in split order.
@@ -36,6 +38,10 @@ try:  # Gluon ships inside triton >= 3.4; written against triton 3.6's API (3.9'
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    # triton 3.6 names cp.async async_copy_global_to_shared; later versions async_load (same arguments; there the
+    # old name still exists but raises)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     GLUON_IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
@@ -51,6 +57,11 @@ HEAD_GROUP = 64        # heads per CTA (the wgmma M side)
 TILE = 64              # index entries per tile
 NUM_WARPS = 8
 MAX_HEADS = 128
+# How a tile's records reach shared memory (the GATHER constexpr): "regs" loads them into registers at the top of
+# the tile; "prefetch" loads the next tile's into registers during this tile's MMAs (spills); "async" copies the
+# next tile's into a raw stage with cp.async during this tile's MMAs, then reads the stage back for conversion.
+GATHERS = {"regs": 0, "prefetch": 1, "async": 2}
+DEFAULT_GATHER = "async"
 LAST_COMPILED = None
 
 
@@ -67,25 +78,39 @@ def supports(num_heads: int, fmt_name: str, q_dtype_name: str, topk: int) -> tup
     return True, ""
 
 
-def smem_bytes() -> int:
-    """Shared memory of one CTA: Q (9 bf16 slabs), K (9 bf16 slabs), P (1 slab), reduction scratch."""
+def smem_bytes(gather: str = DEFAULT_GATHER) -> int:
+    """Shared memory of one CTA: Q (9 bf16 slabs), K (9 bf16 slabs), P (1 slab); "async" adds the raw stage
+    (64 records' e4m3 c_kv and bf16 k_pe)."""
     slab = 64 * 64 * 2
-    return 19 * slab
+    return 19 * slab + (64 * (512 + 128) if gather == "async" else 0)
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _load_tile(ckv_ptr, sa_ptr, kpe_ptr, indices, idx_row, j, j1, num_slots, ld: gl.constexpr):
-        """The 64 selected records of entries ``j .. j + 63`` into registers: 8 [64, 64] e4m3 pieces, the 4
-        [64] group scales and the [64, 64] bf16 k_pe. Rows of -1 / out-of-pool / past-the-split entries are not
-        read (0; their scores are -inf)."""
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-        e = j + rows
+    def _tile_rows(indices, idx_row, j, j1, num_slots, ld: gl.constexpr):
+        """Entries ``j .. j + 63`` of the index row: (valid, record number); -1 / out-of-pool / past-the-split
+        entries are not valid (record 0, never read)."""
+        e = j + gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
         idx = gl.load(indices + idx_row + e, mask=e < j1, other=-1)
         ok = (idx >= 0) & (idx < num_slots)
-        rec = gl.where(ok, idx, 0).to(gl.int64)
+        return ok, gl.where(ok, idx, 0).to(gl.int64)
+
+    @gluon.jit
+    def _load_scales(sa_ptr, ok, rec):
+        sb = sa_ptr + rec * 164
+        s0 = gl.load(sb + 0, mask=ok, other=0.0)
+        s1 = gl.load(sb + 1, mask=ok, other=0.0)
+        s2 = gl.load(sb + 2, mask=ok, other=0.0)
+        s3 = gl.load(sb + 3, mask=ok, other=0.0)
+        return s0, s1, s2, s3
+
+    @gluon.jit
+    def _load_tile(ckv_ptr, sa_ptr, kpe_ptr, indices, idx_row, j, j1, num_slots, ld: gl.constexpr):
+        """The 64 selected records of entries ``j .. j + 63`` into registers: 8 [64, 64] e4m3 pieces, the 4
+        [64] group scales and the [64, 64] bf16 k_pe; invalid rows are not read (0; their scores are -inf)."""
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        ok, rec = _tile_rows(indices, idx_row, j, j1, num_slots, ld)
         okc = ok[:, None]
         cb = ckv_ptr + rec[:, None] * 656 + cols[None, :]
         c0 = gl.load(cb + 0 * 64, mask=okc, other=0.0)
@@ -96,13 +121,35 @@ if gluon is not None:
         c5 = gl.load(cb + 5 * 64, mask=okc, other=0.0)
         c6 = gl.load(cb + 6 * 64, mask=okc, other=0.0)
         c7 = gl.load(cb + 7 * 64, mask=okc, other=0.0)
-        sb = sa_ptr + rec * 164
-        s0 = gl.load(sb + 0, mask=ok, other=0.0)
-        s1 = gl.load(sb + 1, mask=ok, other=0.0)
-        s2 = gl.load(sb + 2, mask=ok, other=0.0)
-        s3 = gl.load(sb + 3, mask=ok, other=0.0)
+        s0, s1, s2, s3 = _load_scales(sa_ptr, ok, rec)
         kp = gl.load(kpe_ptr + rec[:, None] * 328 + cols[None, :], mask=okc, other=0.0)
-        return c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp
+        return ok, c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp
+
+    @gluon.jit
+    def _issue_gather(raw_c, raw_k, ckv_ptr, kpe_ptr, ok, rec, ld: gl.constexpr):
+        """cp.async (16 B a thread and piece) of the valid rows' c_kv and k_pe into the raw stage; one group."""
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        okc = ok[:, None]
+        cb = ckv_ptr + rec[:, None] * 656 + cols[None, :]
+        for c in gl.static_range(8):
+            _cp_async(raw_c.index(c), cb + c * 64, mask=okc)
+        _cp_async(raw_k, kpe_ptr + rec[:, None] * 328 + cols[None, :], mask=okc)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _read_raw(raw_c, raw_k, ok, ld: gl.constexpr):
+        """The stage back in registers; rows that were not copied are 0 (the stage may hold anything there)."""
+        okc = ok[:, None]
+        c0 = gl.where(okc, raw_c.index(0).load(ld), 0.0)
+        c1 = gl.where(okc, raw_c.index(1).load(ld), 0.0)
+        c2 = gl.where(okc, raw_c.index(2).load(ld), 0.0)
+        c3 = gl.where(okc, raw_c.index(3).load(ld), 0.0)
+        c4 = gl.where(okc, raw_c.index(4).load(ld), 0.0)
+        c5 = gl.where(okc, raw_c.index(5).load(ld), 0.0)
+        c6 = gl.where(okc, raw_c.index(6).load(ld), 0.0)
+        c7 = gl.where(okc, raw_c.index(7).load(ld), 0.0)
+        kp = gl.where(okc, raw_k.load(ld), 0.0)
+        return c0, c1, c2, c3, c4, c5, c6, c7, kp
 
     @gluon.jit
     def _put(kbuf, c: gl.constexpr, x, s):
@@ -127,7 +174,7 @@ if gluon is not None:
         sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-        SPLIT: gl.constexpr, PREFETCH: gl.constexpr,
+        SPLIT: gl.constexpr, GATHER: gl.constexpr,
     ):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, 32, 16])
@@ -171,17 +218,31 @@ if gluon is not None:
         idx_row = t64 * stride_idx_t
         j0 = sp * chunk
         j1 = gl.minimum(j0 + chunk, topk)
-        scol = gl.arange(0, 64, layout=col_l)
 
-        if PREFETCH:
-            c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
+        if GATHER == 2:
+            raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            raw_c = gl.allocate_shared_memory(gl.float8e4nv, [8, 64, 64], raw_l)
+            raw_k = gl.allocate_shared_memory(gl.bfloat16, [64, 64], raw_l)
+            ok, rec = _tile_rows(indices, idx_row, j0, j1, num_slots, ld8)
+            _issue_gather(raw_c, raw_k, ckv_ptr, kpe_ptr, ok, rec, ld8)
+            s0, s1, s2, s3 = _load_scales(sa_ptr, ok, rec)
+            ok_n, rec_n = _tile_rows(indices, idx_row, j0 + 64, j1, num_slots, ld8)
+        if GATHER == 1:
+            ok, c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
                 ckv_ptr, sa_ptr, kpe_ptr, indices, idx_row, j0, j1, num_slots, ld8)
         for j in range(j0, j1, 64):
-            if not PREFETCH:
-                c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
+            if GATHER == 0:
+                ok, c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
                     ckv_ptr, sa_ptr, kpe_ptr, indices, idx_row, j, j1, num_slots, ld8)
-            # the previous tile's MMAs are done in every warp before its slabs are overwritten
-            _cta_barrier()
+            if GATHER == 2:
+                async_copy.wait_group(0)
+                _cta_barrier()   # every thread's copies landed; the previous tile's MMAs are done everywhere
+                c0, c1, c2, c3, c4, c5, c6, c7, kp = _read_raw(raw_c, raw_k, ok, ld8)
+                _cta_barrier()   # the stage is read: the next tile's copies may land in it during this one's MMAs
+                _issue_gather(raw_c, raw_k, ckv_ptr, kpe_ptr, ok_n, rec_n, ld8)
+                n0, n1, n2, n3 = _load_scales(sa_ptr, ok_n, rec_n)
+            if GATHER != 2:   # the previous tile's MMAs are done in every warp before its slabs are overwritten
+                _cta_barrier()
             _put(kbuf, 0, c0, s0)
             _put(kbuf, 1, c1, s0)
             _put(kbuf, 2, c2, s1)
@@ -193,10 +254,15 @@ if gluon is not None:
             kbuf.index(8).store(kp)
             fence_async_shared()
             _cta_barrier()
+            ok_s = gl.convert_layout(ok, col_l)
             # the next tile's records are in flight while this one's MMAs run (past the end: all masked)
-            if PREFETCH:
-                c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
+            if GATHER == 1:
+                ok, c0, c1, c2, c3, c4, c5, c6, c7, s0, s1, s2, s3, kp = _load_tile(
                     ckv_ptr, sa_ptr, kpe_ptr, indices, idx_row, j + 64, j1, num_slots, ld8)
+            if GATHER == 2:
+                ok = ok_n
+                s0, s1, s2, s3 = n0, n1, n2, n3
+                ok_n, rec_n = _tile_rows(indices, idx_row, j + 128, j1, num_slots, ld8)
 
             s = gl.zeros([64, 64], gl.float32, mma)
             s = _qk(q_smem, kbuf, 0, s)
@@ -210,10 +276,7 @@ if gluon is not None:
             s = _qk(q_smem, kbuf, 8, s)
             s = warpgroup_mma_wait(0, deps=(s,))
 
-            e = j + scol
-            idx = gl.load(indices + idx_row + e, mask=e < j1, other=-1)
-            ok = (idx >= 0) & (idx < num_slots)
-            s = gl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
+            s = gl.where(ok_s[None, :], s * sm_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: alpha and P stay 0
             alpha = gl.exp2(m_i - m_use)
@@ -263,15 +326,15 @@ if gluon is not None:
 
 
 def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, part_lse, *, sm_scale: float,
-               num_splits: int, lse_scale: float, prefetch: bool = False) -> None:
+               num_splits: int, lse_scale: float, gather: str = DEFAULT_GATHER) -> None:
     """Launch the Gluon sparse kernel (and the split merge when ``num_splits > 1``).
 
     q_nope ``[n, H, 512]`` / q_pe ``[n, H, 64]`` bf16 (last dim contiguous); ckv / kpe / scale_arr: the e4m3
     ``[P, page, 512]``, bf16 ``[P, page, 64]`` and fp32 ``[P, page, 4]`` views of one contiguous record pool
     (``MLASparseAttention._split_pool``; slot s = record s); indices int32 ``[n, topk]``; out ``[n, H, 512]`` bf16
     and lse ``[n, H]`` fp32 (any strides, last dim of out contiguous); part_o / part_lse fp32
-    ``[>= n * splits, H(, 512)]`` contiguous when splitting. ``prefetch``: load the next tile's records into
-    registers while the current tile's MMAs run (spills on triton 3.9; off until measured).
+    ``[>= n * splits, H(, 512)]`` contiguous when splitting. ``gather``: how a tile's records reach shared memory
+    (``GATHERS``).
     """
     from ..sparse_decode import _merge_splits_kernel
     from ..decode import LOG2E
@@ -284,6 +347,8 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
     if (page > 1 and ckv.stride(1) != want[1]) or (P > 1 and ckv.stride(0) != want[0]):
         raise ValueError(f"kv_cache: the gluon sparse kernel reads a contiguous record pool (slot s = record s, "
                          f"strides {want + (1,)}), got strides {tuple(ckv.stride())}")
+    if gather not in GATHERS:
+        raise ValueError(f"gather: expected one of {sorted(GATHERS)}, got {gather!r}")
     if n == 0:
         return
     chunk = -(-topk // num_splits)
@@ -300,7 +365,7 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         po.stride(0), po.stride(1), pl.stride(0),
-        SPLIT=split, PREFETCH=bool(prefetch), num_warps=NUM_WARPS,
+        SPLIT=split, GATHER=GATHERS[gather], num_warps=NUM_WARPS,
     )
     if split:
         _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(DC, 64))](
