@@ -8,18 +8,23 @@ token gathers its own index row, so the rows of one tile would need different K.
 
 Per 64-entry tile of the token's index row (slot ids ``page * page_size + offset``; -1 and ids outside the pool
 are never read and score -inf):
-  * gather: every thread loads 16-byte pieces of the selected 656-byte records (e4m3 c_kv, 4 fp32 scales, bf16
-    k_pe) into registers; the e4m3 values times their 128-channel group scale convert ONCE to bf16 and are
-    stored in nine [64, 64] NVMMA-swizzled slabs (8 of c_kv, 1 of k_pe): the shared operand of both products.
-  * S [64 heads, 64 tokens] = Q [64, 576] . K^T   (Q in shared memory, nine slabs, loaded once)
-  * online softmax in fp32 with exp2 (scale sm_scale * log2 e), P rounded to bf16 into a [64, 64] slab
-  * O_c [64, 64] += P . V_c for the eight 64-column chunks of c_kv (V is K's first 512 columns).
+  * gather: 16-byte pieces of the selected 656-byte records (e4m3 c_kv, 4 fp32 scales, bf16 k_pe); each e4m3
+    value times (its 128-channel group scale / the tile scale T) converts ONCE to fp16 into eight [64, 64]
+    NVMMA-swizzled slabs, the shared operand of both products; k_pe is stored as it is (bf16 slab).
+    T is a power of two >= the tile's largest scale, so the converted values are <= 448 and the fp16 rounding
+    is relative to the tile's largest value (bf16 K would double the output error: ~2.7e-3 rel. L2 in a torch
+    model of the arithmetic against 1.7e-3 this way, the bf16 output rounding being 1.66e-3).
+  * S [64 heads, 64 tokens] = (Q_nope x f) . K^T + (Q_pe x f / T) . k_pe^T, one fp32 accumulator: Q_nope in fp16
+    scaled per head by a power of two f (largest |q_nope|, |q_pe| near 2^14, exact), q_pe in bf16 (x f / T: exact); the
+    scores are S x T / f x sm_scale x log2 e
+  * online softmax in fp32 with exp2; P x T / F (F the running largest T, the output's unit; <= 1) in fp16
+  * O_c [64, 64] += P . V_c for the eight 64-column chunks (V = the c_kv slabs), rescaled by alpha x F_old / F.
 
 This first build is a pipelined single partition, not warp-specialized. ``GATHER`` picks how the records arrive
 (``GATHERS``): by default ("async") every thread cp.asyncs 16-byte pieces of the NEXT tile's records into a raw
 e4m3/bf16 stage while the current tile's MMAs and softmax run, and reads the stage back for the conversion at the
 top of the next tile; "regs" loads a tile into registers at its top (no overlap inside the CTA); "prefetch"
-loads the next tile into registers during the MMAs (spills ~450 B on triton 3.9). Why single-partition: it is the
+loads the next tile into registers during the MMAs (spills ~500 B on triton 3.9). Why single-partition: it is the
 smallest kernel whose numerics and masking can be checked on the GPU against the Triton twin; a producer
 warpgroup (gather + conversion into a ring of converted slabs, consumers doing only MMAs) is the next step once
 this one is verified and measured.
@@ -27,8 +32,10 @@ this one is verified and measured.
 Splits: with few tokens an index row is cut over ``num_splits`` CTAs, each writing a normalized partial (o, lse
 base 2) that ``kernels/sparse_decode._merge_splits_kernel`` combines by log-sum-exp in split order.
 
-Numerics: the dequantized K is bf16 (value x scale, rounded once), the query is bf16 (an fp16 query is refused:
-``supports``), accumulation in fp32. The record pool must be contiguous over pages (slot s is record s).
+Numerics: bf16 queries only (an fp16 query is refused: ``supports``); fp16 K, V and P as above, fp32
+accumulation. A tile whose largest scale is more than ~2^10 below the running F gets P in fp16 subnormals (fewer
+bits; such a tile's values are that much smaller than the largest tile's). The record pool must be contiguous over
+pages (slot s is record s).
 """
 from __future__ import annotations
 
@@ -79,10 +86,10 @@ def supports(num_heads: int, fmt_name: str, q_dtype_name: str, topk: int) -> tup
 
 
 def smem_bytes(gather: str = DEFAULT_GATHER) -> int:
-    """Shared memory of one CTA: Q (9 bf16 slabs), K (9 bf16 slabs), P (1 slab); "async" adds the raw stage
-    (64 records' e4m3 c_kv and bf16 k_pe)."""
+    """Shared memory of one CTA: Q (8 fp16 slabs of q_nope, 2 bf16 of q_pe), K (8 fp16 + 1 bf16), P (1 slab);
+    "async" adds the raw stage (64 records' e4m3 c_kv and bf16 k_pe)."""
     slab = 64 * 64 * 2
-    return 19 * slab + (64 * (512 + 128) if gather == "async" else 0)
+    return 20 * slab + (64 * (512 + 128) if gather == "async" else 0)
 
 
 if gluon is not None:
@@ -153,12 +160,12 @@ if gluon is not None:
 
     @gluon.jit
     def _put(kbuf, c: gl.constexpr, x, s):
-        """e4m3 piece x its rows' group scale -> bf16, into slab c (the one conversion of the tile)."""
-        kbuf.index(c).store((x.to(gl.float32) * s[:, None]).to(gl.bfloat16))
+        """e4m3 piece x (its rows' group scale / the tile's scale) -> fp16, into slab c (the one conversion)."""
+        kbuf.index(c).store((x.to(gl.float32) * s[:, None]).to(gl.float16))
 
     @gluon.jit
-    def _qk(q_smem, kbuf, c: gl.constexpr, s):
-        return warpgroup_mma(q_smem.index(c), kbuf.index(c).permute((1, 0)), s, is_async=True)
+    def _qk(qn_smem, kbuf, c: gl.constexpr, s):
+        return warpgroup_mma(qn_smem.index(c), kbuf.index(c).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _pv(p_smem, kbuf, c: gl.constexpr, acc, alpha):
@@ -191,19 +198,34 @@ if gluon is not None:
         sp = gl.program_id(1)
         t64 = t.to(gl.int64)
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [9, 64, 64], slab_l)
-        kbuf = gl.allocate_shared_memory(gl.bfloat16, [9, 64, 64], slab_l)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], slab_l)
+        slab16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        qn_smem = gl.allocate_shared_memory(gl.float16, [8, 64, 64], slab16_l)     # q_nope x f, fp16
+        qpe_base = gl.allocate_shared_memory(gl.bfloat16, [64, 64], slab_l)        # q_pe x f, bf16 (exact)
+        qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], slab_l)        # q_pe x f / tile scale
+        kbuf = gl.allocate_shared_memory(gl.float16, [8, 64, 64], slab16_l)        # c_kv x scale / tile scale
+        kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], slab_l)        # k_pe as stored
+        p_smem = gl.allocate_shared_memory(gl.float16, [64, 64], slab16_l)
 
-        # -- Q: 8 slabs of q_nope, 1 of q_pe; padded heads are zero rows -------------------------------------
+        # -- Q: 8 fp16 slabs of q_nope x f (f a power of two per head: its largest |q| near 2^14, exact), q_pe x f
+        # in bf16; padded heads are zero rows ----------------------------------------------------------------------
         qr = gl.arange(0, 64, layout=gl.SliceLayout(1, ld16)) + h0
         qc = gl.arange(0, 64, layout=gl.SliceLayout(0, ld16))
         qm = (qr < H)[:, None]
         qn = q_nope + t64 * stride_qn_t + qr[:, None].to(gl.int64) * stride_qn_h + qc[None, :]
+        amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld16))
         for c in gl.static_range(8):
-            q_smem.index(c).store(gl.load(qn + c * 64, mask=qm, other=0.0))
-        q_smem.index(8).store(gl.load(q_pe + t64 * stride_qp_t + qr[:, None].to(gl.int64) * stride_qp_h
-                                      + qc[None, :], mask=qm, other=0.0))
+            x = gl.load(qn + c * 64, mask=qm, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+        xp = gl.load(q_pe + t64 * stride_qp_t + qr[:, None].to(gl.int64) * stride_qp_h + qc[None, :], mask=qm,
+                     other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(xp), axis=1))   # q_pe too: q_pe x f / T stays far from overflow
+        f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
+        for c in gl.static_range(8):
+            x = gl.load(qn + c * 64, mask=qm, other=0.0).to(gl.float32)
+            qn_smem.index(c).store((x * f[:, None]).to(gl.float16))
+        qpe_base.store((xp * f[:, None]).to(gl.bfloat16))
+        row_scale = gl.convert_layout(sm_scale_log2 / f, row_l)
+        big_f = sm_scale_log2 * 0.0   # running largest tile scale: the output is kept in its units
 
         m_i = gl.full([64], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([64], gl.float32, row_l)
@@ -243,15 +265,21 @@ if gluon is not None:
                 n0, n1, n2, n3 = _load_scales(sa_ptr, ok_n, rec_n)
             if GATHER != 2:   # the previous tile's MMAs are done in every warp before its slabs are overwritten
                 _cta_barrier()
-            _put(kbuf, 0, c0, s0)
-            _put(kbuf, 1, c1, s0)
-            _put(kbuf, 2, c2, s1)
-            _put(kbuf, 3, c3, s1)
-            _put(kbuf, 4, c4, s2)
-            _put(kbuf, 5, c5, s2)
-            _put(kbuf, 6, c6, s3)
-            _put(kbuf, 7, c7, s3)
-            kbuf.index(8).store(kp)
+            # the tile's scale: a power of two >= its largest group scale (no valid row: the running one), so the
+            # converted values stay <= 448 in fp16 and q_pe / it is exact in bf16
+            tmax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+            t_scale = gl.where(tmax > 0, gl.exp2(gl.ceil(gl.log2(tmax))), gl.where(big_f > 0, big_f, 1.0))
+            inv_t = 1.0 / t_scale
+            _put(kbuf, 0, c0, s0 * inv_t)
+            _put(kbuf, 1, c1, s0 * inv_t)
+            _put(kbuf, 2, c2, s1 * inv_t)
+            _put(kbuf, 3, c3, s1 * inv_t)
+            _put(kbuf, 4, c4, s2 * inv_t)
+            _put(kbuf, 5, c5, s2 * inv_t)
+            _put(kbuf, 6, c6, s3 * inv_t)
+            _put(kbuf, 7, c7, s3 * inv_t)
+            kpe_smem.store(kp)
+            qpe_smem.store((qpe_base.load(ld16).to(gl.float32) * inv_t).to(gl.bfloat16))
             fence_async_shared()
             _cta_barrier()
             ok_s = gl.convert_layout(ok, col_l)
@@ -264,26 +292,31 @@ if gluon is not None:
                 s0, s1, s2, s3 = n0, n1, n2, n3
                 ok_n, rec_n = _tile_rows(indices, idx_row, j + 128, j1, num_slots, ld8)
 
+            # S x f / tile scale: fp16 c_kv part + bf16 k_pe part in one fp32 accumulator
             s = gl.zeros([64, 64], gl.float32, mma)
-            s = _qk(q_smem, kbuf, 0, s)
-            s = _qk(q_smem, kbuf, 1, s)
-            s = _qk(q_smem, kbuf, 2, s)
-            s = _qk(q_smem, kbuf, 3, s)
-            s = _qk(q_smem, kbuf, 4, s)
-            s = _qk(q_smem, kbuf, 5, s)
-            s = _qk(q_smem, kbuf, 6, s)
-            s = _qk(q_smem, kbuf, 7, s)
-            s = _qk(q_smem, kbuf, 8, s)
+            s = _qk(qn_smem, kbuf, 0, s)
+            s = _qk(qn_smem, kbuf, 1, s)
+            s = _qk(qn_smem, kbuf, 2, s)
+            s = _qk(qn_smem, kbuf, 3, s)
+            s = _qk(qn_smem, kbuf, 4, s)
+            s = _qk(qn_smem, kbuf, 5, s)
+            s = _qk(qn_smem, kbuf, 6, s)
+            s = _qk(qn_smem, kbuf, 7, s)
+            s = warpgroup_mma(qpe_smem, kpe_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
 
-            s = gl.where(ok_s[None, :], s * sm_scale_log2, float("-inf"))
+            s = gl.where(ok_s[None, :], s * (row_scale * t_scale)[:, None], float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: alpha and P stay 0
             alpha = gl.exp2(m_i - m_use)
             p = gl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            p_smem.store(p.to(gl.bfloat16))
+            # V is in units of the tile scale, the output in units of big_f: P x tile / big_f <= 1 in fp16
+            f_new = gl.maximum(big_f, t_scale)
+            alpha = alpha * (big_f / f_new)
+            big_f = f_new
+            p_smem.store((p * (t_scale / f_new)).to(gl.float16))
             fence_async_shared()
             _cta_barrier()
             o0 = _pv(p_smem, kbuf, 0, o0, alpha)
@@ -298,7 +331,7 @@ if gluon is not None:
 
         # -- epilogue: no valid entry is l == 0 (out 0, lse -inf); NaN stays NaN ----------------------------------
         empty = l_i == 0
-        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        inv = gl.where(empty, 0.0, big_f / gl.where(empty, 1.0, l_i))
         lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
         heads = gl.arange(0, 64, layout=row_l) + h0
         hok = heads < H
