@@ -133,6 +133,31 @@ def test_gluon_plan_refusals_and_auto(monkeypatch):
                                      2048)() == (True, "")
 
 
+def test_gluon_launcher_argument_checks():
+    """The Hopper launcher's host checks (before any launch, so they run on the CPU): a pool whose records are not
+    contiguous over pages, an unknown gather."""
+    from fp8mla.kernels.sm90 import sparse as sm90_sparse
+    pool = torch.zeros(4, 32, 656, dtype=torch.uint8)
+    q = torch.zeros(0, 16, 512, dtype=torch.bfloat16)
+    qp = torch.zeros(0, 16, 64, dtype=torch.bfloat16)
+    idx = torch.zeros(0, 64, dtype=torch.int32)
+    out, lse = torch.zeros(0, 16, 512, dtype=torch.bfloat16), torch.zeros(0, 16)
+
+    def views(p):
+        return (p[..., :512].view(torch.float8_e4m3fn), p.view(torch.bfloat16)[..., 264:328],
+                p.view(torch.float32)[..., 128:132])
+    c, k, sa = views(pool)
+    sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1, lse_scale=1.0)
+    c, k, sa = views(pool[:, ::2])
+    with pytest.raises(ValueError, match="kv_cache: the gluon sparse kernel reads a contiguous record pool"):
+        sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
+                               lse_scale=1.0)
+    c, k, sa = views(pool)
+    with pytest.raises(ValueError, match="gather: expected one of"):
+        sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
+                               lse_scale=1.0, gather="tma")
+
+
 def test_out_of_pool_indices(monkeypatch):
     attn, r = _planned()
     idx = r["indices"].clone()
