@@ -268,7 +268,7 @@ if gluon is not None:
             # the tile's scale: a power of two >= its largest group scale (no valid row: the running one), so the
             # converted values stay <= 448 in fp16 and q_pe / it is exact in bf16
             tmax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
-            t_scale = gl.where(tmax > 0, gl.exp2(gl.ceil(gl.log2(tmax))), gl.where(big_f > 0, big_f, 1.0))
+            t_scale = gl.where(tmax > 0, gl.exp2(-gl.floor(-gl.log2(tmax))), gl.where(big_f > 0, big_f, 1.0))
             inv_t = 1.0 / t_scale
             _put(kbuf, 0, c0, s0 * inv_t)
             _put(kbuf, 1, c1, s0 * inv_t)
