@@ -329,6 +329,8 @@ if gluon is not None:
             o7 = _pv(p_smem, kbuf, 7, o7, alpha)
             o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
 
+        if GATHER == 2:
+            async_copy.wait_group(0)   # the last (all-masked) copy group: nothing in flight at exit
         # -- epilogue: no valid entry is l == 0 (out 0, lse -inf); NaN stays NaN ----------------------------------
         empty = l_i == 0
         inv = gl.where(empty, 0.0, big_f / gl.where(empty, 1.0, l_i))
