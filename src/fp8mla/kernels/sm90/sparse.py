@@ -242,6 +242,8 @@ if gluon is not None:
         j1 = gl.minimum(j0 + chunk, topk)
 
         if GATHER == 2:
+            # plain row-major stages (the layout of one [64, 64] piece; the leading dim indexes pieces, as for the
+            # NVMMA slabs): the 16-byte pieces are written (cp.async) and read (LDS.128) in one register layout
             raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             raw_c = gl.allocate_shared_memory(gl.float8e4nv, [8, 64, 64], raw_l)
             raw_k = gl.allocate_shared_memory(gl.bfloat16, [64, 64], raw_l)
