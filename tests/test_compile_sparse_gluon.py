@@ -52,7 +52,9 @@ _PTR = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*f
         "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
 _DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
           "stride_o_h", "stride_po_i", "stride_po_h"}
-_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
+# the opcode of a loop-body line: scripts/compile_kernels.py keeps cuobjdump's "/*addr*/" prefix, devtools/sass.py
+# strips it
+_OPCODE = re.compile(r"^\s*(?:/\*[0-9a-f]{4,}\*/\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
 CASES = {"async-split": dict(SPLIT=True, GATHER=2), "async-nosplit": dict(SPLIT=False, GATHER=2),
          "regs-split": dict(SPLIT=True, GATHER=0), "prefetch-split": dict(SPLIT=True, GATHER=1)}
 
