@@ -152,8 +152,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny sizes, no ceilings")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--kernels", default=",".join(k[0] for k in KERNELS),
+                    help="comma-separated subset of " + ", ".join(k[0] for k in KERNELS))
     ap.add_argument("--full", action="store_true", help="every heads x topk x B case (adds B64 topk 2048 at H8 / H64)")
     args = ap.parse_args(argv)
+    chosen = args.kernels.split(",")
+    unknown = set(chosen) - {k[0] for k in KERNELS}
+    if unknown:
+        ap.error(f"--kernels: unknown {sorted(unknown)}")
+    KERNELS[:] = [k for k in KERNELS if k[0] in chosen]
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
     if dry:
