@@ -60,7 +60,9 @@ class MLASparseAttention:
     Args:
         backend: ``"auto"`` (triton on CUDA, else torch), ``"torch"`` (fp32 torch code, any device),
             ``"triton"`` (the portable kernel, ``fp8mla.kernels.sparse_decode``; on the CPU under
-            ``TRITON_INTERPRET=1``), ``"gluon"`` (reserved for the Hopper build; refused until it exists).
+            ``TRITON_INTERPRET=1``), ``"gluon"`` (the Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90,
+            fp8_ds_mla records, bf16 queries; refused by name elsewhere). ``"auto"`` takes gluon only once
+            that module's ``AUTO_SELECT`` is on.
 
     Example:
         >>> import torch, fp8mla
@@ -109,7 +111,8 @@ class MLASparseAttention:
                 from the number of tokens, so that small batches still fill the GPU).
             min_split: fewest index entries one split program walks (a multiple of 64).
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
-                ``v_convert``).
+                ``v_convert``); for backend="gluon" only ``gather`` (``kernels.sm90.sparse.GATHERS``: how a
+                tile's records reach shared memory).
         """
         check_positive_int("num_heads", num_heads)
         check_positive_int("topk", topk)
@@ -130,17 +133,14 @@ class MLASparseAttention:
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split <= 0 or \
                 min_split % INDEX_BLOCK:
             raise ValueError(f"min_split: expected a positive multiple of {INDEX_BLOCK}, got {min_split!r}")
-        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
+        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert", "gather"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        if self._backend == "gluon":
-            # Reserved: the Hopper Gluon sparse build waits for the kernels/sm90/ structure.
-            raise SparseKernelError("backend: 'gluon' has no sparse build yet (the Hopper sparse kernel waits for "
-                                    "the kernels/sm90/ redesign); use backend='triton' or 'auto'")
-        backend = choose_backend(self._backend, device)
+        backend = choose_backend(self._backend, device, _gluon_support(self._backend, num_heads, fmt,
+                                                                       q_data_type, topk))
         if backend == "triton" and topk % INDEX_BLOCK:
             # No quiet fallback to the torch code on a GPU: padding the rows costs nothing, the torch path a lot.
             raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the index "
@@ -148,8 +148,23 @@ class MLASparseAttention:
         p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
                         num_pages, device, backend, num_splits, min_split)
         if backend == "triton":
+            if "gather" in kernel_options:
+                raise TypeError("plan: kernel option 'gather' is for the gluon backend, not 'triton'")
             from .kernels import sparse_decode
             p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
+            cap = self._split_capacity(p)
+            if cap:
+                p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
+                p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
+        elif backend == "gluon":
+            from .kernels.sm90 import sparse as sm90_sparse
+            gather = kernel_options.pop("gather", sm90_sparse.DEFAULT_GATHER)
+            if kernel_options:
+                raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
+                                "'gluon'")
+            if gather not in sm90_sparse.GATHERS:
+                raise ValueError(f"gather: expected one of {sorted(sm90_sparse.GATHERS)}, got {gather!r}")
+            p.config = {"block_h": sm90_sparse.HEAD_GROUP, "gather": gather}
             cap = self._split_capacity(p)
             if cap:
                 p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
@@ -173,7 +188,7 @@ class MLASparseAttention:
         """Largest ``tokens x splits`` any call can need: splits > 1 only while tokens x head tiles is under the
         GPU's target program count, so this is bounded by O(SMs) and independent of the batch."""
         if p.num_splits is not None:
-            return 0  # a fixed split count: the workspace is sized per call (see _run_triton)
+            return 0  # a fixed split count: the workspace is sized per call (see _run_kernel)
         cap = 0
         for n in range(1, _target_programs(p) + 1):
             s = _splits(p, n)
@@ -235,8 +250,8 @@ class MLASparseAttention:
         if debug_checks() and indices.numel():
             _check_index_values(indices, P * p.page_size)
         if n:
-            if p.backend == "triton":
-                self._run_triton(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse,
+            if p.backend in ("triton", "gluon"):
+                self._run_kernel(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse,
                                  bool(return_lse_base_on_e))
             else:
                 _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, bool(return_lse_base_on_e))
@@ -327,7 +342,7 @@ class MLASparseAttention:
             self._scales_host = None
         return self._scales
 
-    def _run_triton(self, p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e):
+    def _run_kernel(self, p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e):
         from .kernels import sparse_decode
         n = q_nope.shape[0]
         splits = _splits(p, n)
@@ -336,9 +351,27 @@ class MLASparseAttention:
             # only with a fixed num_splits (plan sized nothing): allocated per call, not graph-safe
             part_o = torch.empty(n * splits, p.num_heads, p.head_dim_ckv, dtype=torch.float32, device=p.device)
             part_lse = torch.empty(n * splits, p.num_heads, dtype=torch.float32, device=p.device)
+        if p.backend == "gluon":
+            from .kernels.sm90 import sparse as sm90_sparse
+            sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
+                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0,
+                                   gather=p.config["gather"])
+            return
         sparse_decode.sparse_mla(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, part_o, part_lse,
                                  page_size=p.page_size, sm_scale=p.sm_scale, num_splits=splits,
                                  lse_scale=LN2 if base_e else 1.0, **p.config)
+
+
+def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int):
+    """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
+    raises, naming why), for "auto" only while ``kernels.sm90.sparse.AUTO_SELECT`` is on (off until the H200 A/B
+    against the Triton kernel). Imported only when asked (a torch-only install has no triton)."""
+    def check():
+        from .kernels.sm90 import sparse as sm90_sparse
+        if requested == "auto" and not sm90_sparse.AUTO_SELECT:
+            return False, "the gluon sparse build is not auto-selected yet"
+        return sm90_sparse.supports(num_heads, fmt.name, str(q_dtype).removeprefix("torch."), topk)
+    return check
 
 
 def _target_programs(p: _SparsePlan) -> int:
@@ -348,7 +381,7 @@ def _target_programs(p: _SparsePlan) -> int:
 def _splits(p: _SparsePlan, n: int) -> int:
     """Programs per index row: enough that ``n x head tiles x splits`` reaches twice the SM count, each walking
     at least ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
-    if p.backend != "triton":
+    if p.backend not in ("triton", "gluon"):
         return 1
     if p.num_splits is not None:
         return min(p.num_splits, -(-p.topk // INDEX_BLOCK))

@@ -48,4 +48,7 @@ def _sparse_info(device) -> None:
     print("  torch          fp32 gather of the selected rows, every format, any topk: available")
     ok = "available" if triton_usable(device) else "not available here (needs CUDA, or TRITON_INTERPRET=1)"
     print(f"  triton         kernels/sparse_decode.py, every format, topk a multiple of 64: {ok}")
-    print("  gluon          Hopper sparse build: not built yet (reserved; refused by name)")
+    from ..runtime import gluon_usable
+    ok = "available" if gluon_usable(device) else "not available here (needs an sm_90 GPU and Gluon)"
+    print(f"  gluon          kernels/sm90/sparse.py, fp8_ds_mla, bf16 queries, topk a multiple of 64 (not picked "
+          f"by auto yet): {ok}")
