@@ -108,6 +108,8 @@ def test_demo_leaves_its_results_in_the_folder_it_names(demo_output):
     for part in ("## 1. KV formats", "## 2. The small scenario", "| cast_pool | torch |", "**conclusion: ",
                  "`traces/native.json`"):
         assert part in md, part
+    assert "| bf16 | 1152 | +0% |" in md and "-0%" not in md and "n/a%" not in md, md
+    assert re.search(r"^bf16 +1152 +\+0% ", out, re.M), out
 
 
 def test_default_out_dir_is_new_and_timestamped(tmp_path, monkeypatch):
