@@ -279,8 +279,8 @@ def test_plot_title_names_the_step(tmp_path, monkeypatch):
     r = diagnose(_write(tmp_path, _linked_trace()), pool_bytes=100_000 * 576)
     plot_report(r, tmp_path / "a.png")
     plot_report(r, tmp_path / "b.png", step="cast_pool's profiled step")
-    assert titles[0].startswith(f"Where a {r.step_ms:.2f} ms step goes ("), titles
-    assert titles[1].startswith("Where cast_pool's profiled step goes ("), titles
+    assert titles[0].startswith(f"Where a {r.step_ms:.2f} ms step goes\n("), titles
+    assert titles[1].startswith("Where cast_pool's profiled step goes\n("), titles
 
 
 def test_corrupt_gzip_body_is_a_trace_error(tmp_path, capsys):

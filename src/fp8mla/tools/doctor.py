@@ -394,7 +394,7 @@ def plot_report(r: Report, path, top: int = 10, step: str | None = None) -> None
     ax.barh([x[0] for x in rows][::-1], [x[1] for x in rows][::-1], color=[x[2] for x in rows][::-1])
     ax.set_xlabel("ms per step")
     what = "GPU kernels" if r.has_gpu else "CPU ops, self time"
-    ax.set_title(f"Where {step or f'a {r.step_ms:.2f} ms step'} goes ({what}; casts taken out of their ops)")
+    ax.set_title(f"Where {step or f'a {r.step_ms:.2f} ms step'} goes\n({what}; casts taken out of their ops)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
