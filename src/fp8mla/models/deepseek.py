@@ -102,6 +102,7 @@ class MLAStep:
     committed: bool = False      # a forward pass finished: a later failure no longer gives the slots back
     undo: object = None          # called by cancel() after the cache's undo (the runner's own bookkeeping)
     records: list | None = None  # the cache's record of each sequence at begin_step (None: not checked)
+    forks: int = 0               # the cache's fork count at begin_step (a later fork may share the step's pages)
 
     @property
     def num_rows(self) -> int:
@@ -135,11 +136,11 @@ def refuse_stale_step(step) -> None:
     another sequence. With ``records`` (the model's steps), the sequences must also still hold the tokens:
     a ``cache.unreserve`` or ``cache.free`` behind the step's back is refused the same way. After a
     ``cache.fork``, the pages the step writes must be its sequences' own (a fork shares the pages of the tokens
-    it copied). O(batch), plus O(pages written) once the cache has forked."""
+    it copied). O(batch), plus O(pages written) when the cache forked since the step was planned."""
     if not step.reserved:
         raise ValueError("step: this step was cancelled (its reservation went back to the cache, whose pages may "
                          "hold another sequence's tokens by now); expected a step from a new begin_step")
-    if getattr(step.cache, "_forked", False):
+    if forked_since(step):
         _refuse_shared_pages(step)
     if step.records is None:
         return
@@ -154,6 +155,11 @@ def refuse_stale_step(step) -> None:
             raise ValueError(f"step: sequence {sid!r} holds {rec.length} tokens, fewer than the {p + n} this step "
                              f"reserved (its reservation was given back: cache.unreserve); expected a step from a "
                              f"new begin_step")
+
+
+def forked_since(step) -> bool:
+    """The cache forked a sequence after ``step`` was planned (O(1): the step's pages may be shared since)."""
+    return getattr(step.cache, "_forks", 0) != step.forks
 
 
 def _refuse_shared_pages(step) -> None:
@@ -226,6 +232,7 @@ def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rop
         table = getattr(cache, "_seqs", None)
         if table is not None:
             step.records = [table[i] for i in ids]
+        step.forks = getattr(cache, "_forks", 0)
         return step
     except BaseException:
         cache.unreserve(ids)
@@ -379,7 +386,7 @@ class DeepseekMLA(nn.Module):
         """``x [T, hidden_size]`` (the step's new tokens, in order) -> ``[T, hidden_size]``."""
         c = self.cfg
         T, H = step.num_rows, self.num_local_heads
-        if not step.reserved or getattr(step.cache, "_forked", False):
+        if not step.reserved or forked_since(step):
             step.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")

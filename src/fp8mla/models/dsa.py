@@ -42,7 +42,7 @@ from ..cache import PagedMLACache
 from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
 from .deepseek import (DeepseekMLA, RMSNorm, _attn_dtype, _randn, _reserve, _rope, _write, check_step_args,
-                       refuse_stale_step)
+                       forked_since, refuse_stale_step)
 from .dsa_config import DSAConfig, load_dsa_config
 from .indexer import DSACache, LightningIndexer, select_topk
 
@@ -76,6 +76,7 @@ class DSAStep:
     reserved: bool = True
     committed: bool = False
     records: list | None = None   # the cache's record of each sequence at begin_step
+    forks: int = 0                # the cache's fork count at begin_step (a later fork may share the step's pages)
 
     @property
     def num_rows(self) -> int:
@@ -126,6 +127,7 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
         step = DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
                        backend)
         step.records = [cache._seqs[i] for i in ids]
+        step.forks = cache._forks
         return step
     except BaseException:
         cache.unreserve(ids)
@@ -161,7 +163,7 @@ class DSAAttention(DeepseekMLA):
         of the indexer's (tests hand in transformers' own selection)."""
         c = self.cfg
         T, H = step.num_rows, self.num_local_heads
-        if not step.reserved or getattr(step.cache, "_forked", False):
+        if not step.reserved or forked_since(step):
             step.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")
