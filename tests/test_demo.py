@@ -108,6 +108,8 @@ def test_demo_leaves_its_results_in_the_folder_it_names(demo_output):
     for part in ("## 1. KV formats", "## 2. The small scenario", "| cast_pool | torch |", "**conclusion: ",
                  "`traces/native.json`"):
         assert part in md, part
+    assert "| bf16 | 1152 | +0% |" in md and "-0%" not in md and "n/a%" not in md, md
+    assert re.search(r"^bf16 +1152 +\+0% ", out, re.M), out
 
 
 def test_default_out_dir_is_new_and_timestamped(tmp_path, monkeypatch):
@@ -166,6 +168,28 @@ def test_traces_written(demo_output):
     _, _, trace_dir = demo_output
     for way in WAYS:
         assert (trace_dir / f"{way}.json").stat().st_size > 0
+
+
+def test_readme_doctor_example_reads_a_trace_the_demo_writes(demo_output, capsys):
+    """The README's doctor example names a file of the demo's folder (its default name pattern, its traces/),
+    and the doctor's diagnosis of it starts as the README shows."""
+    from pathlib import Path
+
+    from fp8mla.commands.demo_output import default_out_dir
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    m = re.search(r"^\$ fp8mla doctor (fp8mla-demo-<UTC time>)/(\S+)", readme, re.M)
+    assert m, "the README's doctor example"
+    pattern = re.escape(m.group(1)).replace(re.escape("<UTC time>"), r"\d{8}-\d{6}")
+    assert re.fullmatch(pattern, Path(default_out_dir(0)).name), (m.group(1), default_out_dir(0))
+    _, _, trace_dir = demo_output
+    trace = trace_dir.parent / m.group(2)
+    assert trace.is_file(), f"the demo wrote no {m.group(2)}"
+    capsys.readouterr()
+    assert main(["doctor", str(trace)]) == 1  # exit 1: a pool cast found
+    out = capsys.readouterr().out
+    shown = readme[m.end():].split("\nDiagnosis\n", 1)[1].splitlines()[0].strip()
+    assert shown.startswith("KV-pool cast: ") and out.split("\nDiagnosis\n", 1)[1].strip().startswith(
+        shown[:shown.index(" of [")]), (shown, out)
 
 
 @pytest.mark.skipif(not HAS_DOCTOR, reason="fp8mla.tools.doctor is not there yet")

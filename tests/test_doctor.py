@@ -268,6 +268,21 @@ def test_plot(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_title_names_the_step(tmp_path, monkeypatch):
+    """The demo's PNG says whose step it is (the cast_pool way's profiled one, not the timed median)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    titles = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (titles.append(fig.axes[0].get_title()),
+                                                                   save(fig, *a, **k)))
+    r = diagnose(_write(tmp_path, _linked_trace()), pool_bytes=100_000 * 576)
+    plot_report(r, tmp_path / "a.png")
+    plot_report(r, tmp_path / "b.png", step="cast_pool's profiled step")
+    assert titles[0].startswith(f"Where a {r.step_ms:.2f} ms step goes\n("), titles
+    assert titles[1].startswith("Where cast_pool's profiled step goes\n("), titles
+
+
 def test_corrupt_gzip_body_is_a_trace_error(tmp_path, capsys):
     """A valid gzip header over damaged deflate data raised zlib.error, which the reader did not catch."""
     raw = bytearray(gzip.compress(json.dumps({"traceEvents": _linked_trace()}).encode()))

@@ -138,6 +138,35 @@ def test_shared_layers_reuse_and_fork_copies_keys():
         assert sel <= slots and len(sel) == min(cfg.index_topk, 7)
 
 
+def test_a_step_that_must_not_run_is_refused():
+    """A cancelled step (its slots went back to the pool), or one whose page a later fork shares, would write its
+    tokens where another sequence's are: refused by name, the pool unchanged."""
+    cfg = load_dsa_config("tiny-dsa")
+    m = DSAModel.random(cfg, dtype=torch.float32, backend="torch")
+    cache = m.make_cache(16, 4, "bf16")
+    a = cache.add_sequence()
+    m(torch.randn(3, cfg.hidden_size), m.begin_step(cache, [a], [3]))
+    st = m.begin_step(cache, [a], [1])
+    st.cancel()
+    b = cache.add_sequence()
+    m(torch.randn(2, cfg.hidden_size), m.begin_step(cache, [b], [2]))
+    pools = cache.pool.clone(), cache.index_pool.clone()
+    with pytest.raises(ValueError, match="step: .*cancelled"):
+        m(torch.randn(1, cfg.hidden_size), st)
+    with pytest.raises(ValueError, match="step: .*cancelled"):
+        m.layers[0].self_attn(torch.randn(1, cfg.hidden_size), st)
+    st = m.begin_step(cache, [a], [1])
+    f = cache.fork(a)
+    with pytest.raises(ValueError, match=rf"step: sequence {a} shares page"):
+        m(torch.randn(1, cfg.hidden_size), st)
+    st = m.begin_step(cache, [b], [1])
+    cache.free(b)
+    with pytest.raises(ValueError, match=rf"step: sequence {b} is no longer in the cache"):
+        m(torch.randn(1, cfg.hidden_size), st)
+    assert torch.equal(cache.pool, pools[0]) and torch.equal(cache.index_pool, pools[1])
+    m(torch.randn(2, cfg.hidden_size), m.begin_step(cache, [a, f], [1, 1]))  # new steps: their own pages
+
+
 def test_bad_input_is_named():
     cfg = load_dsa_config("tiny-dsa")
     m = DSAModel.random(cfg, dtype=torch.float32, backend="torch")

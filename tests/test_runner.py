@@ -216,6 +216,40 @@ def test_cancelled_step_refuses_to_run():
     m(torch.randn(1, 256, device=DEVICE), st)
 
 
+def test_step_refuses_to_write_a_forks_pages():
+    """A fork shares its source's pages; a step planned before the fork (or run again after it) would write its
+    token into a page the fork holds too, changing the fork's tokens: refused by name (model and runner). A new
+    begin_step unshares the page first and runs."""
+    for use_runner in (False, True):
+        m = tiny_model(backend="torch")
+        cache = m.make_cache(32, 4, "bf16")
+        a = cache.add_sequence()
+        m(torch.randn(3, 256, device=DEVICE), m.begin_step(cache, [a], [3]))
+        r = DecodeRunner(m, cache, max_batch=2, use_cuda_graph=False) if use_runner else None
+        begin = (lambda: r.begin_step([a], [cache.seq_len(a)])) if r else (lambda: m.begin_step(cache, [a], [1]))
+        run = (lambda x, st: r.forward(x, st)) if r else (lambda x, st: m(x, st))
+        done = begin()
+        run(torch.randn(1, 256, device=DEVICE), done)  # a: 4 tokens, its page full
+        b = cache.fork(a)
+        pool = cache.pool.clone()
+        with pytest.raises(ValueError, match=r"step: sequence 0 shares page \d+, where this step writes"):
+            run(torch.randn(1, 256, device=DEVICE), done)  # a completed step run again after the fork
+        assert torch.equal(cache.pool, pool), "a step wrote into a page the fork shares"
+        if r is None:  # planned before the fork, run after it
+            c = cache.add_sequence()
+            m(torch.randn(2, 256, device=DEVICE), m.begin_step(cache, [c], [2]))
+            st = m.begin_step(cache, [c], [1])
+            cache.fork(c)
+            pool = cache.pool.clone()
+            with pytest.raises(ValueError, match="step: sequence .* shares page"):
+                m(torch.randn(1, 256, device=DEVICE), st)
+            assert torch.equal(cache.pool, pool)
+        run(torch.randn(1, 256, device=DEVICE), begin())  # a new step: its own page
+        assert cache.seq_len(a) == 5 and cache.seq_len(b) == 4
+        if r:
+            r.close()
+
+
 def test_begin_step_takes_one_id_as_the_cache_does():
     """``begin_step(cache, seq_id, 3)``: one id, as the cache takes one elsewhere (was "'int' object is not
     iterable"); a tuple id is refused by name."""

@@ -164,6 +164,7 @@ class PagedMLACache:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self._refs = [0] * num_pages
         self._forked = False  # a page may be shared (refs > 1) only after a fork: reserve's fast path checks this
+        self._forks = 0  # forks made so far: a step planned before the last one checks that its pages are its own
         self._seqs: dict[int, _Sequence] = {}
         self._ids = itertools.count()
 
@@ -422,6 +423,7 @@ class PagedMLACache:
         for p in dst.pages:
             self._refs[p] += 1
         self._forked = True
+        self._forks += 1
         src.pending = 0  # its pending slots now lie in shared pages
         return new_id
 

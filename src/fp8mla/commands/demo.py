@@ -176,7 +176,8 @@ def print_formats(rows, device, heads) -> None:
             d = r[s]
             cells.append(f"{d['err']:11.1e} {d['err_orig']:9.1e} {d['ms']:8.2f}" if "ms" in d
                          else f"{'n/a: ' + d['error'][:28]:>30s}")
-        print(f"{r['format']:15s} {r['bytes_per_token']:7d} {-100 * r['saved']:+7.0f}% {_mb(r['cache_bytes']):>9s} | "
+        less = -100 * r["saved"] + 0.0  # (+ 0.0: bf16's -0.0 prints as +0)
+        print(f"{r['format']:15s} {r['bytes_per_token']:7d} {less:+7.0f}% {_mb(r['cache_bytes']):>9s} | "
               f"{cells[0]} | {cells[1]:>32s}")
 
 

@@ -125,7 +125,8 @@ def _md_table(header: list, rows: list[list]) -> list[str]:
 
 
 def _f(v, fmt: str, none: str = "n/a") -> str:
-    return none if v is None else format(v, fmt)
+    """``v`` formatted (a trailing "%" in ``fmt`` is appended), or ``none``."""
+    return none if v is None else format(v, fmt.rstrip("%")) + "%" * fmt.endswith("%")
 
 
 def write_markdown(path: str, *, title: str, res, fmt_rows, device, files: list, concl) -> None:
@@ -137,7 +138,7 @@ def write_markdown(path: str, *, title: str, res, fmt_rows, device, files: list,
               "calls.", ""]
         L += _md_table(["format", "B/token", "vs bf16", "cache B", "decode err", "decode err orig", "decode ms",
                         "multi err", "multi err orig", "multi ms", "backend"],
-                       [[r["format"], r["bytes_per_token"], f"{-r['saved_vs_bf16_pct']:+.0f}%", r["cache_bytes"],
+                       [[r["format"], r["bytes_per_token"], f"{-r['saved_vs_bf16_pct'] + 0.0:+.0f}%", r["cache_bytes"],
                          _f(r["decode_rel_l2"], ".1e"), _f(r["decode_rel_l2_orig"], ".1e"), _f(r["decode_ms"], ".2f"),
                          _f(r["multi_rel_l2"], ".1e"), _f(r["multi_rel_l2_orig"], ".1e"), _f(r["multi_ms"], ".2f"),
                          r["decode_backend"] or r["decode_error"]] for r in format_rows(fmt_rows)])
@@ -153,8 +154,8 @@ def write_markdown(path: str, *, title: str, res, fmt_rows, device, files: list,
                        [[r["way"], r["backend"] + (" +graph" if r["cuda_graph"] else ""), ms(r["ms_median"]),
                          f"{ms(r['ms_min'])}-{ms(r['ms_max'])}", r["timed_reps"],
                          "n/a" if r["profiled_step_ms"] is None else ms(r["profiled_step_ms"]),
-                         f"{r['speedup_vs_cast_pool']:.2f}x", _f(r["cast_share_pct"], ".1f", "n/a") + "%",
-                         _f(r["pool_cast_share_pct"], ".1f", "n/a") + "%", r["extra_mem_bytes"],
+                         f"{r['speedup_vs_cast_pool']:.2f}x", _f(r["cast_share_pct"], ".1f%"),
+                         _f(r["pool_cast_share_pct"], ".1f%"), r["extra_mem_bytes"],
                          f"{r['rel_l2_vs_f64']:.1e}"] for r in scenario_rows(res)])
         L += ["", "- **ms/step**: the timed steps (no profiler), median of the timed repeats, with their min-max.",
               "- **profiled step ms**: the one step run under torch.profiler (recording shapes, and memory on a CPU); "
@@ -219,7 +220,8 @@ def write_all(out_dir: str, *, title: str, res, fmt_rows, device, concl) -> tupl
             rep = res["ways"]["cast_pool"]["doctor"].get("report")
             if rep is not None:
                 from ..tools.doctor import plot_report
-                plot_report(rep, os.path.join(out_dir, "cast_pool_step.png"))
+                plot_report(rep, os.path.join(out_dir, "cast_pool_step.png"),
+                            step=f"cast_pool's profiled {rep.step_ms:.2f} ms step ({res['scale']}, {device})")
                 files.append("cast_pool_step.png")
         for r in res["ways"].values():  # in the folder (default: traces/), or where --trace-dir put them
             rel = os.path.relpath(r["trace"], out_dir)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from .versions import UnsupportedEngineVersion, check_version
+from .versions import UnsupportedEngineVersion, check_version, import_error
 
 __all__ = ["BACKEND_NAME", "register", "create_backend"]
 
@@ -43,11 +43,14 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    try:  # first: without the engine, the version check below would only log
+        from sglang.srt.layers.attention import attention_registry
+    except ImportError as e:
+        raise import_error("sglang", "sglang.srt.layers.attention.attention_registry", e) from e
     try:
         check_version("sglang")
     except UnsupportedEngineVersion as e:  # create_backend raises it again, from the backend module
         logger.warning("%s", e)
-    from sglang.srt.layers.attention import attention_registry
     attention_registry.register_attention_backend(BACKEND_NAME)(create_backend)
     try:
         from sglang.srt.arg_groups import choices

@@ -11,7 +11,7 @@ import os
 import re
 import warnings
 
-__all__ = ["SUPPORTED", "VERIFIED", "UnsupportedEngineVersion", "check_version", "engine_version"]
+__all__ = ["SUPPORTED", "VERIFIED", "UnsupportedEngineVersion", "check_version", "engine_version", "import_error"]
 
 # engine -> release prefixes accepted ("0.32" accepts 0.32.x). Versions whose internals the adapter matches.
 SUPPORTED: dict[str, tuple[str, ...]] = {
@@ -62,6 +62,18 @@ def engine_version(engine: str) -> str | None:
 
 def describe(engine: str) -> str:
     return " or ".join(p + (".x" if p.count(".") == 1 else "") for p in SUPPORTED[engine])
+
+
+def import_error(engine: str, where: str, err: ImportError) -> ImportError:
+    """The error of ``register()`` when the engine's module ``where`` does not import: it names the engine, the
+    versions supported and what was found (not installed, or another version), instead of a bare
+    ModuleNotFoundError (the plugin entry point runs only inside the engine, so a direct call is a user's)."""
+    version = engine_version(engine)
+    found = (f"{engine} is not installed" if version is None
+             else f"{engine} {version} is installed but {where} does not import ({err})")
+    e = ModuleNotFoundError if version is None else ImportError
+    return e(f"fp8mla.integrations.{engine}.register: expected {engine} {describe(engine)} installed (pip install "
+             f"'fp8mla[{engine}]'), got: {found}", name=getattr(err, "name", None))
 
 
 def check_version(engine: str, version: str | None = None) -> str:

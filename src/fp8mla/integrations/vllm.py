@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from .versions import UnsupportedEngineVersion, check_version
+from .versions import UnsupportedEngineVersion, check_version, import_error
 
 __all__ = ["BACKEND_NAME", "BACKEND_PATH", "register"]
 
@@ -32,11 +32,14 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    try:  # first: without the engine, the version check below would only log
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError as e:
+        raise import_error("vllm", "vllm.v1.attention.backends.registry", e) from e
     try:
         check_version("vllm")
     except UnsupportedEngineVersion as e:  # selecting FP8MLA will raise this again, from the backend module
         logger.warning("%s", e)
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     _route_cpu_platform(AttentionBackendEnum[BACKEND_NAME])

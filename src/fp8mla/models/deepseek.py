@@ -102,6 +102,7 @@ class MLAStep:
     committed: bool = False      # a forward pass finished: a later failure no longer gives the slots back
     undo: object = None          # called by cancel() after the cache's undo (the runner's own bookkeeping)
     records: list | None = None  # the cache's record of each sequence at begin_step (None: not checked)
+    forks: int = 0               # the cache's fork count at begin_step (a later fork may share the step's pages)
 
     @property
     def num_rows(self) -> int:
@@ -112,29 +113,8 @@ class MLAStep:
         return self.prefill_rows is None
 
     def check_runnable(self) -> None:
-        """Refuse a step whose reservation went back to the cache.
-
-        The contract: a step runs while it holds its reservation, from ``begin_step`` until :meth:`cancel` (or a
-        failed forward pass, which cancels it). A completed step may run again: it rewrites its own tokens in its
-        own slots (what benchmarks time); a cancelled one would write into slots the pool may have handed to
-        another sequence. With ``records`` (the model's steps), the sequences must also still hold the tokens:
-        a ``cache.unreserve`` or ``cache.free`` behind the step's back is refused the same way. O(batch)."""
-        if not self.reserved:
-            raise ValueError("step: this step was cancelled (its reservation went back to the cache, whose pages may "
-                             "hold another sequence's tokens by now); expected a step from a new begin_step")
-        if self.records is None:
-            return
-        table = getattr(self.cache, "_seqs", {})
-        for sid, rec, p, n in zip(self.seq_ids, self.records, self.prefix_lens, self.num_tokens):
-            now = table.get(sid)
-            if now is not rec:
-                raise ValueError(f"step: sequence {sid!r} is no longer in the cache as it was at begin_step (freed"
-                                 f"{' and added again' if now is not None else ''}): its slots may belong to another "
-                                 f"sequence; expected a step from a new begin_step")
-            if rec.length < p + n:
-                raise ValueError(f"step: sequence {sid!r} holds {rec.length} tokens, fewer than the {p + n} this step "
-                                 f"reserved (its reservation was given back: cache.unreserve); expected a step from a "
-                                 f"new begin_step")
+        """Refuse a step that must not run (see :func:`refuse_stale_step`)."""
+        refuse_stale_step(self)
 
     def cancel(self) -> None:
         """Give the step's reservation back to the cache (a failed step): nothing leaks. Once only; a step whose
@@ -145,6 +125,59 @@ class MLAStep:
             self.reserved = False
             if self.undo is not None:
                 self.undo()
+
+
+def refuse_stale_step(step) -> None:
+    """Refuse a step (an :class:`MLAStep`, a DSA step) whose reservation went back to the cache.
+
+    The contract: a step runs while it holds its reservation, from ``begin_step`` until ``step.cancel()`` (or a
+    failed forward pass, which cancels it). A completed step may run again: it rewrites its own tokens in its
+    own slots (what benchmarks time); a cancelled one would write into slots the pool may have handed to
+    another sequence. With ``records`` (the model's steps), the sequences must also still hold the tokens:
+    a ``cache.unreserve`` or ``cache.free`` behind the step's back is refused the same way. After a
+    ``cache.fork``, the pages the step writes must be its sequences' own (a fork shares the pages of the tokens
+    it copied). O(batch), plus O(pages written) when the cache forked since the step was planned."""
+    if not step.reserved:
+        raise ValueError("step: this step was cancelled (its reservation went back to the cache, whose pages may "
+                         "hold another sequence's tokens by now); expected a step from a new begin_step")
+    if forked_since(step):
+        _refuse_shared_pages(step)
+    if step.records is None:
+        return
+    table = getattr(step.cache, "_seqs", {})
+    for sid, rec, p, n in zip(step.seq_ids, step.records, step.prefix_lens, step.num_tokens):
+        now = table.get(sid)
+        if now is not rec:
+            raise ValueError(f"step: sequence {sid!r} is no longer in the cache as it was at begin_step (freed"
+                             f"{' and added again' if now is not None else ''}): its slots may belong to another "
+                             f"sequence; expected a step from a new begin_step")
+        if rec.length < p + n:
+            raise ValueError(f"step: sequence {sid!r} holds {rec.length} tokens, fewer than the {p + n} this step "
+                             f"reserved (its reservation was given back: cache.unreserve); expected a step from a "
+                             f"new begin_step")
+
+
+def forked_since(step) -> bool:
+    """The cache forked a sequence after ``step`` was planned (O(1): the step's pages may be shared since)."""
+    return getattr(step.cache, "_forks", 0) != step.forks
+
+
+def _refuse_shared_pages(step) -> None:
+    """The pages this step writes hold no other sequence's tokens: a fork made after begin_step (or after the
+    step ran, for a step run again) shares the page the step's tokens are in, and writing it would change the
+    fork's tokens too. A new begin_step unshares the page first."""
+    cache = step.cache
+    ps, refs, table = cache.page_size, cache._refs, cache._seqs
+    for sid, p, n in zip(step.seq_ids, step.prefix_lens, step.num_tokens):
+        rec = table.get(sid)
+        if rec is None or n == 0:
+            continue  # (a freed sequence: the records check names it)
+        for i in range(p // ps, min((p + n - 1) // ps + 1, len(rec.pages))):
+            if refs[rec.pages[i]] > 1:
+                raise ValueError(
+                    f"step: sequence {sid!r} shares page {rec.pages[i]}, where this step writes its tokens, with "
+                    f"a fork (cache.fork after begin_step, or after the step ran): writing would change the "
+                    f"fork's tokens too; expected a step from a new begin_step")
 
 
 def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
@@ -199,6 +232,7 @@ def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rop
         table = getattr(cache, "_seqs", None)
         if table is not None:
             step.records = [table[i] for i in ids]
+        step.forks = getattr(cache, "_forks", 0)
         return step
     except BaseException:
         cache.unreserve(ids)
@@ -352,8 +386,8 @@ class DeepseekMLA(nn.Module):
         """``x [T, hidden_size]`` (the step's new tokens, in order) -> ``[T, hidden_size]``."""
         c = self.cfg
         T, H = step.num_rows, self.num_local_heads
-        if not step.reserved:
-            step.check_runnable()  # (raises: a cancelled step)
+        if not step.reserved or forked_since(step):
+            step.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")
         if step.fused:

@@ -42,7 +42,7 @@ from ..cache import PagedMLACache
 from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
 from .deepseek import (DeepseekMLA, DeepseekMLAModel, RMSNorm, _attn_dtype, _reserve, _rope, _write,
-                       check_step_args)
+                       check_step_args, forked_since, refuse_stale_step)
 from .dsa_config import DSAConfig, load_dsa_config
 from .indexer import DSACache, LightningIndexer, select_topk
 
@@ -75,13 +75,21 @@ class DSAStep:
     selections: dict = field(default_factory=dict)  # layer -> its indices (kept for inspection and tests)
     reserved: bool = True
     committed: bool = False
+    records: list | None = None   # the cache's record of each sequence at begin_step
+    forks: int = 0                # the cache's fork count at begin_step (a later fork may share the step's pages)
 
     @property
     def num_rows(self) -> int:
         return self.slots.numel()
 
+    def check_runnable(self) -> None:
+        """Refuse a step that must not run: cancelled, its sequences' reservation given back, or its pages shared
+        with a later fork (see :func:`~fp8mla.models.deepseek.refuse_stale_step`)."""
+        refuse_stale_step(self)
+
     def cancel(self) -> None:
-        """Give the step's reservation back to the cache (a failed step); a completed step keeps its tokens."""
+        """Give the step's reservation back to the cache (a failed step); a completed step keeps its tokens. A
+        cancelled step never runs again (its slots may be another sequence's by then)."""
         if self.reserved and not self.committed:
             self.cache.unreserve(self.seq_ids)
             self.reserved = False
@@ -116,8 +124,11 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
         sparse.plan(num_heads, width, cache.page_size, cfg.sm_scale, attn_dtype, cache.format.name,
                     head_dim_ckv=cache.head_dim_ckv, head_dim_kpe=cache.head_dim_kpe, num_pages=cache.num_pages,
                     device=dev)
-        return DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
+        step = DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
                        backend)
+        step.records = [cache._seqs[i] for i in ids]
+        step.forks = cache._forks
+        return step
     except BaseException:
         cache.unreserve(ids)
         raise
@@ -152,6 +163,8 @@ class DSAAttention(DeepseekMLA):
         of the indexer's (tests hand in transformers' own selection)."""
         c = self.cfg
         T, H = step.num_rows, self.num_local_heads
+        if not step.reserved or forked_since(step):
+            step.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         if x.dim() != 2 or x.shape != (T, c.hidden_size):
             raise ValueError(f"x: expected shape [{T}, {c.hidden_size}] (the step's new tokens), got {list(x.shape)}")
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -252,7 +265,9 @@ class DSAModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: DSAStep) -> torch.Tensor:
-        """The residual stream after every layer, ``[T, hidden_size]``. A failure gives the reservation back."""
+        """The residual stream after every layer, ``[T, hidden_size]``. A failure gives the reservation back; a
+        step that must not run is refused (see :meth:`DSAStep.check_runnable`)."""
+        step.check_runnable()  # before the try: a refused step has nothing to give back
         try:
             for blk in self.layers:
                 x = blk(x, step)

@@ -300,7 +300,7 @@ class DecodeRunner:
         if not fast:
             self._plan_attention(attn, g["block_table"], kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
-        st.reserved, st.committed = True, False
+        st.reserved, st.committed, st.forks = True, False, self.cache._forks
         st.undo = lambda: self._rewind(ids, prefix)
         if g["graph"] is None and self.use_cuda_graph:
             self._capture(g)
@@ -398,9 +398,9 @@ class DecodeRunner:
     def forward(self, x: torch.Tensor, st: MLAStep) -> torch.Tensor:
         """Run a step planned by :meth:`begin_step`: ``x [B, hidden]`` -> a new ``[B, hidden]`` tensor. The step is
         the bucket's own (static) one: it stands for the bucket's last begin_step, and a cancelled one is refused
-        (its slots went back to the pool)."""
-        if not st.reserved:
-            st.check_runnable()  # (raises)
+        (its slots went back to the pool), as is one whose pages a later ``cache.fork`` shares."""
+        if not st.reserved or self.cache._forks != st.forks:
+            st.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         B, Bb = len(st.seq_ids), st.slots.numel()
         hid = self.model.cfg.hidden_size
         if x.shape != (B, hid):

@@ -371,9 +371,10 @@ def format_report(r: Report, top: int = 10) -> str:
     return "\n".join(L)
 
 
-def plot_report(r: Report, path, top: int = 10) -> None:
+def plot_report(r: Report, path, top: int = 10, step: str | None = None) -> None:
     """Where a step's time goes: flagged casts, other casts, the biggest kernels (CPU ops on a CPU-only trace)
-    without their casts, and the rest. Written as a PNG."""
+    without their casts, and the rest. Written as a PNG; ``step`` names the step in the title (default: "a
+    <ms> ms step")."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -393,7 +394,7 @@ def plot_report(r: Report, path, top: int = 10) -> None:
     ax.barh([x[0] for x in rows][::-1], [x[1] for x in rows][::-1], color=[x[2] for x in rows][::-1])
     ax.set_xlabel("ms per step")
     what = "GPU kernels" if r.has_gpu else "CPU ops, self time"
-    ax.set_title(f"Where a {r.step_ms:.2f} ms step goes ({what}; casts taken out of their ops)")
+    ax.set_title(f"Where {step or f'a {r.step_ms:.2f} ms step'} goes\n({what}; casts taken out of their ops)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
