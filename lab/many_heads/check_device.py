@@ -151,7 +151,12 @@ CHECKS = [
 ]
 
 
-BUILDS = {"prototype": dict(owner=False), "prototype owner": dict(owner=True)}   # name: decode() options
+BUILDS = {"prototype": dict(owner=False), "prototype owner": dict(owner=True),   # name: decode() options
+          # the next tile's conversion under this tile's softmax and P.V (per-chunk release); regs 224: the
+          # converter gets 56 registers (no spill with the per-chunk waits)
+          "owner release": dict(owner=True, release=True, regs=224),
+          # ... and two chunks per converter fence + barrier round
+          "owner release pair": dict(owner=True, release=True, pair=True, regs=224)}
 
 
 def run_checks(device, seed0=1000):
@@ -464,6 +469,14 @@ def dry_run():
         except ValueError as e:
             report(f"check_args refuses a bad {name}", str(e).startswith(name) or f"{name}" in str(e).split(":")[0],
                    str(e)[:90])
+    for bad, kw in (("release", dict(release=True)), ("pair", dict(owner=True, pair=True))):
+        try:
+            mh.decode(*args, sm_scale=SM_SCALE, **kw)
+            report(f"decode refuses {kw}", False, "no error")
+        except ValueError as e:
+            report(f"decode refuses {kw}", str(e).startswith(bad), str(e)[:90])
+        except Exception as e:  # noqa: BLE001 - anything else is the wrong refusal
+            report(f"decode refuses {kw}", False, f"{type(e).__name__}: {e}"[:90])
     try:
         mh.check_args(*args)
         report("check_args takes a good call", True)
@@ -507,7 +520,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--check-timeout", type=int, default=150, help="seconds for the checks' child process")
+    ap.add_argument("--check-timeout", type=int, default=240, help="seconds for the checks' child process")
     ap.add_argument("--checks-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     RESULTS["env"].update(torch=torch.__version__, triton=__import__("triton").__version__,

@@ -48,7 +48,7 @@ SMEM_LIMIT = 232448
 
 def smem_bytes(ns: int) -> int:
     """Shared memory of the build: Q 72 KB, the fp16 tile 72 KB, NS FP8 stages of 36 KB, P 8 KB, exchange, barriers."""
-    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5)
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9)
 
 
 if gluon is not None:
@@ -62,8 +62,31 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, CA: gl.constexpr, CB: gl.constexpr,
+                       MASK: gl.constexpr, cl: gl.constexpr):
+        # the release builds' converter round: chunk CA (and CB >= 0 with it), each after its own free barrier
+        # (released by the consumer that read it last), FP8 stage -> fp16 tile, one fence + barrier + arrive;
+        # MASK: the request's last tile, rows past kv_len become 0 (they may hold NaN)
+        mbarrier.wait(k16_free.index(CA), (i & 1) ^ 1, pred=i > 0)
+        xa = stage.index(s * NCH + CA).load(cl).to(gl.float16)
+        if MASK:
+            xa = gl.where(keep, xa, 0.0)
+        k16.index(z + CA).store(xa)
+        if CB >= 0:
+            mbarrier.wait(k16_free.index(CB), (i & 1) ^ 1, pred=i > 0)
+            xb = stage.index(s * NCH + CB).load(cl).to(gl.float16)
+            if MASK:
+                xb = gl.where(keep, xb, 0.0)
+            k16.index(z + CB).store(xb)
+        fence_async_shared()   # generic-proxy stores before the consumers' wgmma (async proxy) reads
+        _cta_barrier()         # every converter warp has stored its part of the chunk(s)
+        mbarrier.arrive(k16_ready.index(CA), count=1)
+        if CB >= 0:
+            mbarrier.arrive(k16_ready.index(CB), count=1)
+
+    @gluon.jit
     def _converter(kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready, k16_free,
-                   b, t0, n, NS: gl.constexpr):
+                   b, t0, n, NS: gl.constexpr, RELEASE: gl.constexpr, PAIR: gl.constexpr):
         # one thread's 16 contiguous bytes per load (LDS.128 over the 64-byte swizzled box)
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, cl))
@@ -84,23 +107,44 @@ if gluon is not None:
             keep = (rows < valid)[:, None]
             mbarrier.wait(ready8.index(s), (i // NS) & 1)
             z = _opaque_zero(i)   # the store addresses stay in the loop (24 registers here)
-            # the fp16 tile is free once both consumers finished tile i - 1 (scores and P.V)
-            mbarrier.wait(k16_free, (i & 1) ^ 1, pred=i > 0)
-            # chunk by chunk, each announced on its own barrier: the consumers' score MMAs of chunk c start while
-            # chunk c + 1 is converted
-            if valid < TILE:   # the request's last tile: rows past kv_len become 0 (they may hold NaN)
-                for c in gl.static_range(NCH):
-                    x = stage.index(s * NCH + c).load(cl).to(gl.float16)
-                    k16.index(z + c).store(gl.where(keep, x, 0.0))
-                    fence_async_shared()   # generic-proxy stores before the consumers' wgmma (async proxy) reads
-                    _cta_barrier()         # every converter warp has stored its part of the chunk
-                    mbarrier.arrive(k16_ready.index(c), count=1)
-            else:              # a full tile: no select per element
-                for c in gl.static_range(NCH):
-                    k16.index(z + c).store(stage.index(s * NCH + c).load(cl).to(gl.float16))
-                    fence_async_shared()
-                    _cta_barrier()
-                    mbarrier.arrive(k16_ready.index(c), count=1)
+            if not RELEASE:   # the fp16 tile is free once both consumers finished tile i - 1 (scores and P.V)
+                mbarrier.wait(k16_free, (i & 1) ^ 1, pred=i > 0)
+                # chunk by chunk, each announced on its own barrier: the consumers' score MMAs of chunk c start
+                # while chunk c + 1 is converted
+                if valid < TILE:   # the request's last tile: rows past kv_len become 0 (they may hold NaN)
+                    for c in gl.static_range(NCH):
+                        x = stage.index(s * NCH + c).load(cl).to(gl.float16)
+                        k16.index(z + c).store(gl.where(keep, x, 0.0))
+                        fence_async_shared()   # generic-proxy stores before the consumers' wgmma (async proxy) reads
+                        _cta_barrier()         # every converter warp has stored its part of the chunk
+                        mbarrier.arrive(k16_ready.index(c), count=1)
+                else:              # a full tile: no select per element
+                    for c in gl.static_range(NCH):
+                        k16.index(z + c).store(stage.index(s * NCH + c).load(cl).to(gl.float16))
+                        fence_async_shared()
+                        _cta_barrier()
+                        mbarrier.arrive(k16_ready.index(c), count=1)
+            else:
+                # RELEASE: chunk 8 first (free once the owner's scores of tile i - 1 are done), then 0, 4, 1, 5,
+                # ... as the two consumers' P.V MMAs release them; PAIR: rounds (8), (0, 4), (1, 5), (2, 6), (3, 7)
+                if valid < TILE:
+                    if PAIR:
+                        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, True, cl)
+                        for r in gl.static_range(4):
+                            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, True, cl)
+                    else:
+                        for c in gl.static_range(NCH):
+                            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep,
+                                           ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4, -1, True, cl)
+                else:
+                    if PAIR:
+                        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, False, cl)
+                        for r in gl.static_range(4):
+                            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, False, cl)
+                    else:
+                        for c in gl.static_range(NCH):
+                            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep,
+                                           ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4, -1, False, cl)
             if i + NS < n:         # the stage is free again: the tile NS ahead goes into it
                 page = gl.load(kv_indices + pbase + t0 + i + NS)
                 bar = ready8.index(s)
@@ -112,7 +156,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(cid: gl.constexpr, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem,
                   xm, k16_ready, k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale,
-                  sm_scale_log2, NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
+                  sm_scale_log2, NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr, RELEASE: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -166,10 +210,14 @@ if gluon is not None:
                 # Q read once per 64 tokens, not twice) and the softmax; it hands P and the new maximum over --
                 if (i % 2) == cid:
                     sc = gl.zeros([HG, 64], gl.float32, o_l)
-                    for c in gl.static_range(NCH):
-                        mbarrier.wait(k16_ready.index(c), ph)
-                        sc = warpgroup_mma(q_smem.index(z + c), k16.index(z + c).permute((1, 0)), sc, is_async=True)
+                    for c in gl.static_range(NCH):   # RELEASE: in the converter's order 8, 0, 4, 1, 5, ...
+                        cc = c + RELEASE * (((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4 - c)
+                        mbarrier.wait(k16_ready.index(cc), ph)
+                        sc = warpgroup_mma(q_smem.index(z + cc), k16.index(z + cc).permute((1, 0)), sc, is_async=True)
                     sc = warpgroup_mma_wait(0, deps=(sc,))
+                    if RELEASE:   # chunk 8 (k_pe) is read by the scores only: the next tile's goes in now
+                        _cta_barrier()
+                        mbarrier.arrive(k16_free.index(NCH - 1), count=1)
                     sc = gl.where((tok64 < valid)[None, :], sc * row_scale_o[:, None], float("-inf"))
                     m_new = gl.maximum(m_i, gl.convert_layout(gl.max(sc, axis=1), row_s))
                     p = gl.exp2(sc - gl.convert_layout(m_new, row_o)[:, None])
@@ -223,6 +271,16 @@ if gluon is not None:
                 o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
                 o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
                 o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
+                if RELEASE:   # each chunk back to the converter as its MMA completes (wait depth 3, 2, 1, 0)
+                    o0 = warpgroup_mma_wait(3, deps=(o0,))
+                    _cta_barrier()
+                    mbarrier.arrive(k16_free.index(4 * cid + 0), count=1)
+                    o1 = warpgroup_mma_wait(2, deps=(o1,))
+                    _cta_barrier()
+                    mbarrier.arrive(k16_free.index(4 * cid + 1), count=1)
+                    o2 = warpgroup_mma_wait(1, deps=(o2,))
+                    _cta_barrier()
+                    mbarrier.arrive(k16_free.index(4 * cid + 2), count=1)
             else:
                 o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0).slice(0, 32, dim=0), o0 * a2, is_async=True)
                 o0 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 0).slice(32, 32, dim=0), o0, is_async=True)
@@ -234,7 +292,10 @@ if gluon is not None:
                 o3 = warpgroup_mma(p_smem.index(z + 1), k16.index(z + 4 * cid + 3).slice(32, 32, dim=0), o3, is_async=True)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             _cta_barrier()
-            mbarrier.arrive(k16_free, count=1)
+            if RELEASE:
+                mbarrier.arrive(k16_free.index(4 * cid + 3), count=1)
+            else:
+                mbarrier.arrive(k16_free, count=1)
 
         # -- end: the row sums of both consumers' tokens, then this consumer's 256 columns --
         xm.index(2 + cid).store(l_i)
@@ -272,23 +333,24 @@ if gluon is not None:
     @gluon.jit
     def _consumer0(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr, RELEASE: gl.constexpr):
         _consumer(0, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  NSPLIT, DIRECT, OWNER)
+                  NSPLIT, DIRECT, OWNER, RELEASE)
 
     @gluon.jit
     def _consumer1(q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                    k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr):
+                   NSPLIT, DIRECT: gl.constexpr, OWNER: gl.constexpr, RELEASE: gl.constexpr):
         _consumer(1, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
                   k16_free, x_bar, p_bar, q_bar, b, split, hg, t0, n, H, ckv_scale, kpe_scale, sm_scale_log2,
-                  NSPLIT, DIRECT, OWNER)
+                  NSPLIT, DIRECT, OWNER, RELEASE)
 
     @gluon.jit
     def many_heads_kernel(kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse_out, part_o,
                           part_lse, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT,
-                          NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr, OWNER: gl.constexpr):
+                          NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr, OWNER: gl.constexpr,
+                          RELEASE: gl.constexpr, PAIR: gl.constexpr):
         pid = gl.program_id(0)
         hg = gl.program_id(1)
         b = pid // NSPLIT
@@ -321,16 +383,22 @@ if gluon is not None:
         mbarrier.init(bars.index(2), count=2)   # x_bar: the row-max exchange
         mbarrier.init(bars.index(3), count=1 if OWNER else 2)   # p_bar: P complete (its owner / both halves)
         mbarrier.init(bars.index(4), count=2)   # q_bar: Q complete
+        if RELEASE:   # one free barrier per chunk: 8 by the tile's owner, 0-3 by consumer 0, 4-7 by consumer 1
+            k16_free = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(NCH):
+                mbarrier.init(k16_free.index(c), count=1)
+        else:
+            k16_free = bars.index(1)
         fence_async_shared()
         gl.warp_specialize([
             (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
-                          bars.index(1), b, t0, n, NS)),
+                          k16_free, b, t0, n, NS, RELEASE, PAIR)),
             (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER)),
+                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
             (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, bars.index(1), bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER)),
+                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -420,17 +488,25 @@ def kv_descriptors(ckv_cache, kpe_cache):
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *, sm_scale: float,
            ckv_scale: float = 1.0, kpe_scale: float = 1.0, num_splits: int | None = None, max_kv_len: int | None = None,
-           ns: int = 2, regs: int = 240, owner: bool = False, out=None, lse=None, part=None, descs=None):
+           ns: int = 2, regs: int = 240, owner: bool = False, release: bool = False, pair: bool = False,
+           out=None, lse=None, part=None, descs=None):
     """The prototype's launcher. q_nope [B, H, 512] / q_pe [B, H, 64] bf16 (one query per request, H 64 or 128);
     ckv_cache [P, 64, 512] / kpe_cache [P, 64, 64] float8_e4m3fn views of one [P, 64, 576] pool; kv_indptr [B+1],
     kv_indices (page ids), kv_len [B] int32. Returns (out [B, H, 512] bf16, lse [B, H] fp32, base 2).
     ``max_kv_len`` (host int) sizes the splits without a device read; pass it, with ``out``/``lse``/``part``/
     ``descs``, to capture the call in a CUDA graph. ``owner``: the alternating-owner build (consumer i % 2 computes
-    tile i's whole score tile and softmax) instead of the token split."""
+    tile i's whole score tile and softmax) instead of the token split. ``release`` (needs ``owner``): each 16-bit
+    chunk goes back to the converter on its own barrier as its last reader finishes, so the next tile's conversion
+    runs under this tile's softmax and P.V. ``pair`` (needs ``release``): the converter stores two chunks per fence +
+    barrier round (5 rounds a tile instead of 9); ``regs=232`` gives the converter 40 registers for it."""
     import torch
     B, H = check_args(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
+    if release and not owner:
+        raise ValueError("release: the per-chunk release needs owner=True, got owner=False")
+    if pair and not release:
+        raise ValueError("pair: two chunks per converter round needs release=True, got release=False")
     if smem_bytes(ns) > SMEM_LIMIT:
         raise ValueError(f"ns: {ns} stages need {smem_bytes(ns)} B of shared memory, over {SMEM_LIMIT}")
     if max_kv_len is None:
@@ -456,7 +532,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
         many_heads_kernel[(B * num_splits, H // HEADS_PER_CTA)](
             kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse, part_o, part_lse, H,
             float(ckv_scale), float(kpe_scale), sm_scale_log2, num_splits,
-            NS=ns, REGS=regs, DIRECT=direct, OWNER=bool(owner), num_warps=4)
+            NS=ns, REGS=regs, DIRECT=direct, OWNER=bool(owner), RELEASE=bool(release), PAIR=bool(pair),
+            num_warps=4)
         if not direct:
             _merge_kernel[(B * H,)](out, lse, part_o, part_lse, H, num_splits,
                                     BLOCK_S=16, num_warps=4)
@@ -469,17 +546,20 @@ KERNEL_SIGNATURE = {
     "q_nope": "*bf16", "q_pe": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i32", "kv_len": "*i32",
     "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "H": "i32",
     "ckv_scale": "fp32", "kpe_scale": "fp32", "sm_scale_log2": "fp32", "NSPLIT": "i32",
-    "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr", "OWNER": "constexpr"}
+    "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr", "OWNER": "constexpr", "RELEASE": "constexpr",
+    "PAIR": "constexpr"}
 
 
-def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, owner: bool = False, sass_path=None) -> dict:
+def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, owner: bool = False, release: bool = False,
+                   pair: bool = False, sass_path=None) -> dict:
     """Compile the prototype for sm_90a with triton's own ptxas (no GPU) and read its SASS."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
     fn = many_heads_kernel
     names = fn.arg_names
-    consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1, "OWNER": bool(owner)}
+    consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1, "OWNER": bool(owner), "RELEASE": bool(release),
+              "PAIR": bool(pair)}
     src = GluonASTSource(fn=fn, signature=KERNEL_SIGNATURE,
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)

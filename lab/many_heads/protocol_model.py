@@ -36,7 +36,11 @@ class Violation(Exception):
     pass
 
 
-def converter(st, n, drop_free_wait=False):
+ORDER = (8, 0, 4, 1, 5, 2, 6, 3, 7)                     # the release builds' chunk order
+ROUNDS_PAIR = ((8,), (0, 4), (1, 5), (2, 6), (3, 7))    # ... and the pair build's rounds
+
+
+def converter(st, n, drop_free_wait=False, release=False, pair=False):
     def tma(i):   # the copy lands some time later: stage written, then the ready barrier's transaction completes
         st["pending"].append(("stage", i % NS, i, ("ready8", i % NS)))
 
@@ -45,17 +49,25 @@ def converter(st, n, drop_free_wait=False):
     for i in range(n):
         s = i % NS
         yield ("wait", ("ready8", s), (i // NS) & 1)
-        if i > 0 and not drop_free_wait:
-            yield ("wait", "k16_free", (i & 1) ^ 1)
-        for c in range(NCH):
-            yield ("read", ("stage", s), i)
-            yield ("write", ("k16", c), i)
-            yield ("arrive", ("k16_ready", c))
+        if not release:
+            if i > 0 and not drop_free_wait:
+                yield ("wait", "k16_free", (i & 1) ^ 1)
+            rounds = [(c,) for c in range(NCH)]
+        else:
+            rounds = ROUNDS_PAIR if pair else [(c,) for c in ORDER]
+        for rnd in rounds:
+            for c in rnd:
+                if release and i > 0 and not drop_free_wait:
+                    yield ("wait", ("k16_free", c), (i & 1) ^ 1)
+                yield ("read", ("stage", s), i)
+                yield ("write", ("k16", c), i)
+            for c in rnd:
+                yield ("arrive", ("k16_ready", c))
         if i + NS < n:
             tma(i + NS)
 
 
-def consumer(st, cid, n, owner, drop_p_wait=False):
+def consumer(st, cid, n, owner, drop_p_wait=False, release=False):
     yield ("arrive", "q_bar")
     yield ("wait", "q_bar", 0)
     mine = [4 * cid + j for j in range(4)]
@@ -63,11 +75,14 @@ def consumer(st, cid, n, owner, drop_p_wait=False):
         ph = i & 1
         if owner:
             if i % 2 == cid:
-                for c in range(NCH):
+                order = ORDER if release else range(NCH)
+                for c in order:
                     yield ("wait", ("k16_ready", c), ph)
                     yield ("read", ("k16", c), i)
-                for c in range(NCH):   # the score MMAs are waited on here
+                for c in order:   # the score MMAs are waited on here
                     yield ("read", ("k16", c), i)
+                if release:   # chunk 8 is the scores' only
+                    yield ("arrive", ("k16_free", 8))
                 yield ("write", ("p", 0), i)
                 yield ("write", ("xm", 0), i)
                 yield ("arrive", "p_bar")
@@ -94,6 +109,12 @@ def consumer(st, cid, n, owner, drop_p_wait=False):
             p_bufs = [("p", 0), ("p", 1)]
         for b in p_bufs + [("k16", c) for c in mine]:   # P.V issued
             yield ("read", b, i)
+        if release:   # waited on one by one (depth 3, 2, 1, 0), each chunk released as its MMA completes
+            for c in mine:
+                for b in p_bufs + [("k16", c)]:
+                    yield ("read", b, i)
+                yield ("arrive", ("k16_free", c))
+            continue
         for b in p_bufs + [("k16", c) for c in mine]:   # ... and waited on, then the tile is released
             yield ("read", b, i)
         yield ("arrive", "k16_free")
@@ -103,15 +124,16 @@ def consumer(st, cid, n, owner, drop_p_wait=False):
     yield ("read", ("xm", 3 - cid), "l")
 
 
-def run(n, owner, seed, **drop):
+def run(n, owner, seed, release=False, pair=False, **drop):
     rng = random.Random(seed)
     bars = {("ready8", s): Barrier(1) for s in range(NS)}
     bars.update({("k16_ready", c): Barrier(1) for c in range(NCH)})
     bars.update(k16_free=Barrier(2), x_bar=Barrier(2), p_bar=Barrier(1 if owner else 2), q_bar=Barrier(2))
+    bars.update({("k16_free", c): Barrier(1) for c in range(NCH)})   # the release builds' per-chunk barriers
     st = {"pending": [], "buf": {}}
-    agents = {"converter": converter(st, n, drop.get("drop_free_wait", False)),
-              "c0": consumer(st, 0, n, owner, drop.get("drop_p_wait", False)),
-              "c1": consumer(st, 1, n, owner, drop.get("drop_p_wait", False))}
+    agents = {"converter": converter(st, n, drop.get("drop_free_wait", False), release, pair),
+              "c0": consumer(st, 0, n, owner, drop.get("drop_p_wait", False), release),
+              "c1": consumer(st, 1, n, owner, drop.get("drop_p_wait", False), release)}
     nxt = {k: next(g, None) for k, g in agents.items()}
 
     def runnable(a):
@@ -144,27 +166,30 @@ def run(n, owner, seed, **drop):
 
 def main():
     ok = True
-    for owner in (False, True):
+    builds = {"token split": dict(owner=False), "owner": dict(owner=True),
+              "owner release": dict(owner=True, release=True), "owner release pair": dict(owner=True, release=True, pair=True)}
+    for name, kw in builds.items():
         runs = 0
         for n in range(0, 9):
             for seed in range(300):
                 try:
-                    run(n, owner, seed)
+                    run(n, seed=seed, **kw)
                     runs += 1
                 except Violation as e:
                     ok = False
-                    print(f"FAIL owner={owner} n={n} seed={seed}: {e}")
+                    print(f"FAIL {name} n={n} seed={seed}: {e}")
                     break
-        print(f"{'owner' if owner else 'token split'} build: {runs} interleavings, no hang, no stale read"
-              if ok else "")
-    for owner, drop in ((False, "drop_free_wait"), (True, "drop_free_wait"), (True, "drop_p_wait")):
+        print(f"{name} build: {runs} interleavings, no hang, no stale read" if ok else "")
+    for name, drop in (("token split", "drop_free_wait"), ("owner", "drop_free_wait"), ("owner", "drop_p_wait"),
+                       ("owner release", "drop_free_wait"), ("owner release pair", "drop_free_wait"),
+                       ("owner release", "drop_p_wait")):
         found = 0
         for seed in range(300):
             try:
-                run(5, owner, seed, **{drop: True})
+                run(5, seed=seed, **builds[name], **{drop: True})
             except Violation:
                 found += 1
-        print(f"control ({'owner' if owner else 'token split'}, {drop}): violations in {found} of 300 interleavings")
+        print(f"control ({name}, {drop}): violations in {found} of 300 interleavings")
         ok &= found > 0
     print("protocol model:", "all passed" if ok else "FAILURES")
     return 0 if ok else 1
