@@ -103,7 +103,7 @@ def test_device_schedule_matches_host_schedule_both_cuts():
     assert seen == {True, False}   # both cuts were exercised
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("page,heads", [(16, 16), (64, 16), (64, 32), (64, 128)])
 def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
     r, _ = compile_report_in_child(page=page, ns=3, heads=heads)
@@ -491,7 +491,7 @@ def test_page1_is_behind_its_switch(monkeypatch):
         assert_behind_switch(monkeypatch, "GLUON_PAGE1", "FP8MLA_GLUON_PAGE1", spec, lay, page == 64, ctx=page)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_page1_compiles_to_16_byte_cp_async(heads):
     # 18 x 16-byte cp.async per thread and tile (4 boxes x 4 + k_pe 2), one cp.async mbarrier arrival (.noinc),
@@ -781,7 +781,7 @@ def test_mtp_is_behind_its_switch(monkeypatch):
     assert gb.supports(spec(100), layout([5, 1]))[0]          # 500 rows
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,qo,causal", [(16, 4, True), (128, 2, False)])
 def test_mtp_compiles_for_sm90a(heads, qo, causal):
     r, _ = compile_report_in_child(page=64, ns=3, heads=heads, max_qo=qo, causal=causal)
@@ -1066,7 +1066,7 @@ def _tile_loop_spill_ops(sass: str) -> list[int]:
     return [sum(1 for x in ins[lo:hi + 1] if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)", x)) for lo, hi in spans]
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,page,qo", [(16, 64, 1), (128, 64, 1), (16, 1, 1), (128, 64, 2)])
 def test_fused_merge_compiles_without_new_spills_in_the_tile_loop(heads, page, qo):
     """FUSED_MERGE compiles for sm_90a: the arrival (named barrier, per-warp atom.acq_rel.gpu: MEMBAR.GPU + ATOMG

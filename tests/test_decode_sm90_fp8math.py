@@ -141,7 +141,7 @@ def test_refusals(monkeypatch):
         gb.build(SimpleNamespace(batch_size=1, qo_lens=[1]), spec, {"fp8_math": True}, {})
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,page,chunks", [(16, 64, True), (128, 64, False), (16, 1, True)])
 def test_compiles_for_sm90a(heads, page, chunks):
     r, _ = compile_report_in_child(page=page, ns=3, heads=heads, qk8=2, qk8_chunks=chunks, pv8=True,

@@ -21,7 +21,7 @@ from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 DEVICE = "cuda" if ON_SM90 else "cpu"
-needs_gluon = pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+needs_gluon = pytest.mark.usefixtures("sm90_compile_tools")
 
 
 # -- CPU --------------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_launch_refuses_a_bad_term_count():
                  sm_scale=0.1, page_size=64, qk8=1)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,terms,chunks", [(16, 2, True), (16, 3, False), (128, 2, False)])
 def test_compiles_for_sm90a(heads, terms, chunks):
     r, _ = compile_report_in_child(page=64, ns=3, heads=heads, qk8=terms, qk8_chunks=chunks, aligned_ints=True)

@@ -1,0 +1,363 @@
+"""Read the SASS of kernels compiled without a GPU, and keep the sm_90 decode builds' golden record.
+
+ptxas and cuobjdump come with the triton wheel (``triton/backends/nvidia/bin``). The reader gives registers,
+spills, shared memory, MMA counts (HGMMA / QGMMA / HMMA), byte-wise shared loads (``LDS.U8``) and a SHA-256 of the
+instruction stream with addresses, branch targets, labels and function names stripped (``stream_hash``), plus a
+second hash with the constant-bank parameter offsets (``c[0x0][...]``) normalized too, which stays the same when a
+kernel parameter is removed and the others move.
+
+    python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
+    python -m devtools.sass check             # compare them with the golden file of this triton
+    python -m devtools.sass show h16_p64      # one build's summary (and --sass FILE: its SASS)
+
+The golden file is per triton version (the SASS of one source differs between triton releases): record it once
+with each triton the project checks under (CI pins one, the H200 runs another) on the tree it must guard.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN_DIR = os.path.join(ROOT, "tests", "golden")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------------------------------------------
+def bin_dir() -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def tools_present() -> bool:
+    try:
+        d = bin_dir()
+    except ImportError:
+        return False
+    return all(os.path.exists(os.path.join(d, t)) for t in ("ptxas", "cuobjdump"))
+
+
+def gluon_import_error() -> str | None:
+    """None when triton's Gluon imports (with the Hopper modules the sm_90 kernel uses), else why not."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import tma  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def compile_tools_missing(gluon: bool = True) -> str | None:
+    """None when kernels can be compiled here (triton with ptxas and cuobjdump in its wheel; ``gluon``: and Gluon
+    imports), else why not. Tests skip on it, except under ``CI=true``, where it is a failure
+    (``require_compile_tools``)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"triton does not import: {type(e).__name__}: {e}"
+    why = gluon_import_error() if gluon else None
+    if why is None and not tools_present():
+        why = f"ptxas / cuobjdump not in the triton wheel ({bin_dir()})"
+    return why
+
+
+def require_compile_tools(gluon: bool = True) -> None:
+    """Skip the calling test when the compile tools are missing; fail it under ``CI=true`` (CI pins the triton
+    that has them, so a missing tool there means the pin broke, not "nothing to check")."""
+    import pytest
+    why = compile_tools_missing(gluon)
+    if why is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and the compile tools are missing: {why}")
+    pytest.skip(f"compile tools missing: {why}")
+
+
+def dump_sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([os.path.join(bin_dir(), "cuobjdump"), "--dump-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+def resource_usage(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([os.path.join(bin_dir(), "cuobjdump"), "--dump-resource-usage", path],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.remove(path)
+
+
+def ptxas_verbose(ptx: str, arch: str = "sm_90a") -> str:
+    """ptxas -v's report of a PTX text (registers and spill bytes per function). Later wheels ship an older
+    ``ptxas`` beside the one they use (``ptxas-blackwell``): the first that assembles it answers."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = ""
+        for exe in ("ptxas", "ptxas-blackwell"):
+            path = os.path.join(bin_dir(), exe)
+            if not os.path.exists(path):
+                continue
+            res = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", src + ".cubin"], capture_output=True,
+                                 text=True)
+            out = res.stderr
+            if res.returncode == 0:
+                break
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading SASS
+# ---------------------------------------------------------------------------------------------------------------
+# an instruction line: /*addr*/ [@!P0] OPCODE operands ;   (addresses have 4 or more hex digits)
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+_FUNCTION = re.compile(r"^\s*Function\s*:")
+_CONTROL = ("BRA", "BRX", "BSSY", "CALL", "JMP", "JMX", "RET", "BREAK", "SSY", "PBK", "WARPSYNC")
+_HEX = re.compile(r"0x[0-9a-f]+")
+_NAME = re.compile(r"`\([^)]*\)")          # `(label or function name)
+_CBANK = re.compile(r"c\[0x0\]\[[^\]]*\]")   # kernel parameters and driver constants in bank 0
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text without its address) of every SASS instruction, in order; a function boundary
+    is the entry (-1, "FUNCTION")."""
+    out = []
+    for line in sass.splitlines():
+        if _FUNCTION.match(line):
+            out.append((-1, "FUNCTION"))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            out.append((int(m.group(1), 16), " ".join(m.group(2).split())))
+    return out
+
+
+def opcode(text: str) -> str:
+    m = _OPCODE.match(text)
+    return m.group(1) if m else text.split()[0]
+
+
+def normalized_stream(sass: str, params: bool = False) -> list[str]:
+    """The instruction stream with what moves without the code changing stripped: addresses, branch and call
+    targets (hex or named), labels and function names. ``params``: also every ``c[0x0][...]`` operand (kernel
+    parameter offsets move when a parameter is added or removed)."""
+    out = []
+    for _, text in instructions(sass):
+        text = _NAME.sub("`()", text)
+        if opcode(text).split(".")[0] in _CONTROL:
+            text = _HEX.sub("ADDR", text)
+        if params:
+            text = _CBANK.sub("c[0x0][P]", text)
+        out.append(text)
+    return out
+
+
+def stream_hash(sass: str, params: bool = False) -> str:
+    return hashlib.sha256("\n".join(normalized_stream(sass, params)).encode()).hexdigest()
+
+
+def op_counts(sass: str) -> collections.Counter:
+    return collections.Counter(opcode(t) for a, t in instructions(sass) if a >= 0)
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """SASS lines of every loop: from the target of a backward branch to the branch (cuobjdump prints branch
+    targets as addresses). The end-of-kernel ``BRA`` to itself is not a loop."""
+    body = [(a, t) for a, t in instructions(sass) if a >= 0]
+    loops = []
+    for addr, text in body:
+        if opcode(text).split(".")[0] != "BRA":
+            continue
+        targets = _HEX.findall(text)
+        if targets and int(targets[-1], 16) < addr:
+            lo = int(targets[-1], 16)
+            loops.append([t for a, t in body if lo <= a <= addr])
+    return loops
+
+
+def mma_counts(ops: dict) -> dict:
+    fam = collections.Counter()
+    for op, n in ops.items():
+        for name in ("HGMMA", "QGMMA", "HMMA", "QMMA"):
+            if op.startswith(name + ".") or op == name:
+                fam[name] += n
+    return {name: fam.get(name, 0) for name in ("HGMMA", "QGMMA", "HMMA")}
+
+
+def summary(sass: str, ptxas_v: str, smem: int) -> dict:
+    """What the golden record keeps of one compiled kernel."""
+    ops = op_counts(sass)
+    spills = [list(map(int, x)) for x in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_v)]
+    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", ptxas_v)], "spills": spills,
+            "smem": int(smem), "mma": mma_counts(ops), "lds_u8": ops.get("LDS.U8", 0),
+            "instructions": sum(ops.values()), "sha256": stream_hash(sass),
+            "sha256_params": stream_hash(sass, params=True)}
+
+
+def analyse(k) -> dict:
+    """Resource usage (cuobjdump --dump-resource-usage: REG, STACK = the spill frame) and SASS counts of a kernel
+    compiled by ``triton.compile``; spills show as STACK > 0 and STL/LDL instructions (the Triton kernels' check,
+    scripts/compile_kernels.py)."""
+    res = resource_usage(k.asm["cubin"])
+    sass = dump_sass(k.asm["cubin"])
+    get = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}:(\d+)", res)) else -1  # noqa: E731
+    ops = op_counts(sass)
+    base = collections.Counter()
+    for op, n in ops.items():
+        base[op.split(".")[0]] += n
+    loops = loop_bodies(sass)
+    in_loops = sum(sum(opcode(t) == "LDS.U8" for t in body) for body in loops)
+    return dict(regs=get("REG"), local=get("LOCAL"), stack=get("STACK"), smem=k.metadata.shared,
+                spill_ops=base["STL"] + base["LDL"], lds_u8=ops["LDS.U8"], lds_u8_in_loops=in_loops,
+                loops=len(loops), ops=base, sass=sass)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sm_90 decode builds and their golden record
+# ---------------------------------------------------------------------------------------------------------------
+# Each named build of the Gluon decode kernel as its backend launches it (bf16 queries, contiguous tensors: the
+# strides and H specialized divisible by 16).
+SM90_BUILDS = {
+    "h16_p64": dict(page=64, ns=4, heads=16),
+    "h16_p1": dict(page=1, ns=4, heads=16),
+    "h128_p64": dict(page=64, ns=3, heads=128),
+    "h128_p1": dict(page=1, ns=3, heads=128),
+    "mtp_h16_qo2": dict(page=64, ns=3, heads=16, max_qo=2, causal=True),
+    "group_h16": dict(page=64, ns=3, heads=16, group=True),
+    "group_h128": dict(page=64, ns=3, heads=128, group=True),
+    "fp8_math_h16": dict(page=64, ns=3, heads=16, qk8=2, qk8_chunks=True, pv8=True),
+}
+
+
+def compile_sm90(name: str) -> tuple[dict, str]:
+    """(summary, SASS text) of one named build compiled for sm_90a."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: nothing compiles in this process (run it in one without)")
+    from fp8mla.kernels import decode_sm90 as k
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.sass")
+        r = k.compile_report(aligned_ints=True, sass_path=path, **SM90_BUILDS[name])
+        with open(path) as f:
+            sass = f.read()
+    return summary(sass, r["ptxas"], r["smem"]), sass
+
+
+def compile_many(names: list[str], workers: int = 2, timeout: int = 1200) -> dict:
+    """``compile_sm90`` of each name, in ``workers`` child processes without TRITON_INTERPRET (the test suite
+    sets it): {name: summary or {"error": ...}}."""
+    names = list(names)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "src")] + [p for p in sys.path if p]
+                                        + [env.get("PYTHONPATH", "")])
+    parts = [names[i::workers] for i in range(workers) if names[i::workers]]
+    procs = [subprocess.Popen([sys.executable, "-m", "devtools.sass", "json", *part], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in parts]
+    out = {}
+    for part, p in zip(parts, procs):
+        so, se = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            for n in part:
+                out[n] = {"error": f"exit {p.returncode}: {se[-3000:]}"}
+            continue
+        out.update(json.loads(so.splitlines()[-1]))
+    return out
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def golden_path(version: str | None = None) -> str:
+    return os.path.join(GOLDEN_DIR, f"sm90_triton-{version or triton_version()}.json")
+
+
+def diff(want: dict, got: dict) -> list[str]:
+    """The fields where one build's summary differs from its golden one."""
+    return [f"{key}: golden {want.get(key)!r}, now {got.get(key)!r}" for key in sorted(set(want) | set(got))
+            if want.get(key) != got.get(key)]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="compile every named sm_90 build and write the golden file")
+    rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
+    sub.add_parser("check", help="compare every named build with the golden file of this triton")
+    show = sub.add_parser("show", help="one build's summary")
+    show.add_argument("name", choices=sorted(SM90_BUILDS))
+    show.add_argument("--sass", default=None, help="also write its SASS here")
+    js = sub.add_parser("json", help=argparse.SUPPRESS)   # compile_many's child: JSON summaries on stdout
+    js.add_argument("names", nargs="+")
+    a = p.parse_args(argv)
+    if a.cmd == "json":
+        res = {}
+        for n in a.names:
+            try:
+                res[n] = compile_sm90(n)[0]
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                res[n] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        print(json.dumps(res))
+        return 0
+    if a.cmd == "show":
+        s, sass = compile_sm90(a.name)
+        print(json.dumps(s, indent=1))
+        if a.sass:
+            with open(a.sass, "w") as f:
+                f.write(sass)
+        return 0
+    res = compile_many(sorted(SM90_BUILDS))
+    bad = {n: r["error"] for n, r in res.items() if "error" in r}
+    if bad:
+        for n, e in bad.items():
+            print(f"{n}: {e}", file=sys.stderr)
+        return 1
+    if a.cmd == "record":
+        path = a.out or golden_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        doc = {"triton": triton_version(), "commit": _commit(), "arch": "sm_90a", "builds": res}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {path} ({len(res)} builds, triton {doc['triton']}, commit {doc['commit'][:10]})")
+        return 0
+    with open(golden_path()) as f:
+        golden = json.load(f)["builds"]
+    failed = 0
+    for n in sorted(SM90_BUILDS):
+        d = diff(golden.get(n, {}), res[n])
+        print(f"{n}: {'same' if not d else 'DIFFERS'}")
+        for line in d:
+            print("   ", line)
+        failed += bool(d)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
