@@ -103,12 +103,8 @@ def test_plan_takes_two_terms_and_a_ring_that_fits():
 
 @pytest.mark.parametrize("H,max_qo,chunks", [(16, 1, True), (128, 1, False), (16, 2, False)])
 def test_plan_routes_pv8_to_the_default_kernel(monkeypatch, H, max_qo, chunks):
-    """An fp8_math plan launches the default kernel with qk8 2 and pv8, even with the split / pipelined switches
-    on (they have no FP8 math); a plan without it passes no pv8 keyword (the default build's JIT key)."""
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", True)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", True)
-    for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
-        monkeypatch.delenv(env, raising=False)
+    """An fp8_math plan launches the kernel with qk8 2 and pv8; a plan without it passes no pv8 keyword (the
+    default build's JIT key)."""
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
@@ -118,8 +114,6 @@ def test_plan_routes_pv8_to_the_default_kernel(monkeypatch, H, max_qo, chunks):
         None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
     assert calls and calls[0].get("pv8") is True and calls[0]["qk8"] == 2 and calls[0]["qk8_chunks"] == chunks
     calls.clear()
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", False)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", False)
     gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0).run(
         None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
     assert "pv8" not in calls[0] and "qk8" not in calls[0]

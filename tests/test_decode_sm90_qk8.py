@@ -103,10 +103,6 @@ def test_plan_routes_the_terms(monkeypatch, H, qk8, max_qo, want):
     """GluonPlan.run passes qk8 (and one accumulator per chunk on the H <= 16 one-query kernel only: the wide
     builds, MTP included, spill with five accumulators) only when the plan chose terms; the default launch gets no
     new keyword."""
-    for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", False)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", False)
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))

@@ -47,30 +47,10 @@ GLUON_PAGE1 = True
 # 20:23 UTC: 10/10 checks; B64 L8k 2.62x / 1.75x / 2.18x faster than the Triton kernel at H16 qo2 / H16 qo4 / H128
 # qo2); FP8MLA_GLUON_MTP=0 turns it off (plans with qo_len != 1 then stay on the Triton kernel), =1 on.
 GLUON_MTP = True
-# The dims-split variant at 33..128 heads (decode_sm90_split: the consumers alternate QK + softmax by tile and
-# split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF. H200 2026-11-30 (kernel log 14 of
-# docs/benchmarks.md): 14/14 checks passed, but only 1.04x faster than the wide kernel at H128 B64 L8k and 0.89-0.90x
-# at B8, B1 and H64; FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
-GLUON_SPLIT_DIMS = False
-# The software-pipelined H <= 16 kernel (decode_sm90_pipe: each consumer issues the QK of its next tile before the
-# softmax of its current one; NS 5, same plan arrays, grid, partials and merge): OFF. H200 2026-11-30 (kernel log 16):
-# 15/15 checks passed, but H16 B64 L8k 0.126 ms vs 0.110 for the default, and the timing run hit an "unspecified launch
-# failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
-# on, =0 off. One query per request only.
-# Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits raced as the H16 kernel's did at 3
-# (kernel log 25), which may explain that failure; since log 29 it has per-consumer ready barriers too (compiled,
-# not yet run on a GPU).
-GLUON_PIPELINED = False
-
-
 def _switch(env: str, default: bool) -> bool:
     """A kernel switch: the environment variable ``env`` when it is "0" or "1", else the module's default."""
     v = os.environ.get(env, "")
     return v == "1" if v in ("0", "1") else default
-
-
-def pipelined_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_PIPE", GLUON_PIPELINED)
 
 
 # In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
@@ -177,10 +157,6 @@ def fused_merge_max_parts() -> int:
     if not v.isdigit() or int(v) < 2:
         raise ValueError(f"FP8MLA_GLUON_FUSED_MAX_PARTS: expected an integer >= 2 or 'all', got {v!r}")
     return min(int(v), FUSE_ALL)
-
-
-def split_dims_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_SPLIT", GLUON_SPLIT_DIMS)
 
 
 def page1_enabled() -> bool:
@@ -293,14 +269,6 @@ class GluonPlan:
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
         launch = k.launch
-        if self.group or self.pv8:
-            pass   # the default kernel only (the split/pipe variants have neither group scales nor fp8_math)
-        elif self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
-            from ..kernels import decode_sm90_split
-            launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
-        elif self.max_qo == 1 and self.spec.num_heads <= k.HP and pipelined_enabled():
-            from ..kernels import decode_sm90_pipe
-            launch = decode_sm90_pipe.launch_for_plan   # same arguments, plan arrays, grid, partials; its own NS
         launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
                  grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
