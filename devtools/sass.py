@@ -243,7 +243,7 @@ SM90_BUILDS = {
     "mtp_h16_qo2": dict(page=64, ns=3, heads=16, max_qo=2, causal=True),
     "group_h16": dict(page=64, ns=3, heads=16, group=True),
     "group_h128": dict(page=64, ns=3, heads=128, group=True),
-    "fp8_math_h16": dict(page=64, ns=3, heads=16, qk8=2, qk8_chunks=True, pv8=True),
+    "fp8_math_h16": dict(page=64, ns=3, heads=16, fp8_math=True),
 }
 
 

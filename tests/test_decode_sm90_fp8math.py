@@ -6,9 +6,8 @@ Error budget rel L2 <= 2e-2 (the default numerics: 3e-3).
 
 CPU: a float64 model of the two roundings (Q's terms, P in e4m3) on NaN-poisoned batches against the exact
 reference, which puts the expected error well inside the budget and shows the check can fail (P rounded to 1
-mantissa bit breaks it); the P scale's range; the plan's terms and ring depth; the routing of ``pv8`` to the launch
-(and never to the split / pipelined variants); the refusals (group scales, non-gluon backends, a launch with
-``pv_in_flight`` 2); the compile for sm_90a (every MMA e4m3: 104 QGMMA, no HGMMA, no wgmma serialization).
+mantissa bit breaks it); the P scale's range; the plan's terms and ring depth; the routing of ``fp8_math`` to the
+launch; the refusals (group scales, non-gluon backends, a launch with group scales); the compile for sm_90a (every MMA e4m3: 104 QGMMA, no HGMMA, no wgmma serialization).
 GPU (sm_90 with Gluon; skipped here): float64 reference over NaN-poisoned shuffled pools through
 MLAPagedAttention at H 8/16/40/128, pages 1/16/64, odd lengths, fp16 queries with scales, B1 L32k splits, MTP,
 bit-identical reruns, CUDA-graph replay after a re-plan.
@@ -23,7 +22,6 @@ import torch
 
 import fp8mla
 from conftest import compile_report_in_child
-from test_decode_sm90_qk8 import _split   # the kernel's split of Q into e4m3 terms
 from fp8mla.backends import gluon as gb
 from fp8mla.kernels import decode_sm90 as k
 from fp8mla.testing import compare, make_paged_batch
@@ -31,6 +29,23 @@ from fp8mla.testing import compare, make_paged_batch
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 BUDGET = 2e-2   # fp8_math's rel L2 (the default numerics: 3e-3)
+
+
+def _split(x: torch.Tensor, terms: int, amax=None) -> torch.Tensor:
+    """The kernel's split of a head's query row(s) (fp32 math, e4m3 round-to-nearest per term): the sum of the terms.
+    The power of two comes from ``amax``, the head's largest |q| (default: of ``x``'s last dim; the kernel takes it
+    over q_nope and q_pe together)."""
+    if amax is None:
+        amax = x.float().abs().amax(-1, keepdim=True)
+    amax = amax.clamp_min(1e-30)
+    f = torch.exp2(torch.floor(torch.log2(256.0 / amax)))
+    r = x.float() * f
+    total = torch.zeros_like(r, dtype=torch.float64)
+    for _ in range(terms):
+        t = r.to(torch.float8_e4m3fn).float()
+        total += t.double()
+        r = r - t
+    return total / f.double()
 
 
 def _round_p(p: torch.Tensor, mantissa_bits: int = 3) -> torch.Tensor:
@@ -92,39 +107,43 @@ def test_p_scale_keeps_p_normal_and_in_range():
 
 
 def test_plan_takes_two_terms_and_a_ring_that_fits():
+    assert k.FP8_MATH_TERMS == 2
     for dtype in (torch.bfloat16, torch.float16):
         ns = gb.plan_ring(3, 16, False, dtype, fp8_math=True)
-        assert ns == 3 and gb.plan_qk8(dtype, ns, 16, False, fp8_math=True) == gb.FP8_MATH_TERMS == 2
-        assert k.smem_bytes(ns, 16, False, 2) <= k.SMEM_LIMIT
-        ns = gb.plan_ring(3, 32, True, dtype, fp8_math=True)   # wide: fp16 takes 2 terms too, which fit
-        assert gb.plan_qk8(dtype, ns, 32, True, fp8_math=True) == 2
-    assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True, fp8_math=True) == 0
+        assert ns == 3 and k.smem_bytes(ns, 16, False, k.FP8_MATH_TERMS) <= k.SMEM_LIMIT
+        assert k.smem_bytes(ns + 1, 16, False, k.FP8_MATH_TERMS) > k.SMEM_LIMIT   # 4 stages would not fit them
+        ns = gb.plan_ring(3, 32, True, dtype, fp8_math=True)   # wide: 2 terms fit beside 3 stages
+        assert ns == 3 and k.smem_bytes(ns, 32, True, k.FP8_MATH_TERMS) <= k.SMEM_LIMIT
+    # 4 stages asked: lowered to what fits beside the terms
+    assert gb.plan_ring(4, 16, False, torch.bfloat16, fp8_math=True) == 3
 
 
-@pytest.mark.parametrize("H,max_qo,chunks", [(16, 1, True), (128, 1, False), (16, 2, False)])
-def test_plan_routes_pv8_to_the_default_kernel(monkeypatch, H, max_qo, chunks):
-    """An fp8_math plan launches the kernel with qk8 2 and pv8; a plan without it passes no pv8 keyword (the
-    default build's JIT key)."""
+@pytest.mark.parametrize("H,max_qo", [(16, 1), (128, 1), (16, 2)])
+def test_plan_routes_fp8_math_to_the_launch(monkeypatch, H, max_qo):
+    """An fp8_math plan launches the kernel with fp8_math; a plan without it with fp8_math False."""
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
     spec = SimpleNamespace(num_heads=H, sm_scale=0.1, page_size=64, causal=True)
     pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0, 2, False, True).run(
+    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, False, True).run(
         None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert calls and calls[0].get("pv8") is True and calls[0]["qk8"] == 2 and calls[0]["qk8_chunks"] == chunks
+    assert calls and calls[0]["fp8_math"] is True and calls[0]["scale_desc"] is None
     calls.clear()
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0).run(
+    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo).run(
         None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert "pv8" not in calls[0] and "qk8" not in calls[0]
+    assert calls[0]["fp8_math"] is False
 
 
 def test_refusals(monkeypatch):
     q = torch.zeros(1, 16, 512)
     t = dict(part_o=torch.empty(1, 16, 512), part_lse=torch.empty(1, 16))
-    with pytest.raises(ValueError, match="pv8"):
+    with pytest.raises(ValueError, match="fp8_math: .*per-tensor"):
         k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
-                 sm_scale=0.1, page_size=64, ns=3, qk8=2, pv8=True, pv_in_flight=2)
+                 sm_scale=0.1, page_size=64, ns=3, fp8_math=True, scale_desc=object())
+    with pytest.raises(ValueError, match="fp8_math: .*shared memory"):
+        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
+                 sm_scale=0.1, page_size=64, ns=4, fp8_math=True)
     for kw in (dict(backend="torch"), dict(backend="triton"), dict(strategy="gather_cast")):
         with pytest.raises(ValueError, match="fp8_math"):
             fp8mla.MLAPagedAttention(fp8_math=True, **kw)
@@ -136,10 +155,9 @@ def test_refusals(monkeypatch):
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-@pytest.mark.parametrize("heads,page,chunks", [(16, 64, True), (128, 64, False), (16, 1, True)])
-def test_compiles_for_sm90a(heads, page, chunks):
-    r, _ = compile_report_in_child(page=page, ns=3, heads=heads, qk8=2, qk8_chunks=chunks, pv8=True,
-                                   aligned_ints=True)
+@pytest.mark.parametrize("heads,page", [(16, 64), (128, 64), (16, 1)])
+def test_compiles_for_sm90a(heads, page):
+    r, _ = compile_report_in_child(page=page, ns=3, heads=heads, fp8_math=True, aligned_ints=True)
     qg = sum(n for op, n in r["ops"].items() if op.startswith("QGMMA"))
     hg = sum(n for op, n in r["ops"].items() if op.startswith("HGMMA"))
     # per consumer: scores (4 chunks x 4 k32 steps + 2 for k_pe) x 2 terms, P.V 8 chunks x 2 k32 steps; all e4m3
@@ -153,7 +171,7 @@ def test_compiles_for_sm90a(heads, page, chunks):
 def _spy(monkeypatch):
     seen = []
     real = k.launch
-    monkeypatch.setattr(k, "launch", lambda *a, **kw: (seen.append((kw.get("qk8", 0), kw.get("pv8", False))),
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: (seen.append(kw.get("fp8_math", False)),
                                                        real(*a, **kw))[1])
     return seen
 
@@ -190,7 +208,7 @@ def test_matches_float64_over_nan_pools(monkeypatch, H, page, q_dtype, scales, v
     out = torch.full((7, H, 512), math.nan, dtype=q_dtype, device="cuda")
     lse = torch.full((7, H), math.nan, device="cuda")
     attn.run(**b.run_args, out=out, lse=lse, return_lse=True)
-    assert seen == [(2, True)], seen
+    assert seen == [True], seen
     _check(b, out, lse)
     o2, l2 = attn.run(**b.run_args, return_lse=True)
     assert torch.equal(o2, out) and torch.equal(l2, lse)   # bit-identical reruns
@@ -204,7 +222,7 @@ def test_many_splits_and_auto(monkeypatch, H):
     attn = fp8mla.MLAPagedAttention(fp8_math=True)   # auto picks gluon on sm_90
     attn.plan(**b.plan_args)
     out, lse = attn.run(**b.run_args, return_lse=True)
-    assert attn.backend == "gluon" and seen == [(2, True)]
+    assert attn.backend == "gluon" and seen == [True]
     _check(b, out, lse)
 
 
@@ -215,7 +233,7 @@ def test_mtp(monkeypatch):
     attn = fp8mla.MLAPagedAttention(backend="gluon", fp8_math=True)
     attn.plan(**b.plan_args)
     out, lse = attn.run(**b.run_args, return_lse=True)
-    assert seen and seen[0] == (2, True)
+    assert seen and seen[0] is True
     _check(b, out, lse)
 
 

@@ -75,8 +75,7 @@ def _launch_args(H=16, page=64):
         grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1, page_size=page, ns=2), sdesc
 
 
-@pytest.mark.parametrize("bad,match", [(dict(qk8=2), "qk8"), (dict(pv_in_flight=2), "pv_in_flight"),
-                                       (dict(wide_row_sums=True), "wide_row_sums"), (dict(ns=4), "shared"),
+@pytest.mark.parametrize("bad,match", [(dict(fp8_math=True), "fp8_math"), (dict(ns=4), "shared"),
                                        (dict(box=[32, 4]), "boxes")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
     monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
@@ -128,8 +127,6 @@ def test_group_is_behind_its_switch(monkeypatch):
     monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # every head count (16 rows per consumer, more head groups)
     for H in (32, 33, 128):
         assert gb.supports(*_spec_layout("fp8_e4m3_group", H=H))[0]
-    monkeypatch.setenv("FP8MLA_GLUON_QK8", "1")   # FP8 scores never take group plans
-    assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True) == 0
 
 
 def test_group_build_has_16_rows_per_consumer():

@@ -32,8 +32,7 @@ from ..runtime import LN2, gluon_usable, num_sms
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 # fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
-# L2 <= 2e-2 (kernel log 30); the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
-FP8_MATH_TERMS = 2
+# L2 <= 2e-2; the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
 PAGE_MULTIPLE = 64
 # The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
 # since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
@@ -53,25 +52,6 @@ def _switch(env: str, default: bool) -> bool:
     return v == "1" if v in ("0", "1") else default
 
 
-# In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
-# of a (request, head group, consumer, warp) merges its rows, in list order): OFF. H200 2026-11-30 (kernel log 15):
-# slower than the merge kernel at every shape timed, 9/13 checks (4 odd-length cases not bit-identical to the merge
-# kernel), and an "unspecified launch failure" in its H16 B64 timing run (not isolated): do not turn it on before
-# that is understood. FP8MLA_GLUON_FUSED_MERGE=1 turns it on, =0 off.
-# GLUON_FUSED_MAX_PARTS: requests split into more partials than this stay on the merge kernel, which is then
-# launched on every run (one SM merging B1 L32k's 132 partials would be slower than the merge kernel); "all" (env
-# FP8MLA_GLUON_FUSED_MAX_PARTS=all) fuses every request and launches no merge kernel.
-GLUON_FUSED_MERGE = False
-GLUON_FUSED_MAX_PARTS = 16
-# FP8 scores (decode_sm90 QK8, kernel log 18): S = K.Q^T as e4m3 x e4m3 wgmma straight from the TMA stage (no K
-# conversion), Q as 2 (bf16) or 3 (fp16) e4m3 terms that hold it exactly; P.V unchanged; at <= 16 heads one score
-# accumulator per 128-column chunk (QKC). OFF: H200 2026-11-30 (scripts/qk8_device.py) it is no faster (H16 B64 L8k
-# .110 vs .108-.113 ms, B8/B1 3-4% slower, H128 7-9% slower) and less exact: the e4m3 tensor core's accumulation
-# moves the lse by up to 1.9e-3 (relative, vs 1e-7 for the default) and rel L2 reaches 4.5e-3 / 6.6e-3 with
-# large scores (scales .05/.02, x4 values), above the 3e-3 of the default numerics; with chunk accumulators the H16
-# cases measured lse 1.9e-4, rel L2 <= 1.8e-3. FP8MLA_GLUON_QK8=1 turns it on, =0 off. Plans whose terms do not fit
-# shared memory (fp16 queries at more than 32 heads) keep the default kernel.
-GLUON_QK8 = False
 # Per-token group scales (format fp8_e4m3_group: one fp32 scale per token and 128 c_kv columns) in the Gluon kernel
 # (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
 # product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
@@ -91,16 +71,6 @@ GLUON_GROUP = True
 GLUON_ALIGNED = True
 
 
-# Each item's Q loaded in one pass (decode_sm90 launch(q_one_pass=True), the kernel's default): the rows and q_pe
-# together, kept in registers for the conversion. On since kernel log 30 (H200: the prologue 8.5 -> 4.4 us at H16 B1,
-# 1.00-1.02x end to end, bit-identical output); FP8MLA_GLUON_Q1P=0 restores the two-pass kernel.
-GLUON_Q_ONE_PASS = True
-
-
-def q_one_pass_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_Q1P", GLUON_Q_ONE_PASS)
-
-
 def aligned_enabled() -> bool:
     return _switch("FP8MLA_GLUON_ALIGNED", GLUON_ALIGNED)
 
@@ -109,54 +79,17 @@ def group_enabled() -> bool:
     return _switch("FP8MLA_GLUON_GROUP", GLUON_GROUP)
 
 
-def qk8_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_QK8", GLUON_QK8)
-
-
-def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False, fp8_math: bool = False) -> int:
-    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on (or
-    ``fp8_math``), the format without group scales, and the terms beside an ns-stage ring within shared memory."""
-    from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group, fp8_math)
-    return terms if terms and k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
-
-
-def _qk8_wanted(q_dtype, group: bool, fp8_math: bool = False) -> int:
-    """Q's e4m3 terms when the FP8-scores switch is on and the format has no group scales, else 0. ``fp8_math``:
-    always FP8_MATH_TERMS (hi + lo: exact for bf16 queries, fp16 ones rounded to 8 significant bits, well inside
-    fp8_math's error budget)."""
-    from ..kernels import decode_sm90 as k
-    if fp8_math:
-        return 0 if group else FP8_MATH_TERMS
-    return 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
-
-
 def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles (and ``fp8_math``'s Q terms)
     take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered
-    to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
-    above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
-    its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
+    to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16)
+    then takes the even depth above an odd request where it fits (decode_sm90.ring_depth)."""
     from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group, fp8_math)
-    if group or fp8_math:   # the group tiles, or fp8_math's Q terms (not optional there), must fit beside the ring
-        need = terms if fp8_math else 0
-        while ns > 2 and k.smem_bytes(ns, hpw, wide, need, group=group) > k.SMEM_LIMIT:
+    terms = k.FP8_MATH_TERMS if fp8_math and not group else 0
+    if group or fp8_math:   # the group tiles, or fp8_math's Q terms, must fit beside the ring
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, terms, group=group) > k.SMEM_LIMIT:
             ns -= 1
     return k.ring_depth(ns, hpw, wide, terms, group)
-
-
-def fused_merge_max_parts() -> int:
-    """0 when the fused merge is off, else the most partials a request may have to be merged in the kernel."""
-    from ..kernels.decode_sm90 import FUSE_ALL
-    if not _switch("FP8MLA_GLUON_FUSED_MERGE", GLUON_FUSED_MERGE):
-        return 0
-    v = os.environ.get("FP8MLA_GLUON_FUSED_MAX_PARTS", "") or str(GLUON_FUSED_MAX_PARTS)
-    if v == "all":
-        return FUSE_ALL
-    if not v.isdigit() or int(v) < 2:
-        raise ValueError(f"FP8MLA_GLUON_FUSED_MAX_PARTS: expected an integer >= 2 or 'all', got {v!r}")
-    return min(int(v), FUSE_ALL)
 
 
 def page1_enabled() -> bool:
@@ -240,10 +173,8 @@ class GluonPlan:
     ns: int
     t: dict
     max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
-    fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
-    qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8, or fp8_math)
-    group: bool = False   # per-token group scales (fp8_e4m3_group; GLUON_GROUP): run() takes ckv_scale_arr
-    pv8: bool = False     # fp8_math: e4m3 P.V too (with qk8 = FP8_MATH_TERMS)
+    group: bool = False   # per-token group scales (fp8_e4m3_group): run() takes ckv_scale_arr
+    fp8_math: bool = False   # e4m3 x e4m3 wgmma for both products (opt-in)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import decode_sm90 as k
@@ -268,18 +199,11 @@ class GluonPlan:
                 raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
-        launch = k.launch
-        launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
+        k.launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
                  grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
                  num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
                  ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
-                 causal=self.spec.causal,
-                 **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
-                 **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
-                    if self.qk8 and launch is k.launch else {}),
-                 **({"scale_desc": scale_desc} if scale_desc is not None else {}),
-                 **({"pv8": True} if self.pv8 else {}),
-                 **({"q_one_pass": False} if launch is k.launch and not q_one_pass_enabled() else {}))
+                 causal=self.spec.causal, scale_desc=scale_desc, fp8_math=self.fp8_math)
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
@@ -308,9 +232,9 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
     hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
     ns = plan_ring(ns, hpw, wide, spec.q_dtype, group, fp8_math)
-    smem = k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS if fp8_math else 0, group=group)
+    terms = k.FP8_MATH_TERMS if fp8_math else 0
+    smem = k.smem_bytes(ns, hpw, wide, terms, group=group)
     if ns < 2 or smem > k.SMEM_LIMIT:
-        terms = FP8_MATH_TERMS if fp8_math else 0
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, terms, group=group) <= k.SMEM_LIMIT),
                    default=1)
         raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
@@ -328,8 +252,6 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     else:
         parts = None
     mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
-    fuse = fused_merge_max_parts()
-    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group, fp8_math)
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
@@ -338,7 +260,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, group, fp8_math)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -348,13 +270,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        if fuse:   # arrival counters: zeros, and back at zero after every complete run
-            t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo, max_hpw), dtype=torch.int32,
-                                         device=device)
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, group, fp8_math)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, aligned=aligned_enabled())
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, group, fp8_math)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -555,10 +474,7 @@ class _GraphBuffers:
             o += n
         self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
                         part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device),
-                        # the fused merge's arrival counters (decode_sm90.merge_counters: batch x head groups x 2
-                        # consumers x 4 warps; rows // 16 >= 2 x head groups), zero between runs
-                        merge_cnt=torch.zeros(mb * max(2, rows // 16) * 4, **i32))
+                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
         # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
         # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:

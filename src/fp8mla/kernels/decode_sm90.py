@@ -15,12 +15,7 @@ Design (../shared/DECODE_V2.md, "swap-AB with register operands"): one persisten
     range factor are folded into Q before its fp16 rounding (as the Triton kernel does), so FP8 -> fp16 is
     exact and Q keeps fp16 precision without overflow.
   * each consumer writes its own normalized partial (o, lse base 2) per work item; a small Triton kernel merges
-    a request's partials by log-sum-exp in a fixed order (bit-identical reruns). With ``FUSED_MERGE`` (off unless
-    the adapter's switch is on) the kernel merges them itself: after writing a partial, each warp of the consumer
-    counts an arrival on its own counter (acq_rel, gpu scope, after a barrier of the consumer), and the warp that
-    arrives last merges its rows of all the request's partials in list order (``_fused_merge``: a noinline call,
-    no waiting, counters reset to 0 by the merger), bit-identical to the merge kernel for lists of up to
-    ``SEQ_PARTS`` partials; requests with more than ``fuse_max`` partials stay on the merge kernel.
+    a request's partials by log-sum-exp in a fixed order (bit-identical reruns).
 
 Work items come from the plan (``schedule``): the concatenated 64-token tiles of all requests are cut into one
 range per CTA, either request-aligned pieces (``aligned_pieces``: one item per CTA, where that balances) or
@@ -57,15 +52,13 @@ zeroed as for one query; a NaN stored in a token of the request that a row causa
 P = 0 in the P.V MMA (0 x NaN = NaN) and makes that row NaN, as in the Triton kernel (a NaN in a used token is bad
 input; the rows that see it are NaN either way). MTP = 0 compiles the one-query kernels unchanged (same SASS).
 
-FP8 scores (``QK8`` = 2 or 3 e4m3 terms of Q, ``QKC`` one accumulator per 128-column chunk; off unless the adapter's
-``GLUON_QK8`` switch is on, kernel log 18): S^T = K.Q^T runs as e4m3 x e4m3 wgmma with both operands in shared
-memory, K straight from the stage (no conversion, no relabelled k order), Q x f (f a power of two, largest |q| of a
-head near 2^8) split into terms whose sum holds a bf16 query exactly at 2 terms and an fp16 one at 3; the per-tensor
-scales multiply the two score parts (c_kv, k_pe) instead of Q. P.V is the fp16 path above. Measured on the H200: no
-faster, and the e4m3 accumulation moves the scores by more than the default numerics allow at large scores.
+FP8 tensor-core math (``fp8_math``, opt-in: ``QK8`` = 2 e4m3 terms of Q with ``PV8``; ``QKC`` one score
+accumulator per 128-column chunk at H <= 16): S^T = K.Q^T runs as e4m3 x e4m3 wgmma with both operands in shared
+memory, K straight from the stage, Q x f (f a power of two, largest |q| of a head near 2^8) split into a hi and a lo
+term; O^T += V^T.P^T as e4m3 x e4m3 wgmma with V^T's bytes moved from the stage and P x 2^8 in e4m3. The per-tensor
+scales multiply the two score parts (c_kv, k_pe) instead of Q. Error budget rel L2 <= 2e-2 (the default: 3e-3).
 
-Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns; taken while
-the adapter's ``GLUON_GROUP`` switch is on, as it is by default since kernel log 24): the producer brings each tile's
+Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns): the producer brings each tile's
 [64, 4] scales into the stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1,
 counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read
 0. Scores: one fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its
@@ -83,15 +76,8 @@ FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-try:   # programmatic dependent launch (sm_90): the merge kernel waits on the decode grid it follows
-    from triton.language.extra.cuda import gdc_wait as _gdc_wait
-except ImportError:   # an older triton: the merge is launched plainly (PDL_MERGE off)
-    _gdc_wait = None
 
 try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3.6's API
     from triton.experimental import gluon
@@ -133,13 +119,6 @@ def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
     q = 2 * hpw * (DC + DK) * 2 if not qk8 else 2 * hpw * (qk8 * (DC + DK) + (128 + DK) * 2)
     g = ns * TILE * GROUPS * 4 + 2 * (GROUPS - 1) * hpw * TILE * 2 if group else 0
     return ns * STAGE_BYTES + q + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024 + g
-
-
-def qk8_terms(q_dtype) -> int:
-    """e4m3 terms of Q that hold it exactly in the FP8-scores variant: 2 for bf16 (8 significant bits), 3 for
-    fp16 (11)."""
-    import torch
-    return 2 if q_dtype == torch.bfloat16 else 3
 
 
 MAX_WIDE_HEADS = 128
@@ -209,22 +188,6 @@ def padded_heads(num_heads: int, max_qo: int = 1, max_hpw: int = 32) -> int:
     """Rows per work item of the partial buffers (part_o [items, rows, 512], part_lse [items, rows])."""
     hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
     return 2 * hpw * nhg if wide else HP
-
-
-FUSE_ALL = 1 << 30   # fuse_max meaning "every split request": the merge kernel is not launched
-
-
-def merge_counters(batch: int, num_heads: int, max_qo: int = 1, max_hpw: int = 32) -> int:
-    """int32 arrival counters the fused merge needs for ``batch`` requests: one per (request, head group,
-    consumer, warp) = batch x NHG x 2 x 4 (the H16 kernel uses consumer 0's)."""
-    _, nhg, _ = row_config(num_heads, max_qo, max_hpw)
-    return max(1, batch) * nhg * 2 * 4
-
-
-def counter_index(b: int, group: int, cid: int, nhg: int, warp: int = 0) -> int:
-    """The counter of request b, head group ``group`` (pid % NHG), consumer ``cid`` (0 on the H16 kernel), warp
-    ``warp`` (0..3) of that consumer."""
-    return ((b * nhg + group) * 2 + cid) * 4 + warp
 
 
 def mtp_row(r: int, num_heads: int) -> tuple[int, int]:
@@ -347,36 +310,6 @@ if gluon is not None:
         return oa, ob
 
     @gluon.jit
-    def _stamp(tl_ptr, cid: gl.constexpr, n, phase: gl.constexpr, TLT: gl.constexpr):
-        # timing probe (TLT > 0): this SM's clock64 at `phase` of the consumer's n-th tile, into
-        # tl_ptr[pid, cid, n, phase] ([grid, 2, TLT, 8] int64; tiles past TLT are not recorded)
-        pid = gl.program_id(0)
-        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
-                                        pack=1)
-        gl.store(tl_ptr + ((pid * 2 + cid) * TLT + n) * 8 + phase, clk, mask=n < TLT)
-
-    @gluon.jit
-    def _stamp_dep(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr, dep):
-        # timing probe (TLT > 0): the global timer (ns, comparable across SMs and with other kernels) and this
-        # SM's clock64 at a per-CTA point `row`, into slots 6 / 7 of tl_ptr[pid, cid, row], once `dep` (an int32
-        # scalar) is there: given a value computed from loads, the stamp waits on them (rows 4-7: the prologue's
-        # steps; row 4 once per CTA, rows 5-7 the last item's; kernel log 30)
-        pid = gl.program_id(0)
-        gt = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
-                                       pack=1)
-        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
-                                        pack=1)
-        base = tl_ptr + ((pid * 2 + cid) * TLT + row) * 8
-        gl.store(base + 6, gt, mask=row < TLT)
-        gl.store(base + 7, clk, mask=row < TLT)
-
-    @gluon.jit
-    def _stamp_cta(tl_ptr, cid: gl.constexpr, row: gl.constexpr, TLT: gl.constexpr):
-        # _stamp_dep at once (rows 0-3: 0 consumer entry, 1 an item's Q in shared memory, 2 consumer exit, 3 an
-        # item's start; the last item's value stays)
-        _stamp_dep(tl_ptr, cid, row, TLT, gl.program_id(0))
-
-    @gluon.jit
     def _sanitize_tail(kbuf, pbuf, s, valid):
         # Zero the rows >= valid of stage s (a request's last, partial tile): they may hold NaN.
         kv8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -406,7 +339,7 @@ if gluon is not None:
     @gluon.jit
     def _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr, kv_len,
                         cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG: gl.constexpr,
-                        NS: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_ptr=None,
+                        NS: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_ptr=None,
                         stride_sc_row=None, GROUP: gl.constexpr = False):
         # Page 1 (SGLang's default): a tile's 64 rows are 64 arbitrary pool rows (page id = row), too small for TMA
         # boxes. The 128 producer threads copy with 16-byte cp.async, 4 threads per row (a warp instruction covers 8
@@ -454,40 +387,39 @@ if gluon is not None:
                     bar = ready.index(s)
                 else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
                     bar = ready.index((g % 2) * NS + s)
-                if MODE != 2:   # MODE 2 (timing probe): consumers compute on whatever the stage holds
-                    ok = ((ids >= 0) & (ids < num_rows))[:, None]
-                    row = ids.to(gl.int64)
-                    krow = ckv_ptr + row * stride_kv_row
-                    for c in gl.static_range(4):
-                        _cp_async(kbuf.index(s * 4 + c), krow[:, None] + (c * 128 + ccol)[None, :], mask=ok,
-                                  eviction_policy="evict_first")
-                    _cp_async(pbuf.index(s), (kpe_ptr + row * stride_kpe_row)[:, None] + pcol[None, :], mask=ok,
+                ok = ((ids >= 0) & (ids < num_rows))[:, None]
+                row = ids.to(gl.int64)
+                krow = ckv_ptr + row * stride_kv_row
+                for c in gl.static_range(4):
+                    _cp_async(kbuf.index(s * 4 + c), krow[:, None] + (c * 128 + ccol)[None, :], mask=ok,
                               eviction_policy="evict_first")
-                    if GROUP:   # the rows' group scales (16 B each; the 4 column lanes of a row copy the same)
-                        scol = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, cpl))
-                        _cp_async(sbuf.index(s), (sc_ptr + row * stride_sc_row)[:, None] + scol[None, :], mask=ok,
-                                  eviction_policy="evict_first")
+                _cp_async(pbuf.index(s), (kpe_ptr + row * stride_kpe_row)[:, None] + pcol[None, :], mask=ok,
+                          eviction_policy="evict_first")
+                if GROUP:   # the rows' group scales (16 B each; the 4 column lanes of a row copy the same)
+                    scol = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, cpl))
+                    _cp_async(sbuf.index(s), (sc_ptr + row * stride_sc_row)[:, None] + scol[None, :], mask=ok,
+                              eviction_policy="evict_first")
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 g += 1
 
     @gluon.jit
     def _producer(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
                   kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty,
-                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr, WIDE: gl.constexpr,
+                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, WIDE: gl.constexpr,
                   sbuf=None, sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False):
         # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA
         if PAGE == 1:
             _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
                             kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
-                            MODE, WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
+                            WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
         else:
             _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
-                          item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, GROUP)
+                          item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, GROUP)
 
     @gluon.jit
     def _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                       kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
-                      MODE: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_desc=None, GROUP: gl.constexpr = False):
+                      WIDE: gl.constexpr, sbuf=None, sc_desc=None, GROUP: gl.constexpr = False):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
         # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
@@ -526,26 +458,23 @@ if gluon is not None:
                     bar = ready.index(s)
                 else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
                     bar = ready.index((g % 2) * NS + s)
-                if MODE == 2:   # timing probe: consumers compute on whatever the stage holds, no HBM traffic
-                    mbarrier.arrive(bar, count=1)
+                if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
+                    mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
                 else:
-                    if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
-                        mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
+                    mbarrier.expect(bar, 64 * 576)
+                for r in gl.static_range(EPT):
+                    page = gl.sum(gl.where(ar == k * EPT + r, ids, 0), axis=0)
+                    if PAGE < 64:
+                        row = page * PAGE
                     else:
-                        mbarrier.expect(bar, 64 * 576)
-                    for r in gl.static_range(EPT):
-                        page = gl.sum(gl.where(ar == k * EPT + r, ids, 0), axis=0)
-                        if PAGE < 64:
-                            row = page * PAGE
-                        else:
-                            row = page * PAGE + (t * 64) % PAGE
-                        for c in gl.static_range(4):
-                            _tma_load(kv_desc, [row, c * 128], bar,
-                                                            kbuf.index(s * 4 + c).slice(r * ROWS, ROWS, dim=0))
-                        _tma_load(kpe_desc, [row, 0], bar,
-                                                        pbuf.index(s).slice(r * ROWS, ROWS, dim=0))
-                        if GROUP:
-                            _tma_load(sc_desc, [row, 0], bar, sbuf.index(s).slice(r * ROWS, ROWS, dim=0))
+                        row = page * PAGE + (t * 64) % PAGE
+                    for c in gl.static_range(4):
+                        _tma_load(kv_desc, [row, c * 128], bar,
+                                                        kbuf.index(s * 4 + c).slice(r * ROWS, ROWS, dim=0))
+                    _tma_load(kpe_desc, [row, 0], bar,
+                                                    pbuf.index(s).slice(r * ROWS, ROWS, dim=0))
+                    if GROUP:
+                        _tma_load(sc_desc, [row, 0], bar, sbuf.index(s).slice(r * ROWS, ROWS, dim=0))
                 g += 1
 
     @gluon.jit
@@ -618,166 +547,6 @@ if gluon is not None:
             gl.store(base + 7 * 64, o7 * inv, mask=out_mask)
             gl.store(part_lse + pidx * stride_pl_i + heads, lse, mask=row_ok)
 
-    # The fused merge's arrival, per thread of a consumer: a barrier of its 128 threads (named barrier 14 +
-    # consumer: Triton's own partition barriers use low ids), then lane 0 of each warp adds 1 to the warp's
-    # counter ($1 + 4 x (warp mod 4)) with acq_rel at gpu scope, and the old value goes to the whole warp.
-    _ARRIVE = ("{ .reg .pred p; .reg .b32 t, r; .reg .b64 a; bar.sync %d, 128; "
-               "mov.u32 t, %%tid.x; shr.u32 t, t, 5; and.b32 t, t, 3; mul.wide.u32 a, t, 4; add.s64 a, a, $1; "
-               "setp.eq.s32 p, $2, 0; mov.b32 r, 0; @p atom.acq_rel.gpu.global.add.u32 r, [a], 1; "
-               "bar.warp.sync -1; shfl.sync.idx.b32 $0, r, 0, 0x1f, -1; }")
-    _ARRIVE_ASM0 = gl.constexpr(_ARRIVE % 14)
-    _ARRIVE_ASM1 = gl.constexpr(_ARRIVE % 15)
-    # ... and the merging warp's reset of its counter to 0 (lane 0, after the warp's merge)
-    _RESET_ASM = gl.constexpr(
-        "{ .reg .pred p; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; shr.u32 t, t, 5; and.b32 t, t, 3; "
-        "mul.wide.u32 a, t, 4; add.s64 a, a, $2; setp.eq.s32 p, $1, 0; bar.warp.sync -1; "
-        "@p st.relaxed.gpu.global.b32 [a], 0; mov.b32 $0, 0; }")
-
-    @gluon.jit
-    def _merge_load_gl(part_o, part_lse, p, v, rows, rok, cols, cb, m_use, stride_po_i, stride_po_r, stride_pl_i):
-        # _merge_load_tl's twin: partial p (none when v is false), its weights and rows [HPW, CW]; read through
-        # L2 (.cg): the partials were written by other SMs during this launch
-        lse_i = gl.load(part_lse + p * stride_pl_i + rows, mask=rok & v, other=float("-inf"), cache_modifier=".cg")
-        w = gl.exp2(lse_i - m_use)
-        o = gl.load(part_o + p * stride_po_i + rows[:, None] * stride_po_r + cb + cols[None, :],
-                    mask=(rok & v)[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
-        return w, o
-
-    @gluon.jit
-    def _merge_step_gl(acc, wsum, w, o, v):
-        # _merge_step_tl's twin (same ops, same order: bit-identical results)
-        acc = gl.where(v, gl.fma(o, w[:, None] + gl.zeros_like(acc), acc), acc)
-        wsum = gl.where(v, wsum + w, wsum)
-        return acc, wsum
-
-    @gluon.jit
-    def _merge_rows(it, i0, i1, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
-                    stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_list, HPW: gl.constexpr, MTP: gl.constexpr):
-        # The fused merge's merge of rows h0 .. h0 + HPW of a request from its partials m_list[i0:i1]; a warp
-        # touches only the rows it owns (rows = warp mod 4): _fused_merge calls it per warp. No barriers and no
-        # shared memory in here (divergent warps; and inside a call, outside the warp-specialized partition,
-        # barriers are not renamed to the partition's own).
-        # one layout for both passes: rows across the 4 warps, columns (pass 1: list entries) across the lanes,
-        # so the max is a warp shuffle and m_use lands in the rows' layout (no shared memory); [HPW, CW] fp32
-        # tiles, 16 per thread (bigger tiles spill here and, through ptxas's view of the call, in the kernel)
-        TPR: gl.constexpr = 1 if HPW == 16 else 2
-        ml: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, 32 // TPR], [4, 1], [1, 0])
-        CW: gl.constexpr = 128 if HPW == 16 else 64
-        rows = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(1, ml)), it) + h0
-        rok = rows < nrows
-        cols = _per_item(gl.arange(0, CW, layout=gl.SliceLayout(0, ml)), it)
-        # pass 1: the max lse per row (exact in any order), CW list entries at a time
-        m = gl.full([HPW], float("-inf"), gl.float32, gl.SliceLayout(1, ml))
-        for i in range(i0, i1, CW):
-            idx = cols + i
-            ok = idx < i1
-            p = gl.load(m_list + idx, mask=ok, other=0).to(gl.int64)
-            l2 = gl.load(part_lse + p[None, :] * stride_pl_i + rows[:, None], mask=ok[None, :] & rok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            m = gl.maximum(m, gl.max(l2, axis=1))
-        m_use = gl.where(m == float("-inf"), 0.0, m)
-        if MTP:
-            otok = qtok + rows // H
-            ohead = rows % H
-        else:
-            otok = qtok + rows * 0
-            ohead = rows
-        ty = out.dtype.element_ty
-        # pass 2, per column block: the partials in list order, four at a time (4 x 4 16-byte loads in flight
-        # per thread)
-        # list entries a step ahead (clamped into the list), so each step's 4 partials' loads go out together;
-        # the first step's once for all column blocks
-        qa = gl.load(m_list + i0).to(gl.int64)
-        qb = gl.load(m_list + gl.minimum(i0 + 1, i1 - 1)).to(gl.int64)
-        qc = gl.load(m_list + gl.minimum(i0 + 2, i1 - 1)).to(gl.int64)
-        qd = gl.load(m_list + gl.minimum(i0 + 3, i1 - 1)).to(gl.int64)
-        for cb in range(0, 512, CW):
-            acc = gl.zeros([HPW, CW], gl.float32, ml)
-            wsum = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, ml))
-            pa = qa
-            pb = qb
-            pc = qc
-            pd = qd
-            for i in range(i0, i1, 4):
-                na = gl.load(m_list + gl.minimum(i + 4, i1 - 1)).to(gl.int64)
-                nb = gl.load(m_list + gl.minimum(i + 5, i1 - 1)).to(gl.int64)
-                nc = gl.load(m_list + gl.minimum(i + 6, i1 - 1)).to(gl.int64)
-                nd = gl.load(m_list + gl.minimum(i + 7, i1 - 1)).to(gl.int64)
-                w0, o0 = _merge_load_gl(part_o, part_lse, pa, i < i1, rows, rok, cols, cb, m_use, stride_po_i,
-                                        stride_po_r, stride_pl_i)
-                w1, o1 = _merge_load_gl(part_o, part_lse, pb, i + 1 < i1, rows, rok, cols, cb, m_use,
-                                        stride_po_i, stride_po_r, stride_pl_i)
-                w2, o2 = _merge_load_gl(part_o, part_lse, pc, i + 2 < i1, rows, rok, cols, cb, m_use,
-                                        stride_po_i, stride_po_r, stride_pl_i)
-                w3, o3 = _merge_load_gl(part_o, part_lse, pd, i + 3 < i1, rows, rok, cols, cb, m_use,
-                                        stride_po_i, stride_po_r, stride_pl_i)
-                acc, wsum = _merge_step_gl(acc, wsum, w0, o0, i < i1)
-                acc, wsum = _merge_step_gl(acc, wsum, w1, o1, i + 1 < i1)
-                acc, wsum = _merge_step_gl(acc, wsum, w2, o2, i + 2 < i1)
-                acc, wsum = _merge_step_gl(acc, wsum, w3, o3, i + 3 < i1)
-                pa = na
-                pb = nb
-                pc = nc
-                pd = nd
-            seen = wsum > 0
-            den = gl.where(seen, wsum, 1.0)
-            o = acc / den[:, None]
-            gl.store(out + otok[:, None] * stride_o_t + ohead[:, None] * stride_o_h + cb + cols[None, :],
-                     o.to(ty), mask=rok[:, None] & (cols >= 0)[None, :])
-            if cb == 0:
-                gl.store(lse_out + otok * stride_lse_t + ohead,
-                         gl.where(seen, m_use + gl.log2(den), float("-inf")), mask=rok)
-
-    @gluon.jit
-    def _fused_here(m_ptr, b, fuse_max, t0, t1, L):
-        # the fused merge's unit needs this item's arrival: an item of a split request (not the whole request)
-        # with 2 .. fuse_max partials
-        split = (t0 > 0) | (t1 < (L + 63) // 64)
-        n = gl.load(m_ptr + b + 1, mask=split, other=0) - gl.load(m_ptr + b, mask=split, other=0)
-        return split & (n <= fuse_max)
-
-    @gluon.jit(noinline=True)
-    def _fused_merge(cid: gl.constexpr, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
-                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list, merge_cnt,
-                     fuse_max, NHG: gl.constexpr, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr):
-        # The in-kernel "last arriver" merge (FUSED_MERGE), called by a consumer right after it stored its
-        # partial of an item of request b (rows h0 .. h0 + HPW). Nobody waits for anybody:
-        #   * unit = (request, head group, consumer, warp): each warp of the consumer counts one arrival per item
-        #     of the request on its own counter (4 per (request, head group, consumer)), and the warp that sees
-        #     n - 1 merges the rows it owns in the merge layout (rows = warp mod 4) from all n partials;
-        #   * release: a barrier of the consumer's 128 threads orders all of its partial stores before each
-        #     warp's lane-0 atom.acq_rel.gpu (the CUTLASS semaphore pattern); acquire: that same atomic, then
-        #     bar.warp.sync, partials read through L2 (.cg); the merging warp resets its counter to 0 after the
-        #     merge (the next launch / graph replay starts clean);
-        #   * the merge (_merge_rows) is _merge_parts_kernel's sequential formula in list order: bit-identical.
-        # A real call (noinline), with its own named barrier (id 14 + cid) and per-warp decisions by shuffles: no
-        # shared memory, no partition-wide barrier that a call outside the partition could not rename. Inlined,
-        # the atomic alone made triton 3.6's ptxas spill inside the tile loop. Requests with more than fuse_max
-        # partials are left to the merge kernel (one SM merging many partials is slower than the merge kernel).
-        i0 = gl.load(m_ptr + b)
-        i1 = gl.load(m_ptr + b + 1)
-        n = i1 - i0
-        if (n >= 2) & (n <= fuse_max):
-            if WIDE:
-                grp = gl.program_id(0) % NHG
-            else:
-                grp = gl.program_id(0) * 0
-            cnt = merge_cnt + ((b * NHG + grp) * 2 + cid) * 4     # + this warp (in the asm)
-            wl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # one element per thread; warps: copies
-            lane = gl.arange(0, 32, layout=wl)
-            if cid == 0:
-                prev = gl.inline_asm_elementwise(_ARRIVE_ASM0, "=r,l,r", [cnt + lane * 0, lane], dtype=gl.int32,
-                                                 is_pure=False, pack=1)
-            else:
-                prev = gl.inline_asm_elementwise(_ARRIVE_ASM1, "=r,l,r", [cnt + lane * 0, lane], dtype=gl.int32,
-                                                 is_pure=False, pack=1)
-            last = gl.max(prev, axis=0)    # within the warp (the warps hold copies of the layout): per warp
-            if last == n - 1:
-                _merge_rows(it, i0, i1, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
-                            stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_list, HPW, MTP)
-                gl.inline_asm_elementwise(_RESET_ASM, "=r,r,l", [lane, cnt + lane * 0], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-
     @gluon.jit
     def _k_slab(kbuf, slab, ld_l: gl.constexpr, a_l: gl.constexpr):
         # one 128-column K slab as the score MMA's A operand: LDS.128 in the relabelled k order, exact fp16
@@ -826,11 +595,9 @@ if gluon is not None:
                   q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
                   part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                  merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                  WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False, Q1P: gl.constexpr = True):
+                  NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
+                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
+                  PV8: gl.constexpr = False):
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -855,8 +622,6 @@ if gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         STEP: gl.constexpr = 1 if WIDE else 2
 
-        if TLT:
-            _stamp_cta(tl_ptr, cid, 0, TLT)
         pid = gl.program_id(0)
         if WIDE:
             slot = pid // NHG
@@ -866,8 +631,6 @@ if gluon is not None:
             h0 = pid * 0
         i0 = gl.load(cta_ptr + slot)
         i1 = gl.load(cta_ptr + slot + 1)
-        if TLT:
-            _stamp_dep(tl_ptr, cid, 4, TLT, i0 + i1)
         ckv_scale = gl.load(scales)
         kpe_scale = gl.load(scales + 1)
         o_scale = ckv_scale   # the outputs' factor: V's scale (and, fp8_math, 1 / P's e4m3 scale)
@@ -881,19 +644,12 @@ if gluon is not None:
         cq = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
         cp = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
         g = 0
-        nt = 0   # this consumer's tiles so far (the timing probe's index)
         for it in range(i0, i1):
-            if TLT:
-                _stamp_cta(tl_ptr, cid, 3, TLT)
             b = gl.load(item_req + it)
             t0 = gl.load(item_t0 + it)
             t1 = gl.load(item_t1 + it)
-            if TLT:
-                _stamp_dep(tl_ptr, cid, 5, TLT, b + t0 + t1)
             L = gl.load(kv_len + b)
             qtok = gl.load(qo_indptr + b).to(gl.int64)
-            if TLT:
-                _stamp_dep(tl_ptr, cid, 6, TLT, L + qtok.to(gl.int32))
             # -- Q^T for this request: scales and a per-head power of two folded in, fp16, k relabelled -----
             # (padded heads: Q rows of zeros, scores 0, outputs never written)
             if WIDE:   # per-item index vectors: hoisted out of the item loop they spill (see _per_item)
@@ -912,39 +668,28 @@ if gluon is not None:
                 qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
                 qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
             amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
-            if Q1P:
-                # one pass: Q's four row chunks and q_pe loaded together and kept in registers for the conversion
-                # (the O accumulators are not live yet), instead of q_pe one load latency after the maximum and
-                # the chunks loaded again (kernel log 30: Q to shared memory was 5-6 us of a ~9 us prologue)
-                x0 = gl.load(qn_row[:, None] + 0 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                x1 = gl.load(qn_row[:, None] + 1 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                x2 = gl.load(qn_row[:, None] + 2 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                x3 = gl.load(qn_row[:, None] + 3 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
-                amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0.to(gl.float32)), axis=1),
-                                             gl.max(gl.abs(x1.to(gl.float32)), axis=1)),
-                                  gl.maximum(gl.max(gl.abs(x2.to(gl.float32)), axis=1),
-                                             gl.max(gl.abs(x3.to(gl.float32)), axis=1)))
-            else:
-                for c in gl.static_range(4):
-                    x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                    amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
-            if TLT:
-                _stamp_dep(tl_ptr, cid, 7, TLT, (gl.max(amax, axis=0) * 0.0).to(gl.int32))
+            # one pass: Q's four row chunks and q_pe loaded together and kept in registers for the conversion (the
+            # O accumulators are not live yet), rather than q_pe one load latency after the maximum and the chunks
+            # loaded again
+            x0 = gl.load(qn_row[:, None] + 0 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+            x1 = gl.load(qn_row[:, None] + 1 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+            x2 = gl.load(qn_row[:, None] + 2 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+            x3 = gl.load(qn_row[:, None] + 3 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
+            xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
+            amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0.to(gl.float32)), axis=1),
+                                         gl.max(gl.abs(x1.to(gl.float32)), axis=1)),
+                              gl.maximum(gl.max(gl.abs(x2.to(gl.float32)), axis=1),
+                                         gl.max(gl.abs(x3.to(gl.float32)), axis=1)))
             if QK8:
                 # FP8 scores (QK8 e4m3 terms of Q, K straight from the stage): Q x f, f a power of two with the
                 # largest |q| of a head near 2^8 (e4m3 max 448), split into QK8 e4m3 terms hi + mid (+ lo) whose
                 # sum is q x f to 8 (12) significant bits: exact for bf16 queries at 2 terms, fp16 needs 3, for the
                 # entries within ~2^9 of the head's largest (smaller ones reach e4m3's subnormals: error <= ~2^-17
                 # of the largest). The scales stay out of Q (applied to the two score parts).
-                if not Q1P:
-                    xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1))
                 f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(256.0 / amax))), 1.0)
                 for c in gl.static_range(4):
-                    if not Q1P:
-                        x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                    elif c == 0:
+                    if c == 0:
                         x = x0
                     elif c == 1:
                         x = x1
@@ -964,16 +709,12 @@ if gluon is not None:
                     rp = rp - t8.to(gl.float32)
             else:   # (the order of these lines is the measured kernel's: moved, they reschedule its SASS)
                 amax = amax * ckv_scale
-                if not Q1P:
-                    xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
                 # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
                 f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
                 fn = f * ckv_scale
                 for c in gl.static_range(4):
-                    if not Q1P:
-                        x = gl.load(qn_row[:, None] + c * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-                    elif c == 0:
+                    if c == 0:
                         x = x0
                     elif c == 1:
                         x = x1
@@ -986,8 +727,6 @@ if gluon is not None:
                 qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
                 my_qpe.store(_relabel_k64(qp16))
             fence_async_shared()
-            if TLT:
-                _stamp_cta(tl_ptr, cid, 1, TLT)
             row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
             tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
             hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
@@ -1002,9 +741,8 @@ if gluon is not None:
             o7 = gl.zeros([64, HPW], gl.float32, mma)
             m_i = gl.full([HPW], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
             # H16: row sums stay per thread (no cross-warp reduction per tile), reduced once in the epilogue.
-            # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers), unless
-            # WLACC (the H16 way: per thread, reduced once per item; a timing experiment, kernel log 22)
-            if WIDE and not WLACC:
+            # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers)
+            if WIDE:
                 l_i = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
             else:
                 l_acc = gl.zeros([64, HPW], gl.float32, mma)
@@ -1023,8 +761,6 @@ if gluon is not None:
             for j in range(j0, n, STEP):
                 gg = g + j
                 s = gg % NS
-                if TLT:
-                    _stamp(tl_ptr, cid, nt, 0, TLT)
                 if ready.shape[0] == empty.shape[0]:
                     mbarrier.wait(ready.index(s), (gg // NS) & 1)
                 else:
@@ -1032,222 +768,181 @@ if gluon is not None:
                     # to alternating consumers, and a parity wait could pass a phase early (kernel log 25); each
                     # consumer has its own ready barrier per stage, whose k-th phase is its tile gg = x + 2 NS k
                     mbarrier.wait(ready.index((gg % 2) * NS + s), (gg // (2 * NS)) & 1)
-                if TLT:
-                    _stamp(tl_ptr, cid, nt, 1, TLT)
                 valid = L - (t0 + j) * 64
-                if MODE == 1:   # timing probe: the ring alone (no compute)
-                    mbarrier.arrive(empty.index(s), count=1)
-                else:
-                    if valid < 64:
-                        # WIDE: both consumers zero the same rows; every write stores either the row's own value
-                        # or 0, so the overlap is benign and the stage ends up the same either way.
-                        _sanitize_tail(kbuf, pbuf, s, valid)
-                    if GROUP:
-                        # the tile's [64 tokens, 4 groups] fp32 scales, each thread the rows of its accumulator
-                        # rows; rows past kv_len hold whatever the page holds (maybe NaN): 0 (their P is 0)
-                        sc_l: gl.constexpr = gl.DistributedLinearLayout(
-                            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-                            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUPS_C])
-                        srow = gl.arange(0, 64, layout=gl.SliceLayout(1, sc_l))
-                        sci = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, sc_l))
-                        xs = sbuf.index(s).load(sc_l)
-                        xs = gl.where((srow[:, None] < valid) & (sci[None, :] >= 0), xs, 0.0)
-                        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-                        sg0 = _group_col(xs, sci, 0, row_l)
-                        sg1 = _group_col(xs, sci, 1, row_l)
-                        sg2 = _group_col(xs, sci, 2, row_l)
-                        sg3 = _group_col(xs, sci, 3, row_l)
-                        mx = gl.max(xs, axis=0)   # one cross-warp reduction for the 4 groups
-                        gm0 = _group_max(mx, sci, 0)
-                        gm1 = _group_max(mx, sci, 1)
-                        gm2 = _group_max(mx, sci, 2)
-                        gm3 = _group_max(mx, sci, 3)
-                    # -- S^T = K . Q^T ------------------------------------------------------------------------
-                    if QK8:
-                        # e4m3 x e4m3 wgmma, both operands in shared memory (K-major): no K conversion at all.
-                        # The stage is now read by the async proxy: at page 1 cp.async (generic proxy) wrote it
-                        fence_async_shared()
-                        sp = gl.zeros([64, HPW], gl.float32, mma8)
-                        if QKC:   # one accumulator per 128-column chunk: 5 independent chains, summed after
-                            s0 = gl.zeros([64, HPW], gl.float32, mma8)
-                            s1 = gl.zeros([64, HPW], gl.float32, mma8)
-                            s2 = gl.zeros([64, HPW], gl.float32, mma8)
-                            s3 = gl.zeros([64, HPW], gl.float32, mma8)
-                            for term in gl.static_range(QK8):
-                                s0 = warpgroup_mma(kbuf.index(s * 4 + 0),
-                                                   q8_smem.index((cid * QK8 + term) * 4 + 0).permute((1, 0)), s0,
-                                                   is_async=True)
-                            for term in gl.static_range(QK8):
-                                s1 = warpgroup_mma(kbuf.index(s * 4 + 1),
-                                                   q8_smem.index((cid * QK8 + term) * 4 + 1).permute((1, 0)), s1,
-                                                   is_async=True)
-                            for term in gl.static_range(QK8):
-                                s2 = warpgroup_mma(kbuf.index(s * 4 + 2),
-                                                   q8_smem.index((cid * QK8 + term) * 4 + 2).permute((1, 0)), s2,
-                                                   is_async=True)
-                            for term in gl.static_range(QK8):
-                                s3 = warpgroup_mma(kbuf.index(s * 4 + 3),
-                                                   q8_smem.index((cid * QK8 + term) * 4 + 3).permute((1, 0)), s3,
-                                                   is_async=True)
-                            for term in gl.static_range(QK8):
-                                sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
-                                                   sp, is_async=True)
-                            s0, s1, s2, s3, sp = warpgroup_mma_wait(0, deps=(s0, s1, s2, s3, sp))
-                            sn = (s0 + s1) + (s2 + s3)
-                        else:
-                            sn = gl.zeros([64, HPW], gl.float32, mma8)
-                            for c in gl.static_range(4):
-                                for term in gl.static_range(QK8):
-                                    sn = warpgroup_mma(kbuf.index(s * 4 + c),
-                                                       q8_smem.index((cid * QK8 + term) * 4 + c).permute((1, 0)),
-                                                       sn, is_async=True)
-                            for term in gl.static_range(QK8):
-                                sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
-                                                   sp, is_async=True)
-                            sn, sp = warpgroup_mma_wait(0, deps=(sn, sp))
-                        # (an e4m3 wgmma's instruction k is 32: same accumulator registers, another layout name)
-                        sT = gl.convert_layout(sn * ckv_scale + sp * kpe_scale, mma, assert_trivial=True)
-                    elif GROUP:
-                        sT = _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid, sg0, sg1, sg2, sg3, ld_l, ld64_l,
-                                           a_l, mma, HPW)
-                    else:
-                        sT = gl.zeros([64, HPW], gl.float32, mma)
-                        for c in gl.static_range(4):
-                            a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
-                            a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
-                            sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
-                            if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
-                                sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
-                            else:
-                                sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
-                        ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
-                        ap = gl.convert_layout(ap, a_l, assert_trivial=True)
-                        sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
-                        sT = warpgroup_mma_wait(0, deps=(sT,))
-                    # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
-                    if TLT:
-                        _stamp(tl_ptr, cid, nt, 2, TLT)
-                    sT = sT * row_scale[None, :]
-                    if MTP == 1:
-                        if (t0 + j + 1) * 64 > L - qo + 1:
-                            # a tile that some row does not see whole. Causal, aligned to the end: token i sees kv
-                            # positions < min(L - qo + i + 1, L) (padding rows: L), which also masks the rows past
-                            # kv_len. Computed here, not per item: a per-row vector live across the tile loop
-                            # spills at 128 O registers.
-                            hrow = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), gg) + h0
-                            lim = gl.minimum(L - qo + hrow // H + 1, L) - (t0 + j) * 64
-                            sT = gl.where(tok_r[:, None] < lim[None, :], sT, float("-inf"))
-                        else:   # every row sees the whole tile (valid = 64 here)
-                            sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
-                    else:
-                        sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-                    if MTP == 1:
-                        # a row can see no token of a tile (or of a whole item) so far: max -inf. Subtract 0 then,
-                        # so alpha and P are exactly 0, not NaN (-inf - -inf)
-                        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = gl.exp2(m_i - m_sub)
-                        p = gl.exp2(sT - m_sub[None, :])
-                    else:
-                        alpha = gl.exp2(m_i - m_new)
-                        p = gl.exp2(sT - m_new[None, :])
-                    if WIDE and not WLACC:
-                        l_i = l_i * alpha + gl.sum(p, axis=0)
-                    else:
-                        l_acc = l_acc * alpha[None, :] + p
-                    m_i = m_new
-                    if TLT:
-                        _stamp(tl_ptr, cid, nt, 3, TLT)
-                    if GROUP:   # one P^T per group: P x scale / the group's tile maximum (<= 1 in fp16)
-                        pT_smem.index(cid * 4 + 0).store(gl.permute((p * (sg0 / gm0)[:, None]).to(gl.float16),
-                                                                    (1, 0)))
-                        pT_smem.index(cid * 4 + 1).store(gl.permute((p * (sg1 / gm1)[:, None]).to(gl.float16),
-                                                                    (1, 0)))
-                        pT_smem.index(cid * 4 + 2).store(gl.permute((p * (sg2 / gm2)[:, None]).to(gl.float16),
-                                                                    (1, 0)))
-                        pT_smem.index(cid * 4 + 3).store(gl.permute((p * (sg3 / gm3)[:, None]).to(gl.float16),
-                                                                    (1, 0)))
-                    elif PV8:   # fp8_math: P x 2^8 in e4m3 (<= 256 of 448), rows in the e4m3 P.V's token order
-                        my_p.store(gl.permute(_relabel_tok8((p * P8_SCALE_C).to(gl.float8e4nv)), (1, 0)))
-                    else:
-                        my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
+                if valid < 64:
+                    # WIDE: both consumers zero the same rows; every write stores either the row's own value
+                    # or 0, so the overlap is benign and the stage ends up the same either way.
+                    _sanitize_tail(kbuf, pbuf, s, valid)
+                if GROUP:
+                    # the tile's [64 tokens, 4 groups] fp32 scales, each thread the rows of its accumulator
+                    # rows; rows past kv_len hold whatever the page holds (maybe NaN): 0 (their P is 0)
+                    sc_l: gl.constexpr = gl.DistributedLinearLayout(
+                        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUPS_C])
+                    srow = gl.arange(0, 64, layout=gl.SliceLayout(1, sc_l))
+                    sci = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, sc_l))
+                    xs = sbuf.index(s).load(sc_l)
+                    xs = gl.where((srow[:, None] < valid) & (sci[None, :] >= 0), xs, 0.0)
+                    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+                    sg0 = _group_col(xs, sci, 0, row_l)
+                    sg1 = _group_col(xs, sci, 1, row_l)
+                    sg2 = _group_col(xs, sci, 2, row_l)
+                    sg3 = _group_col(xs, sci, 3, row_l)
+                    mx = gl.max(xs, axis=0)   # one cross-warp reduction for the 4 groups
+                    gm0 = _group_max(mx, sci, 0)
+                    gm1 = _group_max(mx, sci, 1)
+                    gm2 = _group_max(mx, sci, 2)
+                    gm3 = _group_max(mx, sci, 3)
+                # -- S^T = K . Q^T ------------------------------------------------------------------------
+                if QK8:
+                    # e4m3 x e4m3 wgmma, both operands in shared memory (K-major): no K conversion at all.
+                    # The stage is now read by the async proxy: at page 1 cp.async (generic proxy) wrote it
                     fence_async_shared()
-                    if TLT:
-                        _stamp(tl_ptr, cid, nt, 4, TLT)
-                    # -- O^T += V^T . P^T, 8 chunks of 64 dims; PVW chunk groups stay in flight behind the next
-                    # chunk's conversion (1: the measured kernel; 2: an experiment, kernel log 22) --------------
-                    if GROUP:   # each group's two 64-dim chunks against its own P^T, rescaled by f_old / f_new
-                        o0, o1 = _pv_slab(kbuf, s * 4 + 0, pT_smem.index(cid * 4 + 0).permute((1, 0)),
-                                          (alpha * (f0 / gm0))[None, :], o0, o1, a_l, L16, kv16_l)
-                        o2, o3 = _pv_slab(kbuf, s * 4 + 1, pT_smem.index(cid * 4 + 1).permute((1, 0)),
-                                          (alpha * (f1 / gm1))[None, :], o2, o3, a_l, L16, kv16_l)
-                        o4, o5 = _pv_slab(kbuf, s * 4 + 2, pT_smem.index(cid * 4 + 2).permute((1, 0)),
-                                          (alpha * (f2 / gm2))[None, :], o4, o5, a_l, L16, kv16_l)
-                        o6, o7 = _pv_slab(kbuf, s * 4 + 3, pT_smem.index(cid * 4 + 3).permute((1, 0)),
-                                          (alpha * (f3 / gm3))[None, :], o6, o7, a_l, L16, kv16_l)
-                        f0 = gm0
-                        f1 = gm1
-                        f2 = gm2
-                        f3 = gm3
-                    elif PV8:
-                        # fp8_math: e4m3 x e4m3 wgmma (V^T bytes straight from the stage, P^T e4m3), accumulators
-                        # under the k-32 layout name (same registers), back after the tile's last wait
-                        a2 = gl.convert_layout(alpha, gl.SliceLayout(0, mma8), assert_trivial=True)[None, :]
-                        q0, q1 = _pv_slab8(kbuf, s * 4 + 0, bP, a2, gl.convert_layout(o0, mma8, assert_trivial=True),
-                                           gl.convert_layout(o1, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                        q2, q3 = _pv_slab8(kbuf, s * 4 + 1, bP, a2, gl.convert_layout(o2, mma8, assert_trivial=True),
-                                           gl.convert_layout(o3, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                        q4, q5 = _pv_slab8(kbuf, s * 4 + 2, bP, a2, gl.convert_layout(o4, mma8, assert_trivial=True),
-                                           gl.convert_layout(o5, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                        q6, q7 = _pv_slab8(kbuf, s * 4 + 3, bP, a2, gl.convert_layout(o6, mma8, assert_trivial=True),
-                                           gl.convert_layout(o7, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                        q0, q1, q2, q3, q4, q5, q6, q7 = warpgroup_mma_wait(0, deps=(q0, q1, q2, q3, q4, q5, q6, q7))
-                        o0 = gl.convert_layout(q0, mma, assert_trivial=True)
-                        o1 = gl.convert_layout(q1, mma, assert_trivial=True)
-                        o2 = gl.convert_layout(q2, mma, assert_trivial=True)
-                        o3 = gl.convert_layout(q3, mma, assert_trivial=True)
-                        o4 = gl.convert_layout(q4, mma, assert_trivial=True)
-                        o5 = gl.convert_layout(q5, mma, assert_trivial=True)
-                        o6 = gl.convert_layout(q6, mma, assert_trivial=True)
-                        o7 = gl.convert_layout(q7, mma, assert_trivial=True)
-                    elif PVW == 1:
-                        a2 = alpha[None, :]
-                        o0, o1 = _pv_slab(kbuf, s * 4 + 0, bP, a2, o0, o1, a_l, L16, kv16_l)
-                        o2, o3 = _pv_slab(kbuf, s * 4 + 1, bP, a2, o2, o3, a_l, L16, kv16_l)
-                        o4, o5 = _pv_slab(kbuf, s * 4 + 2, bP, a2, o4, o5, a_l, L16, kv16_l)
-                        o6, o7 = _pv_slab(kbuf, s * 4 + 3, bP, a2, o6, o7, a_l, L16, kv16_l)
-                    else:   # the A fragments of the chunks still in flight stay live (deps) until their wait
-                        a2 = alpha[None, :]
-                        v0 = _vt_chunk(kbuf, s * 4 + 0, 0, a_l, L16, kv16_l)
-                        o0 = warpgroup_mma(v0, bP, o0 * a2, is_async=True)
-                        o0, v0 = warpgroup_mma_wait(PVW, deps=(o0, v0))
-                        v1 = _vt_chunk(kbuf, s * 4 + 0, 1, a_l, L16, kv16_l)
-                        o1 = warpgroup_mma(v1, bP, o1 * a2, is_async=True)
-                        o1, v1, v0 = warpgroup_mma_wait(PVW, deps=(o1, v1, v0))
-                        v2 = _vt_chunk(kbuf, s * 4 + 1, 0, a_l, L16, kv16_l)
-                        o2 = warpgroup_mma(v2, bP, o2 * a2, is_async=True)
-                        o2, v2, v0, v1 = warpgroup_mma_wait(PVW, deps=(o2, v2, v0, v1))
-                        v3 = _vt_chunk(kbuf, s * 4 + 1, 1, a_l, L16, kv16_l)
-                        o3 = warpgroup_mma(v3, bP, o3 * a2, is_async=True)
-                        o3, v3, v1, v2 = warpgroup_mma_wait(PVW, deps=(o3, v3, v1, v2))
-                        v4 = _vt_chunk(kbuf, s * 4 + 2, 0, a_l, L16, kv16_l)
-                        o4 = warpgroup_mma(v4, bP, o4 * a2, is_async=True)
-                        o4, v4, v2, v3 = warpgroup_mma_wait(PVW, deps=(o4, v4, v2, v3))
-                        v5 = _vt_chunk(kbuf, s * 4 + 2, 1, a_l, L16, kv16_l)
-                        o5 = warpgroup_mma(v5, bP, o5 * a2, is_async=True)
-                        o5, v5, v3, v4 = warpgroup_mma_wait(PVW, deps=(o5, v5, v3, v4))
-                        v6 = _vt_chunk(kbuf, s * 4 + 3, 0, a_l, L16, kv16_l)
-                        o6 = warpgroup_mma(v6, bP, o6 * a2, is_async=True)
-                        o6, v6, v4, v5 = warpgroup_mma_wait(PVW, deps=(o6, v6, v4, v5))
-                        v7 = _vt_chunk(kbuf, s * 4 + 3, 1, a_l, L16, kv16_l)
-                        o7 = warpgroup_mma(v7, bP, o7 * a2, is_async=True)
-                        o7, v7, v5, v6 = warpgroup_mma_wait(PVW, deps=(o7, v7, v5, v6))
-                        o6, o7, v6, v7 = warpgroup_mma_wait(0, deps=(o6, o7, v6, v7))
-                    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-                    if TLT:
-                        _stamp(tl_ptr, cid, nt, 5, TLT)
-                    mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
-                nt += 1
+                    sp = gl.zeros([64, HPW], gl.float32, mma8)
+                    if QKC:   # one accumulator per 128-column chunk: 5 independent chains, summed after
+                        s0 = gl.zeros([64, HPW], gl.float32, mma8)
+                        s1 = gl.zeros([64, HPW], gl.float32, mma8)
+                        s2 = gl.zeros([64, HPW], gl.float32, mma8)
+                        s3 = gl.zeros([64, HPW], gl.float32, mma8)
+                        for term in gl.static_range(QK8):
+                            s0 = warpgroup_mma(kbuf.index(s * 4 + 0),
+                                               q8_smem.index((cid * QK8 + term) * 4 + 0).permute((1, 0)), s0,
+                                               is_async=True)
+                        for term in gl.static_range(QK8):
+                            s1 = warpgroup_mma(kbuf.index(s * 4 + 1),
+                                               q8_smem.index((cid * QK8 + term) * 4 + 1).permute((1, 0)), s1,
+                                               is_async=True)
+                        for term in gl.static_range(QK8):
+                            s2 = warpgroup_mma(kbuf.index(s * 4 + 2),
+                                               q8_smem.index((cid * QK8 + term) * 4 + 2).permute((1, 0)), s2,
+                                               is_async=True)
+                        for term in gl.static_range(QK8):
+                            s3 = warpgroup_mma(kbuf.index(s * 4 + 3),
+                                               q8_smem.index((cid * QK8 + term) * 4 + 3).permute((1, 0)), s3,
+                                               is_async=True)
+                        for term in gl.static_range(QK8):
+                            sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
+                                               sp, is_async=True)
+                        s0, s1, s2, s3, sp = warpgroup_mma_wait(0, deps=(s0, s1, s2, s3, sp))
+                        sn = (s0 + s1) + (s2 + s3)
+                    else:
+                        sn = gl.zeros([64, HPW], gl.float32, mma8)
+                        for c in gl.static_range(4):
+                            for term in gl.static_range(QK8):
+                                sn = warpgroup_mma(kbuf.index(s * 4 + c),
+                                                   q8_smem.index((cid * QK8 + term) * 4 + c).permute((1, 0)),
+                                                   sn, is_async=True)
+                        for term in gl.static_range(QK8):
+                            sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
+                                               sp, is_async=True)
+                        sn, sp = warpgroup_mma_wait(0, deps=(sn, sp))
+                    # (an e4m3 wgmma's instruction k is 32: same accumulator registers, another layout name)
+                    sT = gl.convert_layout(sn * ckv_scale + sp * kpe_scale, mma, assert_trivial=True)
+                elif GROUP:
+                    sT = _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid, sg0, sg1, sg2, sg3, ld_l, ld64_l,
+                                       a_l, mma, HPW)
+                else:
+                    sT = gl.zeros([64, HPW], gl.float32, mma)
+                    for c in gl.static_range(4):
+                        a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
+                        a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
+                        sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
+                        if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
+                            sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
+                        else:
+                            sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
+                    ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
+                    ap = gl.convert_layout(ap, a_l, assert_trivial=True)
+                    sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
+                    sT = warpgroup_mma_wait(0, deps=(sT,))
+                # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
+                sT = sT * row_scale[None, :]
+                if MTP == 1:
+                    if (t0 + j + 1) * 64 > L - qo + 1:
+                        # a tile that some row does not see whole. Causal, aligned to the end: token i sees kv
+                        # positions < min(L - qo + i + 1, L) (padding rows: L), which also masks the rows past
+                        # kv_len. Computed here, not per item: a per-row vector live across the tile loop
+                        # spills at 128 O registers.
+                        hrow = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), gg) + h0
+                        lim = gl.minimum(L - qo + hrow // H + 1, L) - (t0 + j) * 64
+                        sT = gl.where(tok_r[:, None] < lim[None, :], sT, float("-inf"))
+                    else:   # every row sees the whole tile (valid = 64 here)
+                        sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                else:
+                    sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sT, axis=0))
+                if MTP == 1:
+                    # a row can see no token of a tile (or of a whole item) so far: max -inf. Subtract 0 then,
+                    # so alpha and P are exactly 0, not NaN (-inf - -inf)
+                    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_sub)
+                    p = gl.exp2(sT - m_sub[None, :])
+                else:
+                    alpha = gl.exp2(m_i - m_new)
+                    p = gl.exp2(sT - m_new[None, :])
+                if WIDE:
+                    l_i = l_i * alpha + gl.sum(p, axis=0)
+                else:
+                    l_acc = l_acc * alpha[None, :] + p
+                m_i = m_new
+                if GROUP:   # one P^T per group: P x scale / the group's tile maximum (<= 1 in fp16)
+                    pT_smem.index(cid * 4 + 0).store(gl.permute((p * (sg0 / gm0)[:, None]).to(gl.float16),
+                                                                (1, 0)))
+                    pT_smem.index(cid * 4 + 1).store(gl.permute((p * (sg1 / gm1)[:, None]).to(gl.float16),
+                                                                (1, 0)))
+                    pT_smem.index(cid * 4 + 2).store(gl.permute((p * (sg2 / gm2)[:, None]).to(gl.float16),
+                                                                (1, 0)))
+                    pT_smem.index(cid * 4 + 3).store(gl.permute((p * (sg3 / gm3)[:, None]).to(gl.float16),
+                                                                (1, 0)))
+                elif PV8:   # fp8_math: P x 2^8 in e4m3 (<= 256 of 448), rows in the e4m3 P.V's token order
+                    my_p.store(gl.permute(_relabel_tok8((p * P8_SCALE_C).to(gl.float8e4nv)), (1, 0)))
+                else:
+                    my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
+                fence_async_shared()
+                # -- O^T += V^T . P^T, 8 chunks of 64 dims; one chunk group stays in flight behind the next
+                # chunk's conversion --------------------------------------------------------------------
+                if GROUP:   # each group's two 64-dim chunks against its own P^T, rescaled by f_old / f_new
+                    o0, o1 = _pv_slab(kbuf, s * 4 + 0, pT_smem.index(cid * 4 + 0).permute((1, 0)),
+                                      (alpha * (f0 / gm0))[None, :], o0, o1, a_l, L16, kv16_l)
+                    o2, o3 = _pv_slab(kbuf, s * 4 + 1, pT_smem.index(cid * 4 + 1).permute((1, 0)),
+                                      (alpha * (f1 / gm1))[None, :], o2, o3, a_l, L16, kv16_l)
+                    o4, o5 = _pv_slab(kbuf, s * 4 + 2, pT_smem.index(cid * 4 + 2).permute((1, 0)),
+                                      (alpha * (f2 / gm2))[None, :], o4, o5, a_l, L16, kv16_l)
+                    o6, o7 = _pv_slab(kbuf, s * 4 + 3, pT_smem.index(cid * 4 + 3).permute((1, 0)),
+                                      (alpha * (f3 / gm3))[None, :], o6, o7, a_l, L16, kv16_l)
+                    f0 = gm0
+                    f1 = gm1
+                    f2 = gm2
+                    f3 = gm3
+                elif PV8:
+                    # fp8_math: e4m3 x e4m3 wgmma (V^T bytes straight from the stage, P^T e4m3), accumulators
+                    # under the k-32 layout name (same registers), back after the tile's last wait
+                    a2 = gl.convert_layout(alpha, gl.SliceLayout(0, mma8), assert_trivial=True)[None, :]
+                    q0, q1 = _pv_slab8(kbuf, s * 4 + 0, bP, a2, gl.convert_layout(o0, mma8, assert_trivial=True),
+                                       gl.convert_layout(o1, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                    q2, q3 = _pv_slab8(kbuf, s * 4 + 1, bP, a2, gl.convert_layout(o2, mma8, assert_trivial=True),
+                                       gl.convert_layout(o3, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                    q4, q5 = _pv_slab8(kbuf, s * 4 + 2, bP, a2, gl.convert_layout(o4, mma8, assert_trivial=True),
+                                       gl.convert_layout(o5, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                    q6, q7 = _pv_slab8(kbuf, s * 4 + 3, bP, a2, gl.convert_layout(o6, mma8, assert_trivial=True),
+                                       gl.convert_layout(o7, mma8, assert_trivial=True), a8_l, L16, kv16_l)
+                    q0, q1, q2, q3, q4, q5, q6, q7 = warpgroup_mma_wait(0, deps=(q0, q1, q2, q3, q4, q5, q6, q7))
+                    o0 = gl.convert_layout(q0, mma, assert_trivial=True)
+                    o1 = gl.convert_layout(q1, mma, assert_trivial=True)
+                    o2 = gl.convert_layout(q2, mma, assert_trivial=True)
+                    o3 = gl.convert_layout(q3, mma, assert_trivial=True)
+                    o4 = gl.convert_layout(q4, mma, assert_trivial=True)
+                    o5 = gl.convert_layout(q5, mma, assert_trivial=True)
+                    o6 = gl.convert_layout(q6, mma, assert_trivial=True)
+                    o7 = gl.convert_layout(q7, mma, assert_trivial=True)
+                else:
+                    a2 = alpha[None, :]
+                    o0, o1 = _pv_slab(kbuf, s * 4 + 0, bP, a2, o0, o1, a_l, L16, kv16_l)
+                    o2, o3 = _pv_slab(kbuf, s * 4 + 1, bP, a2, o2, o3, a_l, L16, kv16_l)
+                    o4, o5 = _pv_slab(kbuf, s * 4 + 2, bP, a2, o4, o5, a_l, L16, kv16_l)
+                    o6, o7 = _pv_slab(kbuf, s * 4 + 3, bP, a2, o6, o7, a_l, L16, kv16_l)
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+                mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
             # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
             if GROUP:   # back from units of f_g (before the exchange: the two consumers' units differ)
                 o0 = o0 * f0
@@ -1259,17 +954,10 @@ if gluon is not None:
                 o6 = o6 * f3
                 o7 = o7 * f3
             if WIDE:
-                if WLACC:
-                    l_i = gl.sum(l_acc, axis=0)
                 m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                 _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
                             H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
                             stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
-                if FUSED:
-                    if _fused_here(m_ptr, b, fuse_max, t0, t1, L):   # (no call for the others)
-                        _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out, stride_po_i,
-                                     stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, m_ptr, m_list,
-                                     merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             else:
                 l_i = gl.sum(l_acc, axis=0)
                 if cid == 1:
@@ -1310,46 +998,35 @@ if gluon is not None:
                     _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
-                    if FUSED:   # consumer 0 wrote the item's partial (both consumers' states merged)
-                        if _fused_here(m_ptr, b, fuse_max, t0, t1, L):
-                            _fused_merge(cid, it, b, qtok, h0, H, nrows, part_o, part_lse, out, lse_out,
-                                         stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                                         m_ptr, m_list, merge_cnt, fuse_max, NHG, HPW, WIDE, MTP)
             g += n
-        if TLT:
-            _stamp_cta(tl_ptr, cid, 2, TLT)
 
     @gluon.jit
     def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False, Q1P: gl.constexpr = True):
+                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
+                   PV8: gl.constexpr = False):
         _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
+                  GROUP, PV8)
 
     @gluon.jit
     def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                    cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                    NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
                    stride_o_t, stride_o_h, stride_lse_t,
-                   NS, MODE, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, m_ptr=None, m_list=None,
-                   merge_cnt=None, fuse_max=None, FUSED: gl.constexpr = False, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                   WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False, Q1P: gl.constexpr = True):
+                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
+                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
+                   PV8: gl.constexpr = False):
         _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
                   NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, MODE, HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max,
-                  FUSED, q8_smem, qpe8_smem, QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)
+                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
+                  GROUP, PV8)
 
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
@@ -1357,19 +1034,16 @@ if gluon is not None:
                                cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
                                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                                stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, MODE: gl.constexpr = 0,
+                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr,
                                HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
-                               MTP: gl.constexpr = 0, m_ptr=None, m_list=None, merge_cnt=None, fuse_max=None,
-                               FUSED_MERGE: gl.constexpr = False, QK8: gl.constexpr = 0,
-                               QKC: gl.constexpr = False, tl_ptr=None, TLT: gl.constexpr = 0,
-                               WLACC: gl.constexpr = False, PVW: gl.constexpr = 1, sc_desc=None, sc_ptr=None,
-                               stride_sc_row=None, GROUP: gl.constexpr = False,
-                               PV8: gl.constexpr = False, Q1P: gl.constexpr = True):
+                               MTP: gl.constexpr = 0, QK8: gl.constexpr = 0, QKC: gl.constexpr = False,
+                               sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False,
+                               PV8: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
-        # The merge kernel (a programmatic dependent launch when PDL_MERGE is on) may launch now: it waits for this
-        # grid's completion itself (griddepcontrol.wait), so its launch overlaps this kernel. As the PDL contract
-        # asks of any kernel launched as this one's programmatic dependent: wait before reading what it writes.
+        # A kernel launched as this one's programmatic dependent may start now (it must wait, griddepcontrol.wait,
+        # before reading what this grid writes). Nothing is launched that way today; kept as measured (taking it out
+        # moves every build's SASS).
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
                                   dtype=gl.int32, is_pure=False, pack=1)
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -1422,11 +1096,10 @@ if gluon is not None:
         lse_out = LSE_OUT
         # A tuple assigned to a variable turns its constexprs into runtime values; HPW and WIDE must stay
         # constexpr (layouts, static branches), so the consumers' argument tuples are written out in the call.
-        # NS and MODE reach the consumers as runtime values, as they always have (the H16 kernel measured on the
-        # H200 was built that way; making them constexpr there is a separate, unmeasured change).
+        # NS reaches the consumers as a runtime value, as it always has (the H16 kernel measured on the H200 was
+        # built that way; making it constexpr there is a separate, unmeasured change).
         zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
         ns_t = zero + NS
-        mode_t = zero + MODE
         if not GROUP:   # placeholders (never read): a partition's argument list takes no None
             sbuf = pbuf
             sc_desc = kpe_desc
@@ -1435,20 +1108,18 @@ if gluon is not None:
         gl.warp_specialize([
             (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
                          kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, MODE, WIDE, sbuf, sc_desc, sc_ptr,
+                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, sc_ptr,
                          stride_sc_row, GROUP)),
             (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)),
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
+                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
             (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t, mode_t,
-                          HPW, WIDE, MTP, m_ptr, m_list, merge_cnt, fuse_max, FUSED_MERGE, q8_smem, qpe8_smem,
-                          QK8, QKC, tl_ptr, TLT, WLACC, PVW, sbuf, GROUP, PV8, Q1P)),
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
+                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1472,29 +1143,24 @@ def _merge_step_tl(acc, wsum, w, o, v):
     return acc, wsum
 
 
-SEQ_PARTS = 16   # requests with at most this many partials: the fixed sequential merge (fused-merge twin)
+SEQ_PARTS = 16   # requests with at most this many partials: the fixed sequential merge
 
 
 @triton.jit
 def _merge_parts_kernel(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_size, H,
                         stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr = 1, min_parts=2,
-                        SEQ: tl.constexpr = 16, PDL: tl.constexpr = False):
+                        SEQ: tl.constexpr = 16):
     """out/lse of request b, rows pid 1 * ROWS + [0, ROWS) (row = query token * H + head), columns of block pid 2:
     a log-sum-exp merge of the request's partials m_list[m_ptr[b]:m_ptr[b+1]] when it has at least ``min_parts``
-    (>= 2; fewer: written by the decode kernel, itself or by its fused merge). Deterministic either way:
+    (>= 2; fewer: written by the decode kernel itself). Deterministic either way:
 
-    * at most SEQ partials: the decode kernel's fused merge's formula (``_fused_merge``; bit-identical to it): m =
+    * at most SEQ partials: one sequential formula: m =
       max lse (exact in any order), m_use = m or 0 when all are empty, then in list order w = exp2(lse - m_use),
       acc = fma(o, w, acc), wsum += w; out = acc / wsum, lse = m_use + log2(wsum) (wsum 0: out 0, lse -inf);
       partials read 4 at a time.
     * more: BLOCK_P partials per step (one round trip to memory each), an online merge across the steps (the
-      original formula: many partials are merged in few round trips, B1 L32k's 132 splits in one).
-
-    ``PDL``: launched as a programmatic dependent of the decode kernel (``launch_pdl``): its launch overlaps the
-    decode kernel's tail, and it waits here until that grid has completed and its writes are visible."""
-    if PDL:
-        _gdc_wait()
+      original formula: many partials are merged in few round trips, B1 L32k's 132 splits in one)."""
     b = tl.program_id(0)
     if b >= tl.load(batch_size):
         return
@@ -1823,12 +1489,13 @@ def scale_rows_ok(ckv_scale_arr) -> bool:
             and a.stride(0) == a.shape[1] * a.stride(1) and a.stride(1) % 4 == 0 and a.data_ptr() % 16 == 0)
 
 
+FP8_MATH_TERMS = 2   # fp8_math: Q as hi + lo e4m3 terms (exact for bf16 queries)
+
+
 def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
            max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
-           merge_p: int = 32, merge_c: int = 128, mode: int = 0, merge: bool = True, max_qo: int = 1,
-           causal: bool = True, fused_merge: bool = False, fuse_max: int = FUSE_ALL, qk8: int = 0,
-           qk8_chunks: bool = False, timeline=None, wide_row_sums: bool = False, pv_in_flight: int = 1,
-           scale_desc=None, pv8: bool = False, q_one_pass: bool = True):
+           merge_p: int = 32, merge_c: int = 128, max_qo: int = 1, causal: bool = True, scale_desc=None,
+           fp8_math: bool = False):
     """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
     item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
     m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
@@ -1836,142 +1503,71 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
     multi-token variant (``mtp_config``; each request's qo_len is read from qo_indptr on the device, up to
     max_qo; ``causal`` aligns its queries to the end); ``max_rows`` is then max_qo x num_heads.
 
-    ``fused_merge``: the decode kernel merges every split request with at most ``fuse_max`` partials itself (the
-    last CTA to write one of a (request, head group, consumer) unit's partials merges them, ``_fused_merge``;
-    needs ``t["merge_cnt"]``, int32 zeros, ``merge_counters`` entries); the merge kernel then runs only for the
-    requests with more partials, and is not launched at all when ``fuse_max >= FUSE_ALL``. ``merge`` False skips
-    the merge kernel in any case (timing probes).
-
-    ``qk8`` (2 or 3; 0 off): FP8 scores. Q is split into ``qk8`` e4m3 terms and S = K.Q^T runs as e4m3 x e4m3
-    wgmma with K read straight from the stage (no K conversion); 2 terms hold a bf16 query exactly, an fp16 one
-    needs 3 (``qk8_terms``). P.V is unchanged (fp16). ``qk8_chunks``: one score accumulator per 128-column
-    chunk (5 independent wgmma chains instead of one), summed in fp32.
-
-    ``timeline`` (a timing probe, never on a served path): an int64 tensor [grid, 2, T, 8]; each consumer writes its
-    SM's clock64 at six points of each of its first T tiles (0 before the ready wait, 1 after it, 2 scores done,
-    3 softmax done, 4 P stored and fenced, 5 P.V done); slots 6 / 7 of rows 0-3 hold per-CTA points as (global
-    timer ns, clock64): row 0 consumer entry, 1 the last item's Q in shared memory, 2 consumer exit, 3 the last
-    item's start (``_stamp_cta``); rows 4-7 once loaded values arrive (``_stamp_dep``): 4 the CTA's item range, 5
-    the last item's (request, tiles), 6 its kv_len and query row, 7 its Q rows (first pass).
-    ``wide_row_sums`` (an experiment, wide variant only): keep the softmax row sums per thread, reduced once per
-    item, as the H16 kernel does, instead of a cross-warp reduction every tile. ``pv_in_flight`` (an experiment):
-    P.V chunk groups left in flight while the next chunk's V^T is converted (1 = the measured kernel).
-
     ``ns``: the ring depth, any; at an odd depth the alternating-tile kernel (H <= 16) has one ready barrier per
-    stage and consumer (``ring_depth``, kernel log 29).
+    stage and consumer (``ring_depth``).
 
     ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
     (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
     per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
-    (the Triton kernel's KV_GROUP numerics). Not with ``qk8``, ``pv_in_flight`` 2 or ``wide_row_sums``.
+    (the Triton kernel's KV_GROUP numerics).
 
-    ``pv8`` (with ``qk8`` 2: the opt-in ``fp8_math``): O^T += V^T.P^T as e4m3 x e4m3 wgmma, V^T's bytes moved
-    from the stage without a conversion (``_vt_chunk8``), P x 2^8 rounded to e4m3 (``P8_SCALE``), the row sums
-    kept from the unrounded P. Its error budget is rel L2 <= 2e-2 (measured in kernel log 30), not the default
-    3e-3. Per-tensor scales only, ``pv_in_flight`` 1.
-
-    ``q_one_pass`` (default; False: the kernel of logs 1-29): each item's Q rows (and q_pe) are loaded once,
-    together, and kept in registers for the conversion, instead of q_pe after the rows' maximum and the rows again
-    (kernel log 30: the prologue 8.5 -> 4.4 us at H16 B1, 1.00-1.02x end to end)."""
+    ``fp8_math`` (opt-in): S = K.Q^T and O^T += V^T.P^T as e4m3 x e4m3 wgmma: Q as ``FP8_MATH_TERMS`` e4m3 terms, K
+    and V^T's bytes straight from the stage (no conversion), P x 2^8 rounded to e4m3 (``P8_SCALE``), the row sums
+    kept from the unrounded P. Error budget rel L2 <= 2e-2, not the default 3e-3. Per-tensor scales only."""
     LOG2E = 1.4426950408889634
     max_hpw = GROUP_MAX_HPW if scale_desc is not None else 32   # the group build: 16 rows per consumer at any H
     hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
     mtp = 0 if max_qo <= 1 else (1 if causal else 2)
     if grid % nhg:
         raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
-    if pv_in_flight not in (1, 2):
-        raise ValueError(f"pv_in_flight: expected 1 (the measured kernel) or 2, got {pv_in_flight}")
-    if qk8 not in (0, 2, 3):
-        raise ValueError(f"qk8: expected 0 (off), 2 or 3 e4m3 terms of Q, got {qk8}")
-    if qk8 and smem_bytes(ns, hpw, wide, qk8) > SMEM_LIMIT:
-        raise ValueError(f"qk8: {qk8} e4m3 terms at {num_heads} heads and {ns} stages need "
-                         f"{smem_bytes(ns, hpw, wide, qk8)} B of shared memory, above {SMEM_LIMIT}")
-    if pv8 and (scale_desc is not None or pv_in_flight != 1):
-        raise ValueError("pv8: the e4m3 P.V runs with per-tensor scales (no scale_desc) and pv_in_flight 1")
+    qk8 = FP8_MATH_TERMS if fp8_math else 0
+    if fp8_math:
+        if scale_desc is not None:
+            raise ValueError("fp8_math: the e4m3 math runs with per-tensor scales (no scale_desc)")
+        if smem_bytes(ns, hpw, wide, qk8) > SMEM_LIMIT:
+            raise ValueError(f"fp8_math: its Q terms at {num_heads} heads and {ns} stages need "
+                             f"{smem_bytes(ns, hpw, wide, qk8)} B of shared memory, above {SMEM_LIMIT}")
     if scale_desc is not None:
-        if qk8 or pv_in_flight != 1 or wide_row_sums:
-            raise ValueError("scale_desc: group scales run on the default kernel only (not with qk8, pv_in_flight "
-                             "2 or wide_row_sums)")
         if scale_desc.block_shape != [min(64, page_size), GROUPS]:
             raise ValueError(f"scale_desc: expected boxes [{min(64, page_size)}, {GROUPS}] (scale_descriptor of a "
                              f"[P, {page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
         if smem_bytes(ns, hpw, wide, group=True) > SMEM_LIMIT:
             raise ValueError(f"scale_desc: group scales at {num_heads} heads and {ns} stages need "
                              f"{smem_bytes(ns, hpw, wide, group=True)} B of shared memory, above {SMEM_LIMIT}")
-    if timeline is not None:
-        import torch as _torch
-        if (timeline.dtype != _torch.int64 or timeline.dim() != 4 or tuple(timeline.shape[:2]) != (grid, 2)
-                or timeline.shape[3] != 8 or not timeline.is_contiguous() or timeline.device != q_nope.device):
-            raise ValueError(f"timeline: expected a contiguous int64 tensor [grid={grid}, 2, T, 8] on "
-                             f"{q_nope.device}, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
     po, pl = t["part_o"], t["part_lse"]
     rows = padded_heads(num_heads, max_qo, max_hpw)
     if po.shape[1] < rows or pl.shape[1] < rows:
         raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
-    import torch
-    fused = {}
-    if fused_merge:   # (not passed when off: the JIT key and the SASS stay those of the measured kernel)
-        cnt = t.get("merge_cnt")
-        need = merge_counters(grid_batch, num_heads, max_qo, max_hpw)
-        if cnt is None or cnt.dtype != torch.int32 or cnt.numel() < need:
-            raise ValueError(f"t['merge_cnt']: fused merge needs an int32 tensor of >= {need} zeros, got "
-                             f"{None if cnt is None else (cnt.dtype, cnt.numel())}")
-        fused = dict(m_ptr=t["m_ptr"], m_list=t["m_list"], merge_cnt=cnt, fuse_max=min(int(fuse_max), FUSE_ALL),
-                     FUSED_MERGE=True)
     # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
     mla_decode_sm90_kernel[(grid,)](
         kv_desc, kpe_desc, kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0],
         q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
-        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs, MODE=mode,
-        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}), **fused, **({"QK8": qk8} if qk8 else {}),
-        **({"QKC": True} if qk8 and qk8_chunks else {}),
-        **({"tl_ptr": timeline, "TLT": timeline.shape[2]} if timeline is not None else {}),
-        **({"WLACC": True} if wide and wide_row_sums else {}),
-        **({"PVW": int(pv_in_flight)} if pv_in_flight != 1 else {}),
-        **({"PV8": True} if pv8 else {}),
-        **({"Q1P": False} if not q_one_pass else {}),
+        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs,
+        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}),
+        **({"QK8": qk8, "PV8": True} if fp8_math else {}),
+        **({"QKC": True} if fp8_math and max_qo == 1 and not wide else {}),
         **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0], "GROUP": True}
            if scale_desc is not None else {}),
         num_warps=4)
-    if not merge or (fused_merge and fuse_max >= FUSE_ALL):
-        return
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
-                 merge_c=merge_c, min_parts=(fuse_max + 1) if fused_merge else 2)
+                 merge_c=merge_c)
 
 
 def launch_merge(out, lse, t: dict, *, grid_batch: int, max_rows: int, num_heads: int, merge_p: int, merge_c: int,
                  min_parts: int = 2) -> None:
     """The split merge (``_merge_parts_kernel``) of the partials a decode launch wrote into ``t["part_o"]`` /
     ``t["part_lse"]`` (rows = query token x num_heads + head, lse base 2): every request of at least
-    ``min_parts`` partials. The one merge of every sm_90 decode kernel (this one, decode_sm90_split,
-    decode_sm90_pipe)."""
+    ``min_parts`` partials."""
     po, pl = t["part_o"], t["part_lse"]
-    pdl = pdl_merge_enabled(out)
     # (the chunked path's step holds BLOCK_P x ROWS x BLOCK_C: kept <= 8192 fp32, as the one-row merge had it)
     rows_blk = min(merge_tile(merge_c), triton.next_power_of_2(max_rows), max(1, 8192 // (merge_p * merge_c)))
     _merge_parts_kernel[(grid_batch, triton.cdiv(max_rows, rows_blk), DC // merge_c)](
         out, lse, po, pl, t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"], num_heads,
         out.stride(0), out.stride(1), lse.stride(0), po.stride(0), po.stride(1), pl.stride(0),
-        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=min_parts, SEQ=SEQ_PARTS, num_warps=4,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}))
-
-
-# The merge kernel as a programmatic dependent launch of the decode kernel (which signals its dependents at its
-# start, ``griddepcontrol.launch_dependents``), so that the merge's launch overlaps the decode tail (~1.3 us between
-# the two kernels in a CUDA graph). OFF: kernel log 30's A/B measured 0.97-1.01x end to end (H200, CUDA graphs);
-# FP8MLA_PDL_MERGE=1 turns it on (it passed the GPU suite's files phase on, 2026-12-01 06:00 UTC).
-PDL_MERGE = False
-
-
-def pdl_merge_enabled(out) -> bool:
-    """The merge launch is programmatic: the switch on, a CUDA tensor (never the interpreter), triton's gdc."""
-    v = os.environ.get("FP8MLA_PDL_MERGE", "")
-    on = PDL_MERGE if v == "" else v == "1"
-    return bool(on and _gdc_wait is not None and getattr(out, "is_cuda", False)
-                and os.environ.get("TRITON_INTERPRET", "0") != "1")
+        BLOCK_P=merge_p, BLOCK_C=merge_c, ROWS=rows_blk, min_parts=min_parts, SEQ=SEQ_PARTS, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1988,16 +1584,11 @@ KERNEL_SIGNATURE = {
     "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
-    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "MODE": "constexpr", "HPW": "constexpr",
-    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr",
-    # the fused merge's arguments (compile_report(fused_merge=True)); constexpr None / 0 / False otherwise
-    "m_ptr": "*i32", "m_list": "*i32", "merge_cnt": "*i32", "fuse_max": "i32", "FUSED_MERGE": "constexpr",
-    "QK8": "constexpr", "QKC": "constexpr", "tl_ptr": "*i64", "TLT": "constexpr", "WLACC": "constexpr",
-    "PVW": "constexpr",
+    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "HPW": "constexpr",
+    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr", "QK8": "constexpr", "QKC": "constexpr",
     # group scales (compile_report(group=True)); constexpr None / False otherwise
     "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
-    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr",
-    "Q1P": "constexpr"}
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
 
 
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
@@ -2008,17 +1599,14 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
-                   fused_merge: bool = False, qk8: int = 0, qk8_chunks: bool = False,
-                   timeline_tiles: int = 0, wide_row_sums: bool = False, pv_in_flight: int = 1,
-                   group: bool = False, pv8: bool = False, q_one_pass: bool = True) -> dict:
+                   group: bool = False, fp8_math: bool = False) -> dict:
     """Compile the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and count SASS ops.
     ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
     with ``group``, HPW 16 at every H: 128 -> 4 head groups).
     ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
     contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
-    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``fused_merge``: with the in-kernel
-    last-arriver merge (``FUSED_MERGE``). ``group``: with per-token group scales (``GROUP``). ``pv8``: the e4m3
-    P.V of fp8_math (``PV8``; with ``qk8`` 2 it is the fp8_math build)."""
+    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``group``: with per-token group
+    scales (``GROUP``). ``fp8_math``: the e4m3 build (``QK8`` terms, ``PV8``; ``QKC`` at H <= 16 one query)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
         raise RuntimeError(f"gluon is not importable: {GLUON_IMPORT_ERROR}")
@@ -2030,26 +1618,14 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
     sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
     hpw, nhg, wide = row_config(heads, max_qo, GROUP_MAX_HPW if group else 32)
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "MODE": 0, "HPW": hpw, "WIDE": wide, "NHG": nhg}
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "HPW": hpw, "WIDE": wide, "NHG": nhg}
     consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
-    consts["FUSED_MERGE"] = bool(fused_merge)
-    consts["QK8"] = int(qk8)
-    consts["QKC"] = bool(qk8_chunks)
-    consts["TLT"] = int(timeline_tiles)
-    consts["WLACC"] = bool(wide_row_sums and wide)
-    consts["PVW"] = int(pv_in_flight)
-    if not timeline_tiles:
-        sig["tl_ptr"] = "constexpr"
-        consts["tl_ptr"] = None
+    consts["QK8"] = FP8_MATH_TERMS if fp8_math else 0
+    consts["QKC"] = bool(fp8_math and max_qo <= 1 and not wide)
     consts["GROUP"] = bool(group)
-    consts["PV8"] = bool(pv8)
-    consts["Q1P"] = bool(q_one_pass)
+    consts["PV8"] = bool(fp8_math)
     if not group:
         for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
-            sig[n] = "constexpr"
-            consts[n] = None
-    if not fused_merge:   # as launch() passes them when off: absent, i.e. the defaults (constexpr None)
-        for n in ("m_ptr", "m_list", "merge_cnt", "fuse_max"):
             sig[n] = "constexpr"
             consts[n] = None
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
@@ -2063,8 +1639,8 @@ def sass_report(src, sass_path=None) -> dict:
     """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
     SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
     (SASS op counts), ``loops`` (per warp-specialized partition, the HGMMA, STL, LDL and LDS.U8 between its first
-    and last HGMMA: the tile loop) and ``serialized_wgmma`` (ptxas C7512). The one compile check of every sm_90
-    decode kernel (this one, decode_sm90_split, decode_sm90_pipe); ``sass_path``: also write the SASS there."""
+    and last HGMMA: the tile loop) and ``serialized_wgmma`` (ptxas C7512); ``sass_path``: also write the SASS
+    there."""
     import collections
     import os
     import re
