@@ -3,7 +3,7 @@
 GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65, 97, 514) over NaN-poisoned,
 shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
 splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse; multi-token decode
-(qo_len 2..8, behind FP8MLA_GLUON_MTP) with mixed qo per request, kv_len < qo_len, causal and not.
+(qo_len 2..8) with mixed qo per request, kv_len < qo_len, causal and not.
 CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
 (skipped when Gluon does not import; the kernel compiles with triton 3.6, the device's, and 3.9).
 """
@@ -264,12 +264,6 @@ def test_auto_picks_gluon_and_falls_back():
     check(b, out, lse)
     from fp8mla.backends import gluon as gb
     refused = [([100], [1], 16, 8, "fp8_e4m3"), ([100], [1], 16, 64, "bf16")]
-    if not gb.group_enabled():   # group scales go to the Triton kernel while their switch is off
-        refused.append(([100], [1], 16, 64, "fp8_e4m3_group"))
-    if not gb.mtp_enabled():   # multi-token decode goes to the Triton kernel until its switch is on
-        refused.append(([100], [2], 16, 64, "fp8_e4m3"))
-    if not gb.wide_heads_enabled():   # H128 goes to the Triton kernel until the wide variant is switched on
-        refused.append(([100], [1], 128, 64, "fp8_e4m3"))
     for kv_lens, qo, H, page, fmt in refused:
         b = make_paged_batch(kv_lens, qo, H, page, fmt, device=DEVICE, seed=2)
         _, out, lse = run_case(b, backend="auto")          # the Triton kernel takes these, correctly
@@ -319,16 +313,11 @@ def test_cuda_graph_capture_then_replan():
     _graph_replan_check(attn, 16, 64, seed=11, spare_pages=60)
 
 
-# -- GPU, the wide-heads variant (17..128 heads; off by default until verified: FP8MLA_GLUON_WIDE=1 here) -------
-@pytest.fixture
-def wide(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
+# -- GPU, the wide-heads variant (17..128 heads) -----------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("H", [20, 32, 64, 100, 128])
 @pytest.mark.parametrize("page", [16, 64])
-def test_wide_odd_lengths_nan_pools(wide, H, page):
+def test_wide_odd_lengths_nan_pools(H, page):
     b = make_paged_batch([0, 1, 63, 64, 65, 514, page + 1, 3000], [1] * 8, H, page, "fp8_e4m3", device=DEVICE,
                          seed=H + page, extra_pages=1)
     _, out, lse = run_case(b)
@@ -337,7 +326,7 @@ def test_wide_odd_lengths_nan_pools(wide, H, page):
 
 
 @gpu
-def test_wide_auto_picks_gluon(wide):
+def test_wide_auto_picks_gluon():
     b = make_paged_batch([300, 65], [1, 1], 128, 64, "fp8_e4m3", device=DEVICE, seed=3)
     attn, out, lse = run_case(b, backend="auto")
     assert attn._plan.backend == "gluon"
@@ -346,7 +335,7 @@ def test_wide_auto_picks_gluon(wide):
 
 @gpu
 @pytest.mark.parametrize("min_chunk", [64, 4096])
-def test_wide_many_splits_and_bit_identical_reruns(wide, min_chunk):
+def test_wide_many_splits_and_bit_identical_reruns(min_chunk):
     b = make_paged_batch([20000, 1, 4097], [1] * 3, 128, 64, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
                          seed=8, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
@@ -357,14 +346,14 @@ def test_wide_many_splits_and_bit_identical_reruns(wide, min_chunk):
 
 
 @gpu
-def test_wide_refuses_four_stages(wide):
+def test_wide_refuses_four_stages():
     b = make_paged_batch([100], [1], 128, 64, "fp8_e4m3", device=DEVICE, seed=4)
     with pytest.raises(ValueError, match="num_stages"):
         run_case(b, num_stages=4)
 
 
 @gpu
-def test_wide_cuda_graph_capture_then_replan(wide):
+def test_wide_cuda_graph_capture_then_replan():
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
     _graph_replan_check(attn, 128, 64, seed=12, spare_pages=60)
 
@@ -447,50 +436,39 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
             assert torch.equal(ph.t[key][:m], pd.t[key][:m]), (lens, key)
 
 
-# -- page size 1 (SGLang's default): rows copied with cp.async (behind gluon.GLUON_PAGE1 until its H200 check) ----
-@pytest.fixture
-def page1(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
-def assert_behind_switch(monkeypatch, attr: str, env: str, spec, lay, taken_when_off: bool, hint: str = "",
-                         ctx=None) -> None:
-    """gluon.supports(spec, lay) under the four settings of a kernel switch (the module default ``attr`` off or on,
-    the environment variable ``env`` unset, "1" or "0"): taken whenever the switch is on, and while it is off only
-    if ``taken_when_off``; a refusal names ``hint`` (default: ``env``), so a user learns how to turn it on."""
-    from fp8mla.backends import gluon as gb
-    for switch, value, want in ((False, None, taken_when_off), (True, None, True), (False, "1", True),
-                                (True, "0", taken_when_off)):
-        monkeypatch.setattr(gb, attr, switch)
-        if value is None:
-            monkeypatch.delenv(env, raising=False)
-        else:
-            monkeypatch.setenv(env, value)
-        ok, why = gb.supports(spec, lay)
-        assert ok == want, (ctx, switch, value, why)
-        if not ok:
-            assert (hint or env) in why, why
-
-
-def test_page1_is_behind_its_switch(monkeypatch):
-    """supports() refuses page 1 unless GLUON_PAGE1 or FP8MLA_GLUON_PAGE1=1 (=0 refuses even when switched on),
-    and says how to turn it on; page 64 is unaffected."""
+@pytest.mark.usefixtures("sm90_compile_tools")
+def test_supports_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
+    """No switch decides it: page 1, 16, 32 and multiples of 64, 1..128 heads, qo_len 1..8 with max qo_len x H <=
+    512, per-tensor and group scales are taken; every other plan is refused with a reason that names what."""
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
-    if k.gluon is None:
-        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
     monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    monkeypatch.delenv("FP8MLA_GLUON_PAGE1", raising=False)
-    for page in (1, 64):
-        spec = AttentionSpec(16, 512, 64, page, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
-                             torch.device("cpu"))
-        lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
-                                           torch.tensor([130], dtype=torch.int32), page)
-        assert_behind_switch(monkeypatch, "GLUON_PAGE1", "FP8MLA_GLUON_PAGE1", spec, lay, page == 64, ctx=page)
+
+    def case(H=16, page=64, qo_lens=(1,), fmt="fp8_e4m3", dims=(512, 64), q=torch.bfloat16):
+        spec = AttentionSpec(H, dims[0], dims[1], page, True, 192 ** -0.5, q, get_format(fmt), torch.device("cpu"))
+        B = len(qo_lens)
+        qo = torch.tensor([0] + [sum(qo_lens[: b + 1]) for b in range(B)], dtype=torch.int32)
+        n = 130 // page + 1
+        lay = PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * n,
+                                   torch.arange(n * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
+                                   page)
+        return gb.supports(spec, lay)
+
+    for kw in (dict(), dict(page=1), dict(page=16), dict(page=32), dict(page=128), dict(H=1), dict(H=40),
+               dict(H=128), dict(qo_lens=(2, 1, 3)), dict(qo_lens=(8,)), dict(H=128, qo_lens=(4, 2)),
+               dict(H=100, qo_lens=(5, 1)), dict(fmt="fp8_e4m3_group"), dict(fmt="fp8_e4m3_group", H=128, page=1),
+               dict(q=torch.float16)):
+        assert case(**kw) == (True, ""), kw
+    for kw, word in ((dict(H=129), "num_heads"), (dict(page=8), "page_size"), (dict(page=48), "page_size"),
+                     (dict(fmt="bf16"), "kv format"), (dict(dims=(256, 64)), "head dims"),
+                     (dict(q=torch.float32), "query dtype"), (dict(qo_lens=(9,)), "qo_len"),
+                     (dict(H=128, qo_lens=(5, 1)), "qo_len"), (dict(qo_lens=(2, 0)), "qo_len")):
+        ok, why = case(**kw)
+        assert not ok and word in why, (kw, why)
 
 
+# -- page size 1 (SGLang's default): rows copied with cp.async ----------------------------------------------------
 @pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_page1_compiles_to_16_byte_cp_async(heads):
@@ -510,7 +488,7 @@ def test_page1_compiles_to_16_byte_cp_async(heads):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_odd_lengths_nan_slots(page1, H):
+def test_page1_odd_lengths_nan_slots(H):
     # extra_pages=1: a NaN slot listed after each request's last token; spare slots are NaN too
     b = make_paged_batch([0, 1, 63, 64, 65, 1000, 3001], [1] * 7, H, 1, "fp8_e4m3", device=DEVICE, seed=H + 1,
                          extra_pages=1)
@@ -522,7 +500,7 @@ def test_page1_odd_lengths_nan_slots(page1, H):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_splits_bit_identical(page1, H):
+def test_page1_splits_bit_identical(H):
     b = make_paged_batch([9000, 1, 4097], [1] * 3, H, 1, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
                          seed=H + 2, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=64)
@@ -533,7 +511,7 @@ def test_page1_splits_bit_identical(page1, H):
 
 
 @gpu
-def test_page1_equals_page64_on_the_same_tokens(page1):
+def test_page1_equals_page64_on_the_same_tokens():
     # the same token values laid out as page-64 pages and as shuffled single slots: both kernels agree to rounding
     b = make_paged_batch([700, 65, 3000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=21)
     _, o64, l64 = run_case(b)
@@ -563,7 +541,7 @@ def test_page1_equals_page64_on_the_same_tokens(page1):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_cuda_graph_capture_then_replan(page1, H):
+def test_page1_cuda_graph_capture_then_replan(H):
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
     _graph_replan_check(attn, H, 1, seed=13 + H, spare_pages=64)
 
@@ -610,14 +588,7 @@ def test_merge_any_block_p_matches_float64(block_p):
         torch.testing.assert_close(lse[b].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
 
 
-# -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant,
-# off by default (backends.gluon.GLUON_MTP) until its H200 check; FP8MLA_GLUON_MTP=1 here --------------------------
-@pytest.fixture
-def mtp(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
+# -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant -----
 def test_mtp_config_and_row_mapping():
     assert k.mtp_config(16, 2) == (16, 1, True) and k.mtp_config(8, 4) == (16, 1, True)
     assert k.mtp_config(16, 4) == (32, 1, True) and k.mtp_config(16, 8) == (32, 2, True)
@@ -749,38 +720,6 @@ def test_mtp_merge_maps_rows_to_tokens_and_heads():
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_mtp_is_behind_its_switch(monkeypatch):
-    """supports() refuses qo_len != 1 unless GLUON_MTP or FP8MLA_GLUON_MTP=1 (=0 refuses even when switched on) and
-    says how to turn it on; switched on it takes qo_len 1..8 with max qo_len x H <= 512, and refuses the rest by
-    name; one query per request is unaffected."""
-    from fp8mla.backends import AttentionSpec, gluon as gb
-    from fp8mla.formats import get_format
-    from fp8mla.layout import PagedLayout
-    if k.gluon is None:
-        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-    def layout(qo_lens):
-        qo = torch.tensor([0] + [sum(qo_lens[: b + 1]) for b in range(len(qo_lens))], dtype=torch.int32)
-        B = len(qo_lens)
-        return PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * 3,
-                                    torch.arange(3 * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
-                                    64)
-
-    def spec(H):
-        return AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
-                             torch.device("cpu"))
-    for qo_lens, H in (([1, 1], 16), ([2, 1, 3], 16), ([8], 16), ([4, 2], 128)):
-        assert_behind_switch(monkeypatch, "GLUON_MTP", "FP8MLA_GLUON_MTP", spec(H), layout(qo_lens),
-                             max(qo_lens) == 1, hint="FP8MLA_GLUON_MTP=1", ctx=(qo_lens, H))
-    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
-    for qo_lens, H in (([9], 16), ([5, 1], 128), ([2, 0], 16), ([6], 100)):
-        ok, why = gb.supports(spec(H), layout(qo_lens))
-        assert not ok and "qo_len" in why, (qo_lens, H, why)
-    assert gb.supports(spec(100), layout([5, 1]))[0]          # 500 rows
-
-
 @pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,qo,causal", [(16, 4, True), (128, 2, False)])
 def test_mtp_compiles_for_sm90a(heads, qo, causal):
@@ -797,10 +736,9 @@ def test_mtp_compiles_for_sm90a(heads, qo, causal):
                                         (1, [8, 2, 1, 3, 4, 5, 6, 7, 8]), (20, [3] * 9)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("page", [1, 64])
-def test_mtp_odd_lengths_nan_pools(mtp, monkeypatch, H, qo_lens, causal, page):
+def test_mtp_odd_lengths_nan_pools(monkeypatch, H, qo_lens, causal, page):
     """Mixed qo_len per request, kv_len 0 and kv_len < qo_len (causally empty rows: 0 and -inf), odd lengths over
     NaN-poisoned shuffled pools (NaN pages listed past kv_len too), page 1 (cp.async) and 64 (TMA)."""
-    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
     lens = [0, 1, 2, 63, 64, 65, 129, 514, 3001]
     b = make_paged_batch(lens, qo_lens, H, page, "fp8_e4m3", device=DEVICE, seed=H + page + causal,
                          causal=causal, extra_pages=1)
@@ -813,7 +751,7 @@ def test_mtp_odd_lengths_nan_pools(mtp, monkeypatch, H, qo_lens, causal, page):
 @gpu
 @pytest.mark.parametrize("H,qo", [(16, 4), (128, 2)])
 @pytest.mark.parametrize("min_chunk", [64, 4096])
-def test_mtp_many_splits_and_bit_identical_reruns(mtp, H, qo, min_chunk):
+def test_mtp_many_splits_and_bit_identical_reruns(H, qo, min_chunk):
     b = make_paged_batch([20000, 1, 4097, 3], [qo, 1, qo, qo], H, 64, "fp8_e4m3", q_dtype=torch.float16,
                          device=DEVICE, seed=9, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
@@ -824,7 +762,7 @@ def test_mtp_many_splits_and_bit_identical_reruns(mtp, H, qo, min_chunk):
 
 
 @gpu
-def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows(mtp):
+def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows():
     b = make_paged_batch([300, 65], [2, 4], 16, 64, "fp8_e4m3", device=DEVICE, seed=5)
     attn, out, lse = run_case(b, backend="auto")
     assert attn._plan.backend == "gluon"
@@ -839,7 +777,7 @@ def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows(mtp):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_mtp_cuda_graph_capture_then_replan(mtp, H):
+def test_mtp_cuda_graph_capture_then_replan(H):
     """Captured with max qo_len 2 (H128) / 4 (H16); replayed after a re-plan with other lengths, pages and shorter
     queries (the kernel reads each request's qo_len on the device); a longer max qo_len is refused by name."""
     qo = 2 if H == 128 else 4

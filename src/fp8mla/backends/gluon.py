@@ -1,12 +1,11 @@
 """The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.decode_sm90``).
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
-refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16)
-and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
-per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, on: rows = (query token, head)
-pairs, max qo_len x H <= 512), page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
-16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group scales (the latter
-``GLUON_GROUP``, on), c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
+refused by name (``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
+heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per schedule slot), 1..8 query tokens
+per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
+copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
+scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
 layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
 copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
 to the pages each row lists either way.
@@ -18,7 +17,6 @@ kernels read the real counts from device memory, so a captured run replays right
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,49 +32,9 @@ DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
 # L2 <= 2e-2; the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
 PAGE_MULTIPLE = 64
-# The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
-# since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
-# off (H > 16 then stays on the Triton kernel), =1 forces it on.
-GLUON_WIDE_HEADS = True
-# Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): on since its H200
-# check (scripts/decode_v2_device.py page1: 11/11 checks, 2026-11-30); FP8MLA_GLUON_PAGE1=0 turns it off, =1 on.
-GLUON_PAGE1 = True
-# Multi-token decode (MTP / speculative, qo_len 2..8 with max_qo x H <= 512: rows = (query token, head) pairs on
-# the wide variant, see decode_sm90.mtp_config): on since its H200 check (scripts/decode_v2_device.py mtp, 2026-11-30
-# 20:23 UTC: 10/10 checks; B64 L8k 2.62x / 1.75x / 2.18x faster than the Triton kernel at H16 qo2 / H16 qo4 / H128
-# qo2); FP8MLA_GLUON_MTP=0 turns it off (plans with qo_len != 1 then stay on the Triton kernel), =1 on.
-GLUON_MTP = True
-def _switch(env: str, default: bool) -> bool:
-    """A kernel switch: the environment variable ``env`` when it is "0" or "1", else the module's default."""
-    v = os.environ.get(env, "")
-    return v == "1" if v in ("0", "1") else default
-
-
-# Per-token group scales (format fp8_e4m3_group: one fp32 scale per token and 128 c_kv columns) in the Gluon kernel
-# (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
-# product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
-# kernel's KV_GROUP numerics). ON: H200 2026-12-01 (kernel log 24): 16 float64 checks (H 8-128, pages 1-128, odd
-# lengths over NaN pools, B1 L32k splits, scales e^+-8) rel L2 <= 1.96e-3, bit-identical reruns; 1.23-2.93x faster
-# than the Triton group kernel (H16 B64 L8k .210 vs .477 ms, H128 B64 .917 vs 2.69), 1.35-2.2x slower than the
-# per-tensor Gluon kernel. FP8MLA_GLUON_GROUP=0 turns it off (group plans then run the Triton kernel). The group build
-# has 16 rows per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per
-# consumer it spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own
-# is); another layout is refused by name at run().
-GLUON_GROUP = True
-
-
-# The request-aligned split schedule (decode_sm90.aligned_pieces: one work item per CTA, requests cut into equal
-# pieces, a request of one CTA's share not split at all) where it is within a tile of the contiguous cut's balance;
-# the contiguous cut otherwise. FP8MLA_GLUON_ALIGNED=0 keeps the contiguous cut everywhere (kernel log 27).
-GLUON_ALIGNED = True
-
-
-def aligned_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_ALIGNED", GLUON_ALIGNED)
-
-
-def group_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_GROUP", GLUON_GROUP)
+# Per-token group scales (fp8_e4m3_group): the group build has 16 rows per consumer at any head count (H > 32:
+# ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it spills 1.4 KB). Its scale array must be rows
+# of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
 
 
 def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
@@ -92,34 +50,19 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_m
     return k.ring_depth(ns, hpw, wide, terms, group)
 
 
-def page1_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_PAGE1", GLUON_PAGE1)
-
-
-def mtp_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_MTP", GLUON_MTP)
-
-
 def _qo_refusal(spec, qo_lens) -> str:
-    """Why the query lengths are refused ("" when taken): one query per request always; 1..8 with the MTP switch
-    on and max_qo x H within the kernel's 512 rows."""
+    """Why the query lengths are refused ("" when taken): 1..8 query tokens per request (multi-token decode
+    beyond one) with max_qo x H within the kernel's 512 rows."""
     from ..kernels import decode_sm90 as k
     if qo_lens is None:
         return "qo_indptr is device-only (one query per request must be known on the host)"
     if qo_lens.count(1) == len(qo_lens):
         return ""
-    if not mtp_enabled():
-        return ("a request has qo_len != 1 (multi-token decode is off: FP8MLA_GLUON_MTP=1 turns it on for "
-                f"qo_len 1..{k.MAX_MTP_QO} with max qo_len x num_heads <= {k.MAX_MTP_ROWS})")
     lo, hi = min(qo_lens), max(qo_lens)
     if lo < 1 or hi > k.MAX_MTP_QO or hi * spec.num_heads > k.MAX_MTP_ROWS:
         return (f"qo_len {lo}..{hi} at {spec.num_heads} heads: multi-token decode takes qo_len 1..{k.MAX_MTP_QO} "
                 f"with max qo_len x num_heads <= {k.MAX_MTP_ROWS}")
     return ""
-
-
-def wide_heads_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_WIDE", GLUON_WIDE_HEADS)
 
 
 def supports(spec, layout) -> tuple[bool, str]:
@@ -130,35 +73,21 @@ def supports(spec, layout) -> tuple[bool, str]:
     from ..kernels import decode_sm90 as k
     if k.gluon is None:
         return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
-    wide = wide_heads_enabled()
-    max_heads = k.MAX_WIDE_HEADS if wide else k.HP
-    if (1 <= spec.num_heads <= max_heads and spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK
-            and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0
-                 or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
-            and fmt.storage_dtype == torch.float8_e4m3fn
-            and (fmt.scale_kind != "group" or group_enabled())
-            and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
-            and not _qo_refusal(spec, layout.qo_lens)):
-        return True, ""  # every plan asks: the messages below are formatted only when one fails
-    checks = [
-        (1 <= spec.num_heads <= max_heads,
-         f"num_heads {spec.num_heads} > {max_heads}" + ("" if wide else
-            " (the wide-heads variant is off: FP8MLA_GLUON_WIDE=0)")),
+    checks = (
+        (1 <= spec.num_heads <= k.MAX_WIDE_HEADS, lambda: f"num_heads {spec.num_heads} > {k.MAX_WIDE_HEADS}"),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
-         f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
-        (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0 or (spec.page_size == 1 and page1_enabled()),
-         f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64" + (
-             " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=0)" if spec.page_size == 1 else "")),
+         lambda: f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
+        (spec.page_size in (1, 16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
+         lambda: f"page_size {spec.page_size}: the kernel takes 1, 16, 32 or a multiple of 64"),
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn,
-         f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
-        (fmt.scale_kind != "group" or group_enabled(),
-         f"kv format {fmt.name}: group scales in the gluon kernel are off (FP8MLA_GLUON_GROUP=1 turns them on)"),
-        (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),
-        (layout.qo_lens is not None, "qo_indptr is device-only (one query per request must be known on the host)"),
-    ]
-    for ok, why in checks:
+         lambda: f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
+        (spec.q_dtype in (torch.bfloat16, torch.float16), lambda: f"query dtype {spec.q_dtype}"),
+        (layout.qo_lens is not None,
+         lambda: "qo_indptr is device-only (the query lengths must be known on the host)"),
+    )
+    for ok, why in checks:   # every plan asks: a message is formatted only when its check fails
         if not ok:
-            return False, why
+            return False, why()
     why = _qo_refusal(spec, layout.qo_lens)
     return not why, why
 
@@ -186,7 +115,7 @@ class GluonPlan:
                 raise ValueError(f"ckv_scale_arr: the gluon backend reads group scales with TMA and needs [P, page, "
                                  f"{k.GROUPS}] fp32 rows of one pool with 16-byte aligned strides; got "
                                  f"{ckv_scale_arr.dtype} {tuple(ckv_scale_arr.shape)} strides "
-                                 f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or FP8MLA_GLUON_GROUP=0)")
+                                 f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or backend='triton')")
             if tuple(ckv_scale_arr.shape[:2]) != tuple(ckv_cache.shape[:2]):   # the kernel reads one row per pool row
                 raise ValueError(f"ckv_scale_arr: expected [{ckv_cache.shape[0]}, {ckv_cache.shape[1]}, {k.GROUPS}] "
                                  f"(the pool's pages and slots), got {tuple(ckv_scale_arr.shape)}")
@@ -265,14 +194,14 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(kv_len, slots, min_tiles, aligned=aligned_enabled())
+        t = k.schedule_device(kv_len, slots, min_tiles)
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, group, fp8_math)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, aligned=aligned_enabled())
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, group, fp8_math)
 
 
@@ -337,12 +266,12 @@ def plan_max_qo(layout, spec, state: dict) -> int:
 
 
 def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
-    """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format, the
-    wide-heads switch) run once per spec; the per-layout one (one query per request) every plan."""
+    """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format) run once per
+    spec; the per-layout one (the query lengths) every plan."""
     checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
     if checked is not None and checked[0] is spec and checked[1] is layout:
         return True, ""
-    key = (spec, wide_heads_enabled(), mtp_enabled(), group_enabled())
+    key = spec
     if state.get("supported") != key:
         ok, why = supports(spec, layout)
         if not ok:
@@ -362,14 +291,13 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                  aligned: bool | None = None) -> dict:
+                  aligned: bool = True) -> dict:
     """``decode_sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
     from ..kernels.decode_sm90 import TILE, aligned_lists, aligned_pieces
-    aligned = aligned_enabled() if aligned is None else aligned
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
