@@ -231,6 +231,129 @@ def analyse(k) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Compiling the sm_90 decode kernel (Gluon) without a GPU
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel's argument types in a real launch (bf16 queries; compile_report substitutes the query dtype and the
+# page's box rows)
+KERNEL_SIGNATURE = {
+    "kv_desc": "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)>",
+    "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "ckv_ptr": "*fp8e4nv", "kpe_ptr": "*fp8e4nv", "stride_kv_row": "i32", "stride_kpe_row": "i32",
+    "num_rows": "i32",
+    "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
+    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
+    "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
+    "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
+    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "HPW": "constexpr",
+    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr", "QK8": "constexpr", "QKC": "constexpr",
+    # group scales (compile_report(group=True)); constexpr None / False otherwise
+    "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
+
+
+# Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
+# H % 16 == 0 (triton specializes such ints): the strides and H itself.
+_INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
+              "stride_pl_i", "stride_o_t", "stride_o_h", "stride_lse_t")
+
+
+def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
+                   heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
+                   group: bool = False, fp8_math: bool = False) -> dict:
+    """Compile the sm_90 decode kernel (``fp8mla.kernels.sm90``) for sm_90a with triton's own ptxas (no GPU needed)
+    and count SASS ops.
+    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
+    with ``group``, HPW 16 at every H: 128 -> 4 head groups).
+    ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
+    contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
+    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``group``: with per-token group
+    scales (``GROUP``). ``fp8_math``: the e4m3 build (``QK8`` terms, ``PV8``; ``QKC`` at H <= 16 one query)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels import sm90
+    if sm90.gluon is None:
+        raise RuntimeError(f"gluon is not importable: {sm90.GLUON_IMPORT_ERROR}")
+    fn = sm90.mla_decode_sm90_kernel
+    names = fn.arg_names
+    sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
+    rows = min(64, page)
+    sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
+    sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
+    sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
+    hpw, nhg, wide = sm90.row_config(heads, max_qo, sm90.GROUP_MAX_HPW if group else 32)
+    consts = {"PAGE": page, "NS": ns, "REGS": regs, "HPW": hpw, "WIDE": wide, "NHG": nhg}
+    consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
+    consts["QK8"] = sm90.FP8_MATH_TERMS if fp8_math else 0
+    consts["QKC"] = bool(fp8_math and max_qo <= 1 and not wide)
+    consts["GROUP"] = bool(group)
+    consts["PV8"] = bool(fp8_math)
+    if not group:
+        for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
+            sig[n] = "constexpr"
+            consts[n] = None
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
+                                or n in ("stride_kv_row", "stride_kpe_row")})
+    return sass_report(src, sass_path)
+
+
+def sass_report(src, sass_path=None) -> dict:
+    """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
+    SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
+    (SASS op counts), ``loops`` (per warp-specialized partition, the HGMMA, STL, LDL and LDS.U8 between its first
+    and last HGMMA: the tile loop) and ``serialized_wgmma`` (ptxas C7512); ``sass_path``: also write the SASS
+    there."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        for exe in ("ptxas", "ptxas-blackwell"):   # later wheels ship an older "ptxas" beside the one they use
+            res = subprocess.run([os.path.join(bindir, exe), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
+                                 capture_output=True, text=True)
+            v = res.stderr
+            if res.returncode == 0:
+                break
+        cub = os.path.join(d, "k.cubin")
+        open(cub, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
+                              capture_output=True, text=True).stdout
+    if sass_path:
+        open(sass_path, "w").write(sass)
+    ops = collections.Counter()
+    seq = []
+    # (addresses have 4 or more hex digits: the kernel is past 0x10000 bytes, so {4} alone missed the 2nd consumer)
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+        ops[m.group(1)] += 1
+        seq.append(m.group(1))
+    # the tile loops: from the first to the last HGMMA of each partition (partitions start at USETMAXREG)
+    loops, cur = [], []
+    for op in seq + ["USETMAXREG"]:
+        if op.startswith("USETMAXREG"):
+            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
+            if h:
+                body = cur[h[0]:h[-1] + 1]
+                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
+                              "LDL": sum(o.startswith("LDL") for o in body),
+                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
+            cur = []
+        cur.append(op)
+    spills = [tuple(map(int, x)) for x in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
+    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
+            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
+            "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The sm_90 decode builds and their golden record
 # ---------------------------------------------------------------------------------------------------------------
 # Each named build of the Gluon decode kernel as its backend launches it (bf16 queries, contiguous tensors: the
@@ -251,10 +374,9 @@ def compile_sm90(name: str) -> tuple[dict, str]:
     """(summary, SASS text) of one named build compiled for sm_90a."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1: nothing compiles in this process (run it in one without)")
-    from fp8mla.kernels import decode_sm90 as k
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.sass")
-        r = k.compile_report(aligned_ints=True, sass_path=path, **SM90_BUILDS[name])
+        r = compile_report(aligned_ints=True, sass_path=path, **SM90_BUILDS[name])
         with open(path) as f:
             sass = f.read()
     return summary(sass, r["ptxas"], r["smem"]), sass

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import sm90 as k
 from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 

@@ -23,7 +23,7 @@ import torch
 import fp8mla
 from conftest import compile_report_in_child
 from fp8mla.backends import gluon as gb
-from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import sm90 as k
 from fp8mla.testing import compare, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")

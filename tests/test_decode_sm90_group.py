@@ -14,7 +14,8 @@ import torch
 import fp8mla
 from conftest import compile_report_in_child
 from test_decode_sm90 import check, run_case
-from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import sm90 as k
+from fp8mla.kernels.sm90 import kernel as sm90_kernel
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -77,7 +78,7 @@ def _launch_args(H=16, page=64):
 @pytest.mark.parametrize("bad,match", [(dict(fp8_math=True), "fp8_math"), (dict(ns=4), "shared"),
                                        (dict(box=[32, 4]), "boxes")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
-    monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
+    monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", None)   # never reached
     a, kw, sdesc = _launch_args()
     if "box" in bad:
         sdesc.block_shape = bad.pop("box")
@@ -93,8 +94,8 @@ def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append(kw)
 
-    monkeypatch.setattr(k, "mla_decode_sm90_kernel", Recorder())
-    monkeypatch.setattr(k, "launch_merge", lambda *a, **kw: None)
+    monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", Recorder())
+    monkeypatch.setattr(sm90_kernel, "launch_merge", lambda *a, **kw: None)
     a, kw, sdesc = _launch_args()
     k.launch(*a, **kw)
     k.launch(*a, **kw, scale_desc=sdesc)

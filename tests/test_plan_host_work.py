@@ -330,7 +330,7 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
     lists (``host["lists"]``): the triton and gluon host schedules then skip their clamping pass, and give the
     same arrays as from the host tensors alone, and as the device schedules (empty rows, full rows, B = 1)."""
     from fp8mla.backends import gluon as gb, triton as tb
-    from fp8mla.kernels import decode_sm90 as k
+    from fp8mla.kernels import sm90 as k
     g = torch.Generator().manual_seed(17)
     for trial in range(40):
         B, W, ps = [1, 3, 64, 17][trial % 4], int(torch.randint(1, 9, (1,), generator=g)), [1, 16, 64, 5][trial % 4]
@@ -364,7 +364,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     back, and the buffers hold
     the device schedule's arrays. The kernel is never launched (it needs an sm_90 GPU): only the plan runs."""
     from fp8mla.backends import gluon as gb
-    from fp8mla.kernels import decode_sm90 as k
+    from fp8mla.kernels import sm90 as k
     from fp8mla.models import DeepseekMLAModel, load_config
     from fp8mla.models.runner import DecodeRunner
     monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)

@@ -1,4 +1,4 @@
-"""The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.decode_sm90``).
+"""The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.sm90``).
 
 ``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
 refused by name (``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
@@ -10,7 +10,7 @@ layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``,
 copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
 to the pages each row lists either way.
 
-``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``decode_sm90.schedule``) and
+``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
 once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
 kernels read the real counts from device memory, so a captured run replays right after a re-plan.
@@ -26,7 +26,7 @@ from ..runtime import LN2, gluon_usable, num_sms
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 # (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
-# or the FP8-scores variant's Q terms, where 4 do not fit: decode_sm90.ring_depth)
+# or the FP8-scores variant's Q terms, where 4 do not fit: sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 # fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
@@ -41,8 +41,8 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_m
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles (and ``fp8_math``'s Q terms)
     take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered
     to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16)
-    then takes the even depth above an odd request where it fits (decode_sm90.ring_depth)."""
-    from ..kernels import decode_sm90 as k
+    then takes the even depth above an odd request where it fits (sm90.ring_depth)."""
+    from ..kernels import sm90 as k
     terms = k.FP8_MATH_TERMS if fp8_math and not group else 0
     if group or fp8_math:   # the group tiles, or fp8_math's Q terms, must fit beside the ring
         while ns > 2 and k.smem_bytes(ns, hpw, wide, terms, group=group) > k.SMEM_LIMIT:
@@ -53,7 +53,7 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_m
 def _qo_refusal(spec, qo_lens) -> str:
     """Why the query lengths are refused ("" when taken): 1..8 query tokens per request (multi-token decode
     beyond one) with max_qo x H within the kernel's 512 rows."""
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     if qo_lens is None:
         return "qo_indptr is device-only (one query per request must be known on the host)"
     if qo_lens.count(1) == len(qo_lens):
@@ -70,7 +70,7 @@ def supports(spec, layout) -> tuple[bool, str]:
     fmt = spec.kv_format
     if not gluon_usable(spec.device):
         return False, "needs an sm_90 GPU and triton.experimental.gluon"
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     if k.gluon is None:
         return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
     checks = (
@@ -106,7 +106,7 @@ class GluonPlan:
     fp8_math: bool = False   # e4m3 x e4m3 wgmma for both products (opt-in)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
-        from ..kernels import decode_sm90 as k
+        from ..kernels import sm90 as k
         scale_desc = None
         if self.group:
             if ckv_scale_arr is None:
@@ -138,7 +138,7 @@ class GluonPlan:
 
 
 def build(layout, spec, options: dict, state: dict) -> GluonPlan:
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     ok, why = _supports_cached(spec, layout, state)
     if not ok:
         raise ValueError(f"backend 'gluon': {why}")
@@ -214,7 +214,7 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     ``fixed``: ``plan`` was captured in a CUDA graph, which replays right after any re-plan with its launch
     configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     buf, opts = state.get("graph"), state.get("opts")
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
         return None
@@ -245,7 +245,7 @@ def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int)
         # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
         # .0258 ms); a longer list loops over 128-partial steps
         parts = min(max(1, slots), MERGE_GUESS_CAP, -(-max(1, slots) // max(1, batch)) + 1)
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     return k.merge_blocks(max(1, parts), batch, rows, n_sm)
 
 
@@ -292,12 +292,12 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
                   aligned: bool = True) -> dict:
-    """``decode_sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
+    """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
-    from ..kernels.decode_sm90 import TILE, aligned_lists, aligned_pieces
+    from ..kernels.sm90 import TILE, aligned_lists, aligned_pieces
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
@@ -313,7 +313,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     if last is not None and last[0] == (num_ctas, min_tiles, aligned) and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
     ks = aligned_pieces(ntiles, num_ctas, min_tiles) if aligned else None
-    if ks is not None:   # one piece per CTA, requests cut into their pieces (decode_sm90.aligned_pieces)
+    if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]
         _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
@@ -381,7 +381,7 @@ class _GraphBuffers:
     arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
 
     def __init__(self, opts, n_sm, device, external: dict, rows: int):
-        from ..kernels import decode_sm90 as k
+        from ..kernels import sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
         self.max_kv_indices = int(opts["max_kv_indices"])
