@@ -11,6 +11,7 @@ if gluon is not None:
     from .fragments import (_group_col, _group_max, _per_item, _pv_slab, _pv_slab8, _relabel_k, _relabel_k64,
                             _relabel_tok8, _sanitize_tail, _scores_group)
     from .merge import _store_item
+    from .ring import ready_slot_dev
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
@@ -183,13 +184,8 @@ if gluon is not None:
             for j in range(j0, n, STEP):
                 gg = g + j
                 s = gg % NS
-                if ready.shape[0] == empty.shape[0]:
-                    mbarrier.wait(ready.index(s), (gg // NS) & 1)
-                else:
-                    # an odd ring of the alternating kernel (H <= 16): stage s's consecutive phases would belong
-                    # to alternating consumers, and a parity wait could pass a phase early (a race seen on the H200); each
-                    # consumer has its own ready barrier per stage, whose k-th phase is its tile gg = x + 2 NS k
-                    mbarrier.wait(ready.index((gg % 2) * NS + s), (gg // (2 * NS)) & 1)
+                rb, ph = ready_slot_dev(gg, s, NS, ready.shape[0] != empty.shape[0])   # (ring.ready_slot)
+                mbarrier.wait(ready.index(rb), ph)
                 valid = L - (t0 + j) * 64
                 if valid < 64:
                     # WIDE: both consumers zero the same rows; every write stores either the row's own value

@@ -7,6 +7,7 @@ from .config import gluon
 if gluon is not None:
     from .config import (GROUPS_C, P8_SCALE_C, _NEW_REINTERPRET, _cp_async, _cta_barrier, _tma_load, async_copy,
                          fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from .ring import ready_slot_dev
 
     @gluon.jit
     def _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr, kv_len,
@@ -55,10 +56,8 @@ if gluon is not None:
                 nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 2 < t1), other=-1)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                if ready.shape[0] == NS:
-                    bar = ready.index(s)
-                else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
-                    bar = ready.index((g % 2) * NS + s)
+                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
+                bar = ready.index(rb)
                 ok = ((ids >= 0) & (ids < num_rows))[:, None]
                 row = ids.to(gl.int64)
                 krow = ckv_ptr + row * stride_kv_row
@@ -126,10 +125,8 @@ if gluon is not None:
                         ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
                 s = g % NS
                 mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                if ready.shape[0] == NS:
-                    bar = ready.index(s)
-                else:   # an odd ring of the alternating kernel: tile g's consumer (g % 2) has its own barriers
-                    bar = ready.index((g % 2) * NS + s)
+                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
+                bar = ready.index(rb)
                 if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
                     mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
                 else:

@@ -1,8 +1,8 @@
-"""The ready / empty barrier ring between the producer and the consumers: its depth for a plan and the odd-ring
-ready-barrier rule (``ready_barrier``), whose formulas the producer and consumer partitions compute inline."""
+"""The ready / empty barrier ring between the producer and the consumers: its depth for a plan and the ready-barrier
+rule (``ready_slot``), one function for the host and the kernel."""
 from __future__ import annotations
 
-from .config import HP, SMEM_LIMIT, smem_bytes
+from .config import HP, SMEM_LIMIT, gluon, smem_bytes
 
 
 def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
@@ -20,12 +20,28 @@ def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
     return 2
 
 
+def ready_slot(g, s, NS, SPLIT):
+    """(ready barrier, wait parity) of ring position ``g`` at stage ``s = g % NS``: THE ring rule, written once and
+    run both on the host (``ready_barrier``, the CPU protocol test) and in the kernel (``ready_slot_dev``, the same
+    source under gluon.jit: the producers' arrivals and the consumers' waits). One barrier per stage (parity
+    ``(g // NS) & 1``), except for an odd ring of the alternating-tile kernel (``SPLIT``: H <= 16, not wide), where
+    position g's consumer (g % 2) has its own barrier per stage: with one barrier a stage's consecutive phases
+    would belong to alternating consumers and a parity wait could pass a phase early (a race seen on the H200);
+    with two, every phase of a barrier is one consumer's, in order."""
+    if SPLIT:
+        return (g % 2) * NS + s, (g // (2 * NS)) & 1
+    return s, (g // NS) & 1
+
+
+def split_ring(ns: int, wide: bool = False) -> bool:
+    """Whether a ring of ``ns`` stages has one ready barrier per stage and consumer (2 x ns barriers)."""
+    return not wide and ns % 2 == 1
+
+
 def ready_barrier(gg: int, ns: int, wide: bool = False) -> tuple[int, int]:
-    """(ready barrier, wait parity) of ring position ``gg``, as the kernel computes them (producer and consumers):
-    one barrier per stage (``gg % ns``, parity ``(gg // ns) & 1``), except for an odd ring of the alternating-tile
-    kernel, where position gg's consumer (gg % 2) has its own barrier per stage (``(gg % 2) * ns + gg % ns``,
-    parity ``(gg // (2 ns)) & 1``): every phase of a barrier is then one consumer's, in order. The
-    kernel writes the same formulas inline (Gluon); this is their reference for the CPU protocol test."""
-    if wide or ns % 2 == 0:
-        return gg % ns, (gg // ns) & 1
-    return (gg % 2) * ns + gg % ns, (gg // (2 * ns)) & 1
+    """``ready_slot`` on the host for ring position ``gg`` of an ``ns``-stage ring (``wide``: the wide variant)."""
+    return ready_slot(gg, gg % ns, ns, split_ring(ns, wide))
+
+
+if gluon is not None:
+    ready_slot_dev = gluon.jit(ready_slot)
