@@ -262,14 +262,23 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    group: bool = False, fp8_math: bool = False) -> dict:
-    """Compile the sm_90 decode kernel (``fp8mla.kernels.sm90``) for sm_90a with triton's own ptxas (no GPU needed)
-    and count SASS ops.
-    ``heads`` picks the variant (``head_config``: 16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32;
-    with ``group``, HPW 16 at every H: 128 -> 4 head groups).
-    ``aligned_ints``: mark the strides and H divisible by 16, as the JIT specializes them at H = 16/32/64/128 with
-    contiguous tensors (then Q is read with 16-byte loads); False compiles the unspecialized worst case.
-    ``max_qo`` >= 2: the multi-token variant (``mtp_config``), causal or not. ``group``: with per-token group
-    scales (``GROUP``). ``fp8_math``: the e4m3 build (``QK8`` terms, ``PV8``; ``QKC`` at H <= 16 one query)."""
+    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``): ``heads`` picks the
+    variant (16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32; with ``group``, HPW 16 at every H);
+    ``max_qo`` >= 2: the multi-token variant, causal or not; ``group``: per-token group scales; ``fp8_math``: the
+    e4m3 build."""
+    from fp8mla.kernels import sm90
+    b = sm90.Sm90Build.for_plan(heads, page, max_qo, causal, group, fp8_math, ns)
+    if regs != b.regs:
+        import dataclasses
+        b = dataclasses.replace(b, regs=regs)
+    return compile_build(b, q_dtype=q_dtype, aligned_ints=aligned_ints, sass_path=sass_path)
+
+
+def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_path=None) -> dict:
+    """Compile one ``sm90.Sm90Build`` of the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and
+    count SASS ops (``sass_report``). ``aligned_ints``: mark the strides and H divisible by 16, as the JIT
+    specializes them at H = 16/32/64/128 with contiguous tensors (then Q is read with 16-byte loads); False
+    compiles the unspecialized worst case."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels import sm90
     if sm90.gluon is None:
@@ -277,18 +286,13 @@ def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = 
     fn = sm90.mla_decode_sm90_kernel
     names = fn.arg_names
     sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
-    rows = min(64, page)
+    rows = min(64, build.page_size)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
     sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
-    hpw, nhg, wide = sm90.row_config(heads, max_qo, sm90.GROUP_MAX_HPW if group else 32)
-    consts = {"PAGE": page, "NS": ns, "REGS": regs, "HPW": hpw, "WIDE": wide, "NHG": nhg}
-    consts["MTP"] = 0 if max_qo <= 1 else (1 if causal else 2)
-    consts["QK8"] = sm90.FP8_MATH_TERMS if fp8_math else 0
-    consts["QKC"] = bool(fp8_math and max_qo <= 1 and not wide)
-    consts["GROUP"] = bool(group)
-    consts["PV8"] = bool(fp8_math)
-    if not group:
+    # every constexpr named (the defaults a launch leaves out too): the same kernel a launch compiles
+    consts = {"MTP": 0, "QK8": 0, "QKC": False, "GROUP": False, "PV8": False, **build.constexprs()}
+    if not build.group:
         for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
             sig[n] = "constexpr"
             consts[n] = None
@@ -356,18 +360,11 @@ def sass_report(src, sass_path=None) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # The sm_90 decode builds and their golden record
 # ---------------------------------------------------------------------------------------------------------------
-# Each named build of the Gluon decode kernel as its backend launches it (bf16 queries, contiguous tensors: the
-# strides and H specialized divisible by 16).
-SM90_BUILDS = {
-    "h16_p64": dict(page=64, ns=4, heads=16),
-    "h16_p1": dict(page=1, ns=4, heads=16),
-    "h128_p64": dict(page=64, ns=3, heads=128),
-    "h128_p1": dict(page=1, ns=3, heads=128),
-    "mtp_h16_qo2": dict(page=64, ns=3, heads=16, max_qo=2, causal=True),
-    "group_h16": dict(page=64, ns=3, heads=16, group=True),
-    "group_h128": dict(page=64, ns=3, heads=128, group=True),
-    "fp8_math_h16": dict(page=64, ns=3, heads=16, fp8_math=True),
-}
+def sm90_builds() -> dict:
+    """The named builds the golden record keeps: ``fp8mla.kernels.sm90.KNOWN_BUILDS`` (bf16 queries, contiguous
+    tensors: the strides and H specialized divisible by 16, as a launch with H 16 or 128 has them)."""
+    from fp8mla.kernels.sm90.config import KNOWN_BUILDS
+    return KNOWN_BUILDS
 
 
 def compile_sm90(name: str) -> tuple[dict, str]:
@@ -376,7 +373,7 @@ def compile_sm90(name: str) -> tuple[dict, str]:
         raise RuntimeError("TRITON_INTERPRET=1: nothing compiles in this process (run it in one without)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.sass")
-        r = compile_report(aligned_ints=True, sass_path=path, **SM90_BUILDS[name])
+        r = compile_build(sm90_builds()[name], aligned_ints=True, sass_path=path)
         with open(path) as f:
             sass = f.read()
     return summary(sass, r["ptxas"], r["smem"]), sass
@@ -433,7 +430,7 @@ def main(argv=None):
     rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
     sub.add_parser("check", help="compare every named build with the golden file of this triton")
     show = sub.add_parser("show", help="one build's summary")
-    show.add_argument("name", choices=sorted(SM90_BUILDS))
+    show.add_argument("name", choices=sorted(sm90_builds()))
     show.add_argument("--sass", default=None, help="also write its SASS here")
     js = sub.add_parser("json", help=argparse.SUPPRESS)   # compile_many's child: JSON summaries on stdout
     js.add_argument("names", nargs="+")
@@ -454,7 +451,7 @@ def main(argv=None):
             with open(a.sass, "w") as f:
                 f.write(sass)
         return 0
-    res = compile_many(sorted(SM90_BUILDS))
+    res = compile_many(sorted(sm90_builds()))
     bad = {n: r["error"] for n, r in res.items() if "error" in r}
     if bad:
         for n, e in bad.items():
@@ -472,7 +469,7 @@ def main(argv=None):
     with open(golden_path()) as f:
         golden = json.load(f)["builds"]
     failed = 0
-    for n in sorted(SM90_BUILDS):
+    for n in sorted(sm90_builds()):
         d = diff(golden.get(n, {}), res[n])
         print(f"{n}: {'same' if not d else 'DIFFERS'}")
         for line in d:

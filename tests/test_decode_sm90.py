@@ -437,9 +437,10 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-def test_supports_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
+def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
     """No switch decides it: page 1, 16, 32 and multiples of 64, 1..128 heads, qo_len 1..8 with max qo_len x H <=
-    512, per-tensor and group scales are taken; every other plan is refused with a reason that names what."""
+    512, per-tensor and group scales get a build (the measured ones among KNOWN_BUILDS); every other plan is
+    refused with a reason that names what."""
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
@@ -453,13 +454,18 @@ def test_supports_takes_every_built_variant_and_refuses_the_rest_by_name(monkeyp
         lay = PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * n,
                                    torch.arange(n * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
                                    page)
-        return gb.supports(spec, lay)
+        b = gb.select_build(spec, lay, {})
+        return (False, b) if isinstance(b, str) else (True, b)
 
     for kw in (dict(), dict(page=1), dict(page=16), dict(page=32), dict(page=128), dict(H=1), dict(H=40),
                dict(H=128), dict(qo_lens=(2, 1, 3)), dict(qo_lens=(8,)), dict(H=128, qo_lens=(4, 2)),
                dict(H=100, qo_lens=(5, 1)), dict(fmt="fp8_e4m3_group"), dict(fmt="fp8_e4m3_group", H=128, page=1),
                dict(q=torch.float16)):
-        assert case(**kw) == (True, ""), kw
+        ok, b = case(**kw)
+        assert ok and isinstance(b, k.Sm90Build) and b.smem() <= k.SMEM_LIMIT, (kw, b)
+    assert case()[1] == k.KNOWN_BUILDS["h16_p64"] and case(H=128, page=1)[1] == k.KNOWN_BUILDS["h128_p1"]
+    assert case(fmt="fp8_e4m3_group", H=128)[1] == k.KNOWN_BUILDS["group_h128"]
+    assert case(qo_lens=(2, 1))[1] == k.KNOWN_BUILDS["mtp_h16_qo2"]
     for kw, word in ((dict(H=129), "num_heads"), (dict(page=8), "page_size"), (dict(page=48), "page_size"),
                      (dict(fmt="bf16"), "kv format"), (dict(dims=(256, 64)), "head dims"),
                      (dict(q=torch.float32), "query dtype"), (dict(qo_lens=(9,)), "qo_len"),

@@ -106,52 +106,60 @@ def test_p_scale_keeps_p_normal_and_in_range():
     assert torch.equal(x.to(torch.float8_e4m3fn).float(), x)
 
 
+def _spec(H=16, fmt="fp8_e4m3", q=torch.bfloat16, page=64):
+    from fp8mla.backends import AttentionSpec
+    return AttentionSpec(H, 512, 64, page, True, 0.1, q, fp8mla.FORMATS[fmt], torch.device("cpu"))
+
+
 def test_plan_takes_two_terms_and_a_ring_that_fits():
+    """The fp8_math build: 2 e4m3 terms of Q, 3 stages beside them (4 do not fit: asked, they are lowered), the
+    chunk accumulators on the one-query H <= 16 kernel only."""
     assert k.FP8_MATH_TERMS == 2
     for dtype in (torch.bfloat16, torch.float16):
-        ns = gb.plan_ring(3, 16, False, dtype, fp8_math=True)
-        assert ns == 3 and k.smem_bytes(ns, 16, False, k.FP8_MATH_TERMS) <= k.SMEM_LIMIT
-        assert k.smem_bytes(ns + 1, 16, False, k.FP8_MATH_TERMS) > k.SMEM_LIMIT   # 4 stages would not fit them
-        ns = gb.plan_ring(3, 32, True, dtype, fp8_math=True)   # wide: 2 terms fit beside 3 stages
-        assert ns == 3 and k.smem_bytes(ns, 32, True, k.FP8_MATH_TERMS) <= k.SMEM_LIMIT
-    # 4 stages asked: lowered to what fits beside the terms
-    assert gb.plan_ring(4, 16, False, torch.bfloat16, fp8_math=True) == 3
+        for H, stages in ((16, 3), (16, 4), (128, 3)):
+            b = gb._build_for(_spec(H, q=dtype), {"fp8_math": True, "num_stages": stages}, 1)
+            assert b.fp8_math and b.stages == 3 and b.q_terms == 2 and b.smem() <= k.SMEM_LIMIT, (H, stages)
+            assert b.constexprs()["QK8"] == 2 and b.constexprs().get("QKC", False) == (H <= 16)
+    assert k.smem_bytes(4, 16, False, k.FP8_MATH_TERMS) > k.SMEM_LIMIT   # why 4 stages are lowered
+    assert k.KNOWN_BUILDS["fp8_math_h16"] == gb._build_for(_spec(), {"fp8_math": True}, 1)
 
 
 @pytest.mark.parametrize("H,max_qo", [(16, 1), (128, 1), (16, 2)])
 def test_plan_routes_fp8_math_to_the_launch(monkeypatch, H, max_qo):
-    """An fp8_math plan launches the kernel with fp8_math; a plan without it with fp8_math False."""
+    """An fp8_math plan launches its fp8_math build; a plan without it the default build."""
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
-    monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append((a, kw)))
     spec = SimpleNamespace(num_heads=H, sm_scale=0.1, page_size=64, causal=True)
     pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, False, True).run(
-        None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert calls and calls[0]["fp8_math"] is True and calls[0]["scale_desc"] is None
-    calls.clear()
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo).run(
-        None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert calls[0]["fp8_math"] is False
+    for fp8_math in (True, False):
+        b = k.Sm90Build.for_plan(H, 64, max_qo, fp8_math=fp8_math)
+        gb.GluonPlan(spec, 132, 8, 2, 256, {}, b, max_qo * H).run(
+            None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
+        assert calls[-1][0][0] is b and calls[-1][1]["scale_desc"] is None and calls[-1][1]["max_rows"] == max_qo * H
 
 
 def test_refusals(monkeypatch):
     q = torch.zeros(1, 16, 512)
     t = dict(part_o=torch.empty(1, 16, 512), part_lse=torch.empty(1, 16))
+    kw = dict(grid=132, grid_batch=1, max_rows=16, num_heads=16, sm_scale=0.1)
     with pytest.raises(ValueError, match="fp8_math: .*per-tensor"):
-        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
-                 sm_scale=0.1, page_size=64, ns=3, fp8_math=True, scale_desc=object())
-    with pytest.raises(ValueError, match="fp8_math: .*shared memory"):
-        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
-                 sm_scale=0.1, page_size=64, ns=4, fp8_math=True)
+        k.launch(k.Sm90Build.for_plan(16, 64, fp8_math=True), None, None, q, q, None, t, q, None, **kw,
+                 scale_desc=object())
+    with pytest.raises(ValueError, match="fp8_math's Q terms .* shared memory"):
+        k.launch(k.Sm90Build.for_plan(16, 64, fp8_math=True, stages=4), None, None, q, q, None, t, q, None, **kw)
     for kw in (dict(backend="torch"), dict(backend="triton"), dict(strategy="gather_cast")):
         with pytest.raises(ValueError, match="fp8_math"):
             fp8mla.MLAPagedAttention(fp8_math=True, **kw)
     # group scales: refused by name before anything is scheduled (the FlashInfer-way group plan too)
-    monkeypatch.setattr(gb, "_supports_cached", lambda *a: (True, ""))
-    spec = SimpleNamespace(kv_format=fp8mla.FORMATS["fp8_e4m3_group"], num_heads=16, device="cpu")
-    with pytest.raises(ValueError, match="fp8_math: .*group"):
-        gb.build(SimpleNamespace(batch_size=1, qo_lens=[1]), spec, {"fp8_math": True}, {})
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    if k.gluon is not None:
+        why = gb.select_build(_spec(fmt="fp8_e4m3_group"), SimpleNamespace(qo_lens=[1], max_qo_len=1),
+                              {"fp8_math": True})
+        assert isinstance(why, str) and why.startswith("fp8_math: ") and "group" in why
+        with pytest.raises(ValueError, match="fp8_math: .*group"):
+            gb.build(SimpleNamespace(batch_size=1, qo_lens=[1], max_qo_len=1), _spec(fmt="fp8_e4m3_group"),
+                     {"fp8_math": True}, {})
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")

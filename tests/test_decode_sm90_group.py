@@ -72,19 +72,25 @@ def _launch_args(H=16, page=64):
     t.update(part_o=torch.empty(1, k.padded_heads(H), 512), part_lse=torch.empty(1, k.padded_heads(H)))
     sdesc = SimpleNamespace(base=None, strides=(4, 1), block_shape=[min(64, page), 4])
     return (desc, desc, q, q, None, t, q, torch.zeros(1, H)), dict(
-        grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1, page_size=page, ns=2), sdesc
+        grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1), sdesc
 
 
-@pytest.mark.parametrize("bad,match", [(dict(fp8_math=True), "fp8_math"), (dict(ns=4), "shared"),
-                                       (dict(box=[32, 4]), "boxes")])
+def _build(group=True, H=16, page=64, **kw):
+    import dataclasses
+    return dataclasses.replace(k.Sm90Build.for_plan(H, page, group=group, stages=2), **kw)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(fp8_math=True), "fp8_math"), (dict(stages=4), "shared"),
+                                       (dict(box=[32, 4]), "boxes"), (dict(group=False), "scale_desc")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
     monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", None)   # never reached
     a, kw, sdesc = _launch_args()
     if "box" in bad:
         sdesc.block_shape = bad.pop("box")
-    kw.update(bad)
     with pytest.raises(ValueError, match=match):
-        k.launch(*a, **kw, scale_desc=sdesc)
+        k.launch(_build(**bad), *a, **kw, scale_desc=sdesc)
+    with pytest.raises(ValueError, match="scale_desc"):   # a group build without its scales
+        k.launch(_build(), *a, **kw)
 
 
 def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
@@ -97,8 +103,8 @@ def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
     monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", Recorder())
     monkeypatch.setattr(sm90_kernel, "launch_merge", lambda *a, **kw: None)
     a, kw, sdesc = _launch_args()
-    k.launch(*a, **kw)
-    k.launch(*a, **kw, scale_desc=sdesc)
+    k.launch(_build(group=False), *a, **kw)
+    k.launch(_build(), *a, **kw, scale_desc=sdesc)
     keys = {"sc_desc", "sc_ptr", "stride_sc_row", "GROUP"}
     assert not keys & set(seen[0]) and keys <= set(seen[1])
     assert seen[1]["GROUP"] is True and seen[1]["sc_desc"] is sdesc and seen[1]["stride_sc_row"] == 4
@@ -133,13 +139,13 @@ def test_group_plan_run_refuses_scales_it_cannot_read():
     group scales given to it."""
     from fp8mla.backends import gluon as gb
     spec, _ = _spec_layout("fp8_e4m3_group")
-    plan = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {}, group=True)
+    plan = gb.GluonPlan(spec, 132, 1, 32, 128, {}, k.Sm90Build.for_plan(16, 64, group=True))
     args = [torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), None, None, None]
     with pytest.raises(ValueError, match="ckv_scale_arr.*got None"):
         plan.run(*args, None, None, None, False)
     with pytest.raises(ValueError, match="ckv_scale_arr.*16-byte"):
         plan.run(*args, torch.rand(4, 64, 5)[..., :4], None, None, False)
-    plain = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {})
+    plain = gb.GluonPlan(spec, 132, 1, 32, 128, {}, k.Sm90Build.for_plan(16, 64))
     with pytest.raises(ValueError, match="ckv_scale_arr.*per-tensor"):
         plain.run(*args, torch.rand(4, 64, 4), None, None, False)
 

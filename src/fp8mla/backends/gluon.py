@@ -1,7 +1,8 @@
 """The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.sm90``).
 
-``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
-refused by name (``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
+``select_build(spec, layout, options)`` gives the named build (``sm90.Sm90Build``) of each plan it takes, or the
+reason it refuses one: the plan then stays on the Triton kernel (``auto``) or is refused by name
+(``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
 heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per schedule slot), 1..8 query tokens
 per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
 copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
@@ -37,7 +38,7 @@ PAGE_MULTIPLE = 64
 # of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
 
 
-def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
+def _stages(ns: int, hpw: int, wide: bool, group: bool, fp8_math: bool) -> int:
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles (and ``fp8_math``'s Q terms)
     take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered
     to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16)
@@ -51,11 +52,11 @@ def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_m
 
 
 def _qo_refusal(spec, qo_lens) -> str:
-    """Why the query lengths are refused ("" when taken): 1..8 query tokens per request (multi-token decode
-    beyond one) with max_qo x H within the kernel's 512 rows."""
+    """Why the query lengths are refused ("" when taken): 1..8 query tokens per request with max_qo x H within the
+    kernel's 512 rows."""
     from ..kernels import sm90 as k
     if qo_lens is None:
-        return "qo_indptr is device-only (one query per request must be known on the host)"
+        return "qo_indptr is device-only (the query lengths must be known on the host)"
     if qo_lens.count(1) == len(qo_lens):
         return ""
     lo, hi = min(qo_lens), max(qo_lens)
@@ -65,14 +66,15 @@ def _qo_refusal(spec, qo_lens) -> str:
     return ""
 
 
-def supports(spec, layout) -> tuple[bool, str]:
-    """(True, "") when the Gluon kernel computes this plan; else (False, why)."""
+def _spec_refusal(spec, options: dict) -> str:
+    """Why the Gluon kernel refuses a plan of this spec and these options ("" when it may take it): the checks
+    that do not depend on the page table."""
     fmt = spec.kv_format
     if not gluon_usable(spec.device):
-        return False, "needs an sm_90 GPU and triton.experimental.gluon"
+        return "needs an sm_90 GPU and triton.experimental.gluon"
     from ..kernels import sm90 as k
     if k.gluon is None:
-        return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
+        return f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
     checks = (
         (1 <= spec.num_heads <= k.MAX_WIDE_HEADS, lambda: f"num_heads {spec.num_heads} > {k.MAX_WIDE_HEADS}"),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
@@ -82,14 +84,42 @@ def supports(spec, layout) -> tuple[bool, str]:
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn,
          lambda: f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
         (spec.q_dtype in (torch.bfloat16, torch.float16), lambda: f"query dtype {spec.q_dtype}"),
-        (layout.qo_lens is not None,
-         lambda: "qo_indptr is device-only (the query lengths must be known on the host)"),
+        (not (options.get("fp8_math") and fmt.scale_kind == "group"),
+         lambda: f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan has "
+                 f"per-token group scales ({fmt.name}, or ckv_scale_arr at run())"),
     )
     for ok, why in checks:   # every plan asks: a message is formatted only when its check fails
         if not ok:
-            return False, why()
-    why = _qo_refusal(spec, layout.qo_lens)
-    return not why, why
+            return why()
+    return ""
+
+
+def _build_for(spec, options: dict, max_qo: int):
+    """The named build (``sm90.Sm90Build``) of an accepted spec at ``max_qo`` query tokens per request, or why its
+    ring does not fit shared memory."""
+    from ..kernels import sm90 as k
+    group = spec.kv_format.scale_kind == "group"
+    fp8_math = bool(options.get("fp8_math"))
+    hpw, _, wide = k.row_config(spec.num_heads, max_qo, k.GROUP_MAX_HPW if group else 32)
+    ns = _stages(int(options.get("num_stages") or DEFAULTS["num_stages"]), hpw, wide, group, fp8_math)
+    b = k.Sm90Build.for_plan(spec.num_heads, spec.page_size, max_qo, spec.causal, group, fp8_math, max(ns, 1))
+    if ns < 2 or b.smem() > k.SMEM_LIMIT:
+        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, b.q_terms, group=group) <= k.SMEM_LIMIT),
+                   default=1)
+        return (f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
+                f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages need "
+                f"{b.smem()} B of shared memory, above {k.SMEM_LIMIT}")
+    return b
+
+
+def select_build(spec, layout, options: dict, max_qo: int | None = None):
+    """The named build (``sm90.Sm90Build``) that computes this plan, or the reason (a str) the Gluon kernel refuses
+    it: ``backend="auto"`` then falls back to the Triton kernel, ``backend="gluon"`` raises the reason. ``max_qo``:
+    the build's query tokens per request (default: the layout's longest)."""
+    why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
+    if why:
+        return why
+    return _build_for(spec, options, max_qo or max(1, layout.max_qo_len or 1))
 
 
 @dataclass
@@ -99,11 +129,30 @@ class GluonPlan:
     grid_batch: int
     merge_p: int
     merge_c: int
-    ns: int
     t: dict
-    max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
-    group: bool = False   # per-token group scales (fp8_e4m3_group): run() takes ckv_scale_arr
-    fp8_math: bool = False   # e4m3 x e4m3 wgmma for both products (opt-in)
+    build: object   # sm90.Sm90Build: the compiled variant
+
+    @property
+    def ns(self) -> int:
+        return self.build.stages
+
+    @property
+    def max_qo(self) -> int:   # >= 2: the multi-token variant, rows = max_qo x num_heads
+        return self.max_rows // self.spec.num_heads
+
+    @property
+    def group(self) -> bool:   # per-token group scales (fp8_e4m3_group): run() takes ckv_scale_arr
+        return self.build.group
+
+    @property
+    def fp8_math(self) -> bool:
+        return self.build.fp8_math
+
+    max_rows: int = 0   # max_qo x num_heads (0: num_heads)
+
+    def __post_init__(self):
+        if not self.max_rows:
+            self.max_rows = self.spec.num_heads
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         from ..kernels import sm90 as k
@@ -128,48 +177,30 @@ class GluonPlan:
                 raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
-        k.launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
-                 grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
-                 num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
-                 ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
-                 causal=self.spec.causal, scale_desc=scale_desc, fp8_math=self.fp8_math)
+        k.launch(self.build, kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
+                 grid_batch=self.grid_batch, max_rows=self.max_rows, num_heads=self.spec.num_heads,
+                 sm_scale=self.spec.sm_scale, merge_p=self.merge_p, merge_c=self.merge_c, scale_desc=scale_desc)
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
 
 def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     from ..kernels import sm90 as k
-    ok, why = _supports_cached(spec, layout, state)
-    if not ok:
-        raise ValueError(f"backend 'gluon': {why}")
     opts = state.get("opts")
     if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
         opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
         state["opts_from"] = options
-    fp8_math = bool(opts.get("fp8_math"))
-    if fp8_math and spec.kv_format.scale_kind == "group":
-        raise ValueError(f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan "
-                         f"has per-token group scales ({spec.kv_format.name}, or ckv_scale_arr at run())")
+    b = _select_cached(spec, layout, opts, state)
+    if isinstance(b, str):
+        raise ValueError(f"backend 'gluon': {b}")
     device = spec.device
     buf = state.get("graph") if spec.use_cuda_graph else None
     n_sm = buf.n_sm if buf is not None else num_sms(device)  # (the device's properties: a few us per ask)
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
-    ns = int(opts["num_stages"])
     max_qo = plan_max_qo(layout, spec, state)
-    group = spec.kv_format.scale_kind == "group"
+    group, nhg = b.group, b.nhg
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
-    hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
-    ns = plan_ring(ns, hpw, wide, spec.q_dtype, group, fp8_math)
-    terms = k.FP8_MATH_TERMS if fp8_math else 0
-    smem = k.smem_bytes(ns, hpw, wide, terms, group=group)
-    if ns < 2 or smem > k.SMEM_LIMIT:
-        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, terms, group=group) <= k.SMEM_LIMIT),
-                   default=1)
-        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
-                         f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages "
-                         f"need {smem} B of shared memory, above "
-                         f"{k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)
@@ -189,7 +220,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, group, fp8_math)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -199,10 +230,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, group, fp8_math)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, group, fp8_math)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -218,7 +249,7 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     buf, opts = state.get("graph"), state.get("opts")
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
         return None
-    nhg = k.row_config(plan.spec.num_heads, plan.max_qo, k.GROUP_MAX_HPW if plan.group else 32)[1]
+    nhg = plan.build.nhg
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE))
     last = state.get("rows_items")
@@ -265,21 +296,28 @@ def plan_max_qo(layout, spec, state: dict) -> int:
     return fixed
 
 
-def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
-    """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format) run once per
-    spec; the per-layout one (the query lengths) every plan."""
-    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
-    if checked is not None and checked[0] is spec and checked[1] is layout:
-        return True, ""
-    key = spec
-    if state.get("supported") != key:
-        ok, why = supports(spec, layout)
-        if not ok:
-            return ok, why
-        state["supported"] = key
-        return True, ""
-    why = _qo_refusal(spec, layout.qo_lens)
-    return not why, why
+def _select_cached(spec, layout, options: dict, state: dict):
+    """``select_build`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format) run once per
+    spec, the per-layout one (the query lengths) every plan; the build follows the plan's max_qo (fixed by the
+    first plan of a CUDA-graph wrapper, ``plan_max_qo``)."""
+    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked select_build for this very plan
+    if not (checked is not None and checked[0] is spec and checked[1] is layout):
+        if state.get("supported") != spec:
+            why = _spec_refusal(spec, options)
+            if why:
+                return why
+            state["supported"] = spec
+        why = _qo_refusal(spec, layout.qo_lens)
+        if why:
+            return why
+    max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
+    key = (spec, max_qo, id(options))
+    memo = state.get("build_memo")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    b = _build_for(spec, options, max_qo)
+    state["build_memo"] = (key, b)
+    return b
 
 
 def _device_kv_len(layout) -> torch.Tensor:

@@ -80,8 +80,9 @@ and the split merge), ``kernel`` (allocation, barriers, warp_specialize, ``launc
 """
 from __future__ import annotations
 
-from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, GROUPS, HP, MAX_MTP_QO,
-                     MAX_MTP_ROWS, MAX_WIDE_HEADS, P8_SCALE, ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE, gluon,
+from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, GROUPS, HP, KNOWN_BUILDS,
+                     MAX_MTP_QO, MAX_MTP_ROWS, MAX_WIDE_HEADS, P8_SCALE, ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE,
+                     Sm90Build, gluon,
                      head_config, mtp_config, mtp_row, mtp_visible, padded_heads, row_config, smem_bytes)
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok
 from .merge import SEQ_PARTS, _merge_parts_kernel, launch_merge, merge_blocks, merge_tile
@@ -92,6 +93,7 @@ if gluon is not None:
     from .kernel import mla_decode_sm90_kernel
 
 __all__ = ["ALIGNED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
+           "KNOWN_BUILDS", "Sm90Build",
            "MAX_MTP_QO", "MAX_MTP_ROWS", "MAX_WIDE_HEADS", "P8_SCALE", "ROW_BYTES", "SEQ_PARTS", "SMEM_LIMIT",
            "STAGE_BYTES", "TILE", "aligned_lists", "aligned_pieces", "gluon", "head_config", "kv_descriptors",
            "launch", "launch_merge", "merge_blocks", "merge_tile", "mtp_config", "mtp_row", "mtp_visible",

@@ -3,6 +3,8 @@ written against (triton 3.6's names, with the renames of later versions): import
 then None and ``GLUON_IMPORT_ERROR`` says why)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3.6's API
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -24,6 +26,9 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
+# exp(x) = exp2(x * LOG2E) (the softmax runs in base 2). fp8mla.runtime.LOG2E is the package's copy; kernels import
+# nothing above their layer (docs/architecture.md's layers), so the kernel keeps its own, the same float.
+LOG2E = 1.4426950408889634
 TILE = 64          # tokens per tile (the MMA's M)
 HP = 16            # heads per CTA (the MMA's N), padded
 DC, DK = 512, 64
@@ -99,3 +104,61 @@ def mtp_visible(kv_len: int, qo_len: int, i: int, causal: bool) -> int:
     """kv positions [0, n) that query token i of a request sees: causal aligns the queries to the end
     (token i sees positions <= kv_len - qo_len + i, none when that is negative), else all kv_len."""
     return max(0, min(kv_len, kv_len - qo_len + i + 1)) if causal else kv_len
+
+
+@dataclass(frozen=True)
+class Sm90Build:
+    """One compiled variant of the kernel: every constexpr of ``mla_decode_sm90_kernel`` follows from these fields
+    (``constexprs``). ``hpw`` rows per consumer (the MMA's N: heads, or (query token, head) pairs in multi-token
+    decode), ``nhg`` head-group CTAs per schedule slot, ``wide`` both consumers on every tile (H > 16 or MTP),
+    ``mtp`` 0 one query per request / 1 multi-token causal / 2 not causal, ``group`` per-token group scales,
+    ``fp8_math`` e4m3 x e4m3 wgmma for both products, ``stages`` the ring depth, ``regs`` the consumers'
+    setmaxnreg. ``for_plan`` derives one from a plan's sizes."""
+    page_size: int
+    hpw: int
+    nhg: int
+    wide: bool
+    mtp: int = 0
+    group: bool = False
+    fp8_math: bool = False
+    stages: int = 3
+    regs: int = 240
+
+    @classmethod
+    def for_plan(cls, num_heads: int, page_size: int, max_qo: int = 1, causal: bool = True, group: bool = False,
+                 fp8_math: bool = False, stages: int = 3) -> "Sm90Build":
+        hpw, nhg, wide = row_config(num_heads, max_qo, GROUP_MAX_HPW if group else 32)
+        return cls(page_size, hpw, nhg, wide, 0 if max_qo <= 1 else (1 if causal else 2), group, fp8_math, stages)
+
+    @property
+    def q_terms(self) -> int:
+        return FP8_MATH_TERMS if self.fp8_math else 0
+
+    def smem(self) -> int:
+        return smem_bytes(self.stages, self.hpw, self.wide, self.q_terms, self.group)
+
+    def constexprs(self) -> dict:
+        """The kernel's constexpr arguments (the ones a variant leaves at their defaults are left out: the JIT key
+        and the SASS of the default builds are those of a launch that never names them)."""
+        c = dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, HPW=self.hpw, WIDE=self.wide, NHG=self.nhg)
+        if self.mtp:
+            c["MTP"] = self.mtp
+        if self.fp8_math:   # one score accumulator per 128-column chunk on the one-query H <= 16 kernel only
+            c.update(QK8=FP8_MATH_TERMS, PV8=True, **({"QKC": True} if not self.mtp and not self.wide else {}))
+        if self.group:
+            c["GROUP"] = True
+        return c
+
+
+# The measured builds (H200; the SASS guard, tests/test_sm90_golden.py, compiles each): any plan the selector
+# accepts gets the build ``Sm90Build.for_plan`` derives, which is one of these or differs only in sizes.
+KNOWN_BUILDS = {
+    "h16_p64": Sm90Build.for_plan(16, 64, stages=4),
+    "h16_p1": Sm90Build.for_plan(16, 1, stages=4),
+    "h128_p64": Sm90Build.for_plan(128, 64),
+    "h128_p1": Sm90Build.for_plan(128, 1),
+    "mtp_h16_qo2": Sm90Build.for_plan(16, 64, max_qo=2),
+    "group_h16": Sm90Build.for_plan(16, 64, group=True),
+    "group_h128": Sm90Build.for_plan(128, 64, group=True),
+    "fp8_math_h16": Sm90Build.for_plan(16, 64, fp8_math=True),
+}

@@ -2,8 +2,7 @@
 and ``launch`` (kernel + split merge), with the TMA descriptors it reads through."""
 from __future__ import annotations
 
-from .config import (DC, DK, FP8_MATH_TERMS, GROUP_MAX_HPW, GROUPS, SMEM_LIMIT, gluon, padded_heads, row_config,
-                     smem_bytes)
+from .config import DC, DK, GROUPS, HP, LOG2E, SMEM_LIMIT, Sm90Build, gluon
 from .merge import launch_merge
 
 if gluon is not None:
@@ -137,50 +136,46 @@ def scale_rows_ok(ckv_scale_arr) -> bool:
             and a.stride(0) == a.shape[1] * a.stride(1) and a.stride(1) % 4 == 0 and a.data_ptr() % 16 == 0)
 
 
-def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int, grid_batch: int,
-           max_rows: int, num_heads: int, sm_scale: float, page_size: int, ns: int = 4, regs: int = 240,
-           merge_p: int = 32, merge_c: int = 128, max_qo: int = 1, causal: bool = True, scale_desc=None,
-           fp8_math: bool = False):
-    """Decode kernel + merge. ``t``: the plan's device arrays (qo_indptr, kv_indptr, kv_indices, kv_len, cta_ptr,
-    item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse [items, padded_heads(H)],
-    m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched; for H > 16 (the wide
-    variant) it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots. ``max_qo`` >= 2: the
-    multi-token variant (``mtp_config``; each request's qo_len is read from qo_indptr on the device, up to
-    max_qo; ``causal`` aligns its queries to the end); ``max_rows`` is then max_qo x num_heads.
+def launch(build: Sm90Build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int,
+           grid_batch: int, max_rows: int, num_heads: int, sm_scale: float, merge_p: int = 32, merge_c: int = 128,
+           scale_desc=None):
+    """Decode kernel + merge of one named build (``Sm90Build``: page size, rows per consumer, head groups, wide,
+    multi-token, group scales, fp8_math, ring depth). ``t``: the plan's device arrays (qo_indptr, kv_indptr,
+    kv_indices, kv_len, cta_ptr, item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse
+    [items, padded_heads(H)], m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched;
+    for the wide variant it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots. Multi-token
+    builds read each request's qo_len from qo_indptr on the device (causal aligns its queries to the end);
+    ``max_rows`` is then max_qo x num_heads.
 
-    ``ns``: the ring depth, any; at an odd depth the alternating-tile kernel (H <= 16) has one ready barrier per
-    stage and consumer (``ring_depth``).
+    ``build.stages``: the ring depth, any; at an odd depth the alternating-tile kernel (H <= 16) has one ready
+    barrier per stage and consumer (``ring.ready_slot``).
 
-    ``scale_desc`` (``scale_descriptor``): per-token group scales (format ``fp8_e4m3_group``; ``scales`` then holds
-    (1, kpe_scale)): the producer brings each tile's [64, 4] scales with its rows, the scores are one fp32 product
-    per 128-column group times the tokens' scales, and P.V takes P x scale / the group's tile maximum per group
-    (the Triton kernel's KV_GROUP numerics).
+    ``build.group`` takes ``scale_desc`` (``scale_descriptor``; ``scales`` then holds (1, kpe_scale)): the producer
+    brings each tile's [64, 4] scales with its rows, the scores are one fp32 product per 128-column group times the
+    tokens' scales, and P.V takes P x scale / the group's tile maximum per group (the Triton kernel's KV_GROUP
+    numerics).
 
-    ``fp8_math`` (opt-in): S = K.Q^T and O^T += V^T.P^T as e4m3 x e4m3 wgmma: Q as ``FP8_MATH_TERMS`` e4m3 terms, K
-    and V^T's bytes straight from the stage (no conversion), P x 2^8 rounded to e4m3 (``P8_SCALE``), the row sums
-    kept from the unrounded P. Error budget rel L2 <= 2e-2, not the default 3e-3. Per-tensor scales only."""
-    LOG2E = 1.4426950408889634
-    max_hpw = GROUP_MAX_HPW if scale_desc is not None else 32   # the group build: 16 rows per consumer at any H
-    hpw, nhg, wide = row_config(num_heads, max_qo, max_hpw)
-    mtp = 0 if max_qo <= 1 else (1 if causal else 2)
-    if grid % nhg:
-        raise ValueError(f"grid: {nhg} head groups need a multiple of {nhg} CTAs, got {grid}")
-    qk8 = FP8_MATH_TERMS if fp8_math else 0
-    if fp8_math:
-        if scale_desc is not None:
-            raise ValueError("fp8_math: the e4m3 math runs with per-tensor scales (no scale_desc)")
-        if smem_bytes(ns, hpw, wide, qk8) > SMEM_LIMIT:
-            raise ValueError(f"fp8_math: its Q terms at {num_heads} heads and {ns} stages need "
-                             f"{smem_bytes(ns, hpw, wide, qk8)} B of shared memory, above {SMEM_LIMIT}")
-    if scale_desc is not None:
-        if scale_desc.block_shape != [min(64, page_size), GROUPS]:
-            raise ValueError(f"scale_desc: expected boxes [{min(64, page_size)}, {GROUPS}] (scale_descriptor of a "
-                             f"[P, {page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
-        if smem_bytes(ns, hpw, wide, group=True) > SMEM_LIMIT:
-            raise ValueError(f"scale_desc: group scales at {num_heads} heads and {ns} stages need "
-                             f"{smem_bytes(ns, hpw, wide, group=True)} B of shared memory, above {SMEM_LIMIT}")
+    ``build.fp8_math`` (opt-in): S = K.Q^T and O^T += V^T.P^T as e4m3 x e4m3 wgmma: Q as ``FP8_MATH_TERMS`` e4m3
+    terms, K and V^T's bytes straight from the stage (no conversion), P x 2^8 rounded to e4m3 (``P8_SCALE``), the
+    row sums kept from the unrounded P. Error budget rel L2 <= 2e-2, not the default 3e-3. Per-tensor scales
+    only."""
+    b = build
+    if grid % b.nhg:
+        raise ValueError(f"grid: {b.nhg} head groups need a multiple of {b.nhg} CTAs, got {grid}")
+    if b.fp8_math and (b.group or scale_desc is not None):
+        raise ValueError("fp8_math: the e4m3 math runs with per-tensor scales (no group scales, no scale_desc)")
+    if b.group != (scale_desc is not None):
+        raise ValueError(f"scale_desc: the build {'has' if b.group else 'has no'} group scales; got "
+                         f"{'None' if scale_desc is None else 'a descriptor'}")
+    if b.smem() > SMEM_LIMIT:
+        what = "group scales" if b.group else ("fp8_math's Q terms" if b.fp8_math else "the ring")
+        raise ValueError(f"build: {what} at {num_heads} heads and {b.stages} stages need {b.smem()} B of shared "
+                         f"memory, above {SMEM_LIMIT}")
+    if scale_desc is not None and scale_desc.block_shape != [min(64, b.page_size), GROUPS]:
+        raise ValueError(f"scale_desc: expected boxes [{min(64, b.page_size)}, {GROUPS}] (scale_descriptor of a "
+                         f"[P, {b.page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
     po, pl = t["part_o"], t["part_lse"]
-    rows = padded_heads(num_heads, max_qo, max_hpw)
+    rows = 2 * b.hpw * b.nhg if b.wide else HP
     if po.shape[1] < rows or pl.shape[1] < rows:
         raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
@@ -190,11 +185,8 @@ def launch(kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: 
         q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
         t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
-        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), PAGE=page_size, NS=ns, REGS=regs,
-        HPW=hpw, WIDE=wide, NHG=nhg, **({"MTP": mtp} if mtp else {}),
-        **({"QK8": qk8, "PV8": True} if fp8_math else {}),
-        **({"QKC": True} if fp8_math and max_qo == 1 and not wide else {}),
-        **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0], "GROUP": True}
+        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), **b.constexprs(),
+        **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0]}
            if scale_desc is not None else {}),
         num_warps=4)
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
