@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
+from ._graph import GraphBuffers
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
@@ -414,38 +415,30 @@ def _clamped(host: dict, page_size: int, num_indices: int, tile: int):
     return qo, kvp, L, ntiles
 
 
-class _GraphBuffers:
-    """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates. The small int32
-    arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
+class _GraphBuffers(GraphBuffers):
+    """The gluon backend's CUDA-graph buffers (``GraphBuffers``): the work items' small arrays (each view 16-byte
+    aligned), the page ids, the merge list and the partials, sized once per wrapper."""
 
     def __init__(self, opts, n_sm, device, external: dict, rows: int):
         from ..kernels import sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
-        self.max_kv_indices = int(opts["max_kv_indices"])
         self.n_sm = n_sm
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
         # the arrays schedule_host fills (m_list, the identity, stays outside: written once), the one that changes
-        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed)
-        # (each rounded up to 4 entries: every view starts 16-byte aligned, as separate allocations did)
-        self.sizes = {key: -(-n // 4) * 4 for key, n in dict(
-            kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi, item_t1=mi,
-            m_ptr=mb + 1, batch_size=1).items()}
-        self.flat = torch.zeros(sum(self.sizes.values()), **i32)
-        self.buf, o = {}, 0
-        for key, n in self.sizes.items():
-            self.buf[key] = self.flat[o: o + n]
-            o += n
-        self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
-                        part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device))
-        # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
-        # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
-        if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
-            self.buf["kv_indices"] = external["kv_indices"]
-            self.max_kv_indices = external["kv_indices"].numel()
+        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed).
+        # FlashInfer's constructor kv_indices (int32) is the live tensor the kernel reads, at any size, as in
+        # FlashInfer: vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
+        super().__init__(
+            dict(kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi,
+                 item_t1=mi, m_ptr=mb + 1, batch_size=1),
+            dict(kv_indices=torch.zeros(int(opts["max_kv_indices"]), **i32), m_list=torch.arange(mi, **i32),
+                 part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device)),
+            device, {key: t for key, t in external.items() if key == "kv_indices"}, align=4, any_size=("kv_indices",))
+        self.max_kv_indices = self.buf["kv_indices"].numel()
 
     def check(self, B, n_indices, rows):
         if rows > self.rows:
@@ -457,43 +450,3 @@ class _GraphBuffers:
             if got > cap:
                 raise ValueError(f"plan: {what} {got} does not fit the gluon backend's CUDA-graph buffers ({cap}); "
                                  "construct MLAPagedAttention with a larger max_batch_size / max_kv_indices")
-
-    # A list while a caller stages the small arrays itself (the decode runner, see rebase): load_host appends its
-    # ``(values, capacity)`` segments there, in the flat buffer's order, instead of copying.
-    sink = None
-    rebased = False
-
-    def rebase(self, flat: torch.Tensor) -> None:
-        """Move the small int32 arrays into ``flat`` (an int32 device view with room for them, which the caller
-        fills through ``sink``, with its own arrays, in one copy). Before any capture: graphs captured earlier
-        would read the old buffer."""
-        if flat.numel() < self.flat.numel() or flat.dtype != torch.int32:
-            raise ValueError("rebase: needs an int32 buffer of the flat buffer's size")
-        flat = flat[: self.flat.numel()]
-        flat.copy_(self.flat)
-        self.flat, o = flat, 0
-        for key, n in self.sizes.items():
-            self.buf[key] = flat[o: o + n]
-            o += n
-        self.rebased = True
-
-    def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
-        """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (zero-padded to
-        each capacity, as the device schedule pads its items), and the page ids from ``kv_indices`` (none when
-        planned from the buffer itself)."""
-        if self.sink is not None:
-            self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
-            if kv_indices.data_ptr() == self.buf["kv_indices"].data_ptr():  # planned from the buffer itself
-                return self.buf
-            return self.load(dict(kv_indices=kv_indices))
-        from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
-        self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
-                        non_blocking=True)
-        return self.load(dict(kv_indices=kv_indices))
-
-    def load(self, tensors: dict) -> dict:
-        for key, v in tensors.items():
-            dst = self.buf[key][: v.numel()]
-            if dst.data_ptr() != v.data_ptr():
-                dst.copy_(v, non_blocking=True)
-        return self.buf

@@ -121,7 +121,7 @@ class StepScenario:
         try:  # all or nothing: a batch the pool cannot hold leaves no sequence (and no page) behind
             for L in context_lens:
                 ids.append(self.cache.add_sequence(num_tokens=L - 1))
-            self.cache.extend(ids, 1)  # the decode step's token; each layer appends its own latent
+            self.cache.reserve(ids, 1)  # the decode step's token; each layer appends its own latent
         except Exception:
             for i in ids:
                 self.cache.free(i)

@@ -53,8 +53,7 @@ def _layer_bytes_flops(model, B: int, ctx: int, cache) -> tuple[float, float]:
 
 def _fill(cache, ids: list, ctx: int, layers: int, cfg, dev, seed: int) -> None:
     """``ctx - 1`` tokens of random latents per sequence (the same on every rank: one seeded generator)."""
-    reserve = cache.reserve if hasattr(cache, "reserve") else cache.extend
-    slots = reserve(ids, ctx - 1)
+    slots = cache.reserve(ids, ctx - 1)
     g = torch.Generator(device=dev).manual_seed(seed)
     chunk = 1 << 16
     for layer in range(layers):
