@@ -270,9 +270,8 @@ def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int)
     schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
     request of a *balanced* batch gets from the contiguous schedule, about slots / batch + 1 partials (at most one
     per CTA). Any value is correct for any batch (the merge loops over a request's real list); a size far above
-    the real count costs masked work and narrow column blocks: the fixed 64 used for device-only plans until
-    2026-11-30 took ~85 us of H128 B64 L8k's .492 ms through the API (kernel alone .407; the host-sized merge
-    15 us), and 192 us before the merge kernel followed the real count."""
+    the real count costs masked work and narrow column blocks: a fixed 64 for device-only plans took ~85 us of
+    H128 B64 L8k's .492 ms through the API on the H200 (kernel alone .407; the host-sized merge 15 us)."""
     if parts is None:
         # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
         # .0258 ms); a longer list loops over 128-partial steps
