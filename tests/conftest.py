@@ -61,7 +61,15 @@ def case_seed(request) -> int:
     return zlib.crc32(request.node.nodeid.encode())
 
 
-def compile_report_in_child(module: str = "fp8mla.kernels.decode_sm90", timeout: int = 600,
+@pytest.fixture
+def sm90_compile_tools():
+    """The Gluon kernel's compile tests need Gluon, ptxas and cuobjdump: skipped without them, failed under CI=true
+    (CI pins the triton that has them)."""
+    from devtools.sass import require_compile_tools
+    require_compile_tools()
+
+
+def compile_report_in_child(module: str = "devtools.sass", timeout: int = 600,
                             **kw) -> tuple[dict, str]:
     """``<module>.compile_report(**kw, sass_path=...)`` for sm_90a in a child process (the CPU suite may run under
     TRITON_INTERPRET=1, where gluon.jit cannot compile): (the report, the SASS text). Fails the test with the

@@ -58,7 +58,7 @@ def test_append_read_back(kv_format, page_size):
     # A prefill of each sequence, then three decode steps of all of them at once.
     steps = [(ids[k:k + 1], [lens[k]]) for k in range(3)] + [(ids, [1, 1, 1])] * 3
     for step, (seqs, counts) in enumerate(steps):
-        cache.extend(seqs, counts)
+        cache.reserve(seqs, counts)
         T = sum(counts)
         for layer in range(2):
             c = torch.randn(T, 512, generator=g, dtype=torch.float64) * 3
@@ -177,12 +177,12 @@ def test_plan_inputs_drive_attention(backend, kv_format, page_size, case_seed):
     ids = [cache.add_sequence() for _ in lens]
     orig = {}
     for s, n in zip(ids, lens):   # prefill, one sequence at a time
-        cache.extend(s, n)
+        cache.reserve(s, n)
         c, k = torch.randn(n, 512, generator=g), torch.randn(n, 64, generator=g) * 0.5
         for layer in range(2):
             cache.append(layer, [s], (c * (layer + 1)).to(DEVICE), (k * (layer + 1)).to(DEVICE))
         orig[s] = (c, k)
-    cache.extend(ids, 3)          # then a 3-token step for the batch
+    cache.reserve(ids, 3)          # then a 3-token step for the batch
     c, k = torch.randn(12, 512, generator=g), torch.randn(12, 64, generator=g) * 0.5
     for layer in range(2):
         cache.append(layer, ids, (c * (layer + 1)).to(DEVICE), (k * (layer + 1)).to(DEVICE))
@@ -244,7 +244,7 @@ def test_fork_copy_on_write(kv_format):
     g = torch.Generator().manual_seed(11)
 
     def write(seq, n):
-        cache.extend(seq, n)
+        cache.reserve(seq, n)
         rows = [torch.randn(n, 512, generator=g).to(DEVICE) for _ in range(2)]
         for layer in range(2):
             cache.append(layer, [seq], rows[layer], torch.randn(n, 64, generator=g).to(DEVICE))
@@ -306,12 +306,12 @@ def test_full_pool_leaves_state_unchanged_with_fork():
     cache.add_sequence(num_tokens=4)          # the last free page
     state = (cache.pages(a), cache.pages(b), cache.seq_len(a), cache.seq_len(b), list(cache._refs))
     with pytest.raises(OutOfPagesError):
-        cache.extend(b, 1)                    # needs a copy of the shared page
+        cache.reserve(b, 1)                    # needs a copy of the shared page
     assert (cache.pages(a), cache.pages(b), cache.seq_len(a), cache.seq_len(b), list(cache._refs)) == state
     assert cache.num_free_pages == 0
-    cache.extend(b, 0)                        # nothing to write: no copy, no error
+    cache.reserve(b, 0)                        # nothing to write: no copy, no error
     cache.free(a)
-    cache.extend(b, 2)                        # b is the last owner now: writes in place
+    cache.reserve(b, 2)                        # b is the last owner now: writes in place
     assert cache.pages(b) == state[1] and cache.num_free_pages == 0
 
 
@@ -371,7 +371,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if fresh is not None:
                     self.cache.add_sequence(num_tokens=fresh)
                 else:
-                    self.cache.extend(seqs, counts)
+                    self.cache.reserve(seqs, counts)
             after = self._snapshot()
             assert after[:3] == before[:3], "a refused request changed the allocator"
             assert torch.equal(after[3], before[3]), "a refused request changed the pool"
@@ -383,7 +383,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.model[s] = []
             seqs = [s]
         else:
-            self.cache.extend(seqs, counts)
+            self.cache.reserve(seqs, counts)
         assert self.cache.num_free_pages == before[1] - need, "allocated other than the pages needed"
         return seqs
 
@@ -512,15 +512,14 @@ def test_unused_scale_is_refused(kv_format):
     assert cache.ckv_scale == cache.kpe_scale == 1.0
 
 
-def test_reserve_and_its_alias_extend():
-    """``reserve`` is the name; ``extend`` (the old one) does the same, and its docstring says it is an alias."""
-    a, b = PagedMLACache(1, 8, 4), PagedMLACache(1, 8, 4)
-    for cache, fn in ((a, a.reserve), (b, b.extend)):
-        s, t = cache.add_sequence(), cache.add_sequence(num_tokens=3)
-        assert fn([s, t], [5, 2]).tolist() == [4, 5, 6, 7, 8, 3, 12]  # t holds page 0
-        assert fn(s, 1).tolist() == [9]
-    assert a._seqs.keys() == b._seqs.keys() and a.pages(0) == b.pages(0) and a.pages(1) == b.pages(1)
-    assert "Alias of" in PagedMLACache.extend.__doc__ and "reserve" in PagedMLACache.extend.__doc__
+def test_reserve_returns_the_new_slots_and_extend_is_gone():
+    """``reserve`` gives the reserved slots in order (a sequence's own pages first, then new pages); the old alias
+    ``extend`` no longer exists (one name for one operation)."""
+    cache = PagedMLACache(1, 8, 4)
+    s, t = cache.add_sequence(), cache.add_sequence(num_tokens=3)
+    assert cache.reserve([s, t], [5, 2]).tolist() == [4, 5, 6, 7, 8, 3, 12]  # t holds page 0
+    assert cache.reserve(s, 1).tolist() == [9]
+    assert not hasattr(cache, "extend")
 
 
 @pytest.mark.parametrize("ids, what", [({0, 1}, "set"), (frozenset([0]), "frozenset"), ({0: 1}, "dict")])
@@ -528,7 +527,7 @@ def test_seq_ids_without_an_order_are_refused(ids, what):
     """A set used to reach the sequence table as one unhashable id (``unhashable type: 'set'``)."""
     cache = PagedMLACache(1, 8, 4)
     cache.add_sequence(), cache.add_sequence()
-    for call in (lambda: cache.extend(ids, 1), lambda: cache.reserve(ids, 1), lambda: cache.plan_inputs(ids),
+    for call in (lambda: cache.reserve(ids, 1), lambda: cache.plan_inputs(ids),
                  lambda: cache.pending_slots(ids)):
         with pytest.raises(TypeError, match=rf"^seq_ids: expected one id or a list or tuple of ids .* got a {what}$"):
             call()

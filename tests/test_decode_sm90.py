@@ -3,7 +3,7 @@
 GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65, 97, 514) over NaN-poisoned,
 shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
 splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse; multi-token decode
-(qo_len 2..8, behind FP8MLA_GLUON_MTP) with mixed qo per request, kv_len < qo_len, causal and not.
+(qo_len 2..8) with mixed qo per request, kv_len < qo_len, causal and not.
 CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
 (skipped when Gluon does not import; the kernel compiles with triton 3.6, the device's, and 3.9).
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import sm90 as k
 from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -103,7 +103,7 @@ def test_device_schedule_matches_host_schedule_both_cuts():
     assert seen == {True, False}   # both cuts were exercised
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("page,heads", [(16, 16), (64, 16), (64, 32), (64, 128)])
 def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
     r, _ = compile_report_in_child(page=page, ns=3, heads=heads)
@@ -264,12 +264,6 @@ def test_auto_picks_gluon_and_falls_back():
     check(b, out, lse)
     from fp8mla.backends import gluon as gb
     refused = [([100], [1], 16, 8, "fp8_e4m3"), ([100], [1], 16, 64, "bf16")]
-    if not gb.group_enabled():   # group scales go to the Triton kernel while their switch is off
-        refused.append(([100], [1], 16, 64, "fp8_e4m3_group"))
-    if not gb.mtp_enabled():   # multi-token decode goes to the Triton kernel until its switch is on
-        refused.append(([100], [2], 16, 64, "fp8_e4m3"))
-    if not gb.wide_heads_enabled():   # H128 goes to the Triton kernel until the wide variant is switched on
-        refused.append(([100], [1], 128, 64, "fp8_e4m3"))
     for kv_lens, qo, H, page, fmt in refused:
         b = make_paged_batch(kv_lens, qo, H, page, fmt, device=DEVICE, seed=2)
         _, out, lse = run_case(b, backend="auto")          # the Triton kernel takes these, correctly
@@ -319,16 +313,11 @@ def test_cuda_graph_capture_then_replan():
     _graph_replan_check(attn, 16, 64, seed=11, spare_pages=60)
 
 
-# -- GPU, the wide-heads variant (17..128 heads; off by default until verified: FP8MLA_GLUON_WIDE=1 here) -------
-@pytest.fixture
-def wide(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
+# -- GPU, the wide-heads variant (17..128 heads) -----------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("H", [20, 32, 64, 100, 128])
 @pytest.mark.parametrize("page", [16, 64])
-def test_wide_odd_lengths_nan_pools(wide, H, page):
+def test_wide_odd_lengths_nan_pools(H, page):
     b = make_paged_batch([0, 1, 63, 64, 65, 514, page + 1, 3000], [1] * 8, H, page, "fp8_e4m3", device=DEVICE,
                          seed=H + page, extra_pages=1)
     _, out, lse = run_case(b)
@@ -337,7 +326,7 @@ def test_wide_odd_lengths_nan_pools(wide, H, page):
 
 
 @gpu
-def test_wide_auto_picks_gluon(wide):
+def test_wide_auto_picks_gluon():
     b = make_paged_batch([300, 65], [1, 1], 128, 64, "fp8_e4m3", device=DEVICE, seed=3)
     attn, out, lse = run_case(b, backend="auto")
     assert attn._plan.backend == "gluon"
@@ -346,7 +335,7 @@ def test_wide_auto_picks_gluon(wide):
 
 @gpu
 @pytest.mark.parametrize("min_chunk", [64, 4096])
-def test_wide_many_splits_and_bit_identical_reruns(wide, min_chunk):
+def test_wide_many_splits_and_bit_identical_reruns(min_chunk):
     b = make_paged_batch([20000, 1, 4097], [1] * 3, 128, 64, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
                          seed=8, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
@@ -357,14 +346,14 @@ def test_wide_many_splits_and_bit_identical_reruns(wide, min_chunk):
 
 
 @gpu
-def test_wide_refuses_four_stages(wide):
+def test_wide_refuses_four_stages():
     b = make_paged_batch([100], [1], 128, 64, "fp8_e4m3", device=DEVICE, seed=4)
     with pytest.raises(ValueError, match="num_stages"):
         run_case(b, num_stages=4)
 
 
 @gpu
-def test_wide_cuda_graph_capture_then_replan(wide):
+def test_wide_cuda_graph_capture_then_replan():
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
     _graph_replan_check(attn, 128, 64, seed=12, spare_pages=60)
 
@@ -447,51 +436,46 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
             assert torch.equal(ph.t[key][:m], pd.t[key][:m]), (lens, key)
 
 
-# -- page size 1 (SGLang's default): rows copied with cp.async (behind gluon.GLUON_PAGE1 until its H200 check) ----
-@pytest.fixture
-def page1(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
-def assert_behind_switch(monkeypatch, attr: str, env: str, spec, lay, taken_when_off: bool, hint: str = "",
-                         ctx=None) -> None:
-    """gluon.supports(spec, lay) under the four settings of a kernel switch (the module default ``attr`` off or on,
-    the environment variable ``env`` unset, "1" or "0"): taken whenever the switch is on, and while it is off only
-    if ``taken_when_off``; a refusal names ``hint`` (default: ``env``), so a user learns how to turn it on."""
-    from fp8mla.backends import gluon as gb
-    for switch, value, want in ((False, None, taken_when_off), (True, None, True), (False, "1", True),
-                                (True, "0", taken_when_off)):
-        monkeypatch.setattr(gb, attr, switch)
-        if value is None:
-            monkeypatch.delenv(env, raising=False)
-        else:
-            monkeypatch.setenv(env, value)
-        ok, why = gb.supports(spec, lay)
-        assert ok == want, (ctx, switch, value, why)
-        if not ok:
-            assert (hint or env) in why, why
-
-
-def test_page1_is_behind_its_switch(monkeypatch):
-    """supports() refuses page 1 unless GLUON_PAGE1 or FP8MLA_GLUON_PAGE1=1 (=0 refuses even when switched on),
-    and says how to turn it on; page 64 is unaffected."""
+@pytest.mark.usefixtures("sm90_compile_tools")
+def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
+    """No switch decides it: page 1, 16, 32 and multiples of 64, 1..128 heads, qo_len 1..8 with max qo_len x H <=
+    512, per-tensor and group scales get a build (the measured ones among KNOWN_BUILDS); every other plan is
+    refused with a reason that names what."""
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
-    if k.gluon is None:
-        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
     monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    monkeypatch.delenv("FP8MLA_GLUON_PAGE1", raising=False)
-    for page in (1, 64):
-        spec = AttentionSpec(16, 512, 64, page, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
-                             torch.device("cpu"))
-        lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
-                                           torch.tensor([130], dtype=torch.int32), page)
-        assert_behind_switch(monkeypatch, "GLUON_PAGE1", "FP8MLA_GLUON_PAGE1", spec, lay, page == 64, ctx=page)
+
+    def case(H=16, page=64, qo_lens=(1,), fmt="fp8_e4m3", dims=(512, 64), q=torch.bfloat16):
+        spec = AttentionSpec(H, dims[0], dims[1], page, True, 192 ** -0.5, q, get_format(fmt), torch.device("cpu"))
+        B = len(qo_lens)
+        qo = torch.tensor([0] + [sum(qo_lens[: b + 1]) for b in range(B)], dtype=torch.int32)
+        n = 130 // page + 1
+        lay = PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * n,
+                                   torch.arange(n * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
+                                   page)
+        b = gb.select_build(spec, lay, {})
+        return (False, b) if isinstance(b, str) else (True, b)
+
+    for kw in (dict(), dict(page=1), dict(page=16), dict(page=32), dict(page=128), dict(H=1), dict(H=40),
+               dict(H=128), dict(qo_lens=(2, 1, 3)), dict(qo_lens=(8,)), dict(H=128, qo_lens=(4, 2)),
+               dict(H=100, qo_lens=(5, 1)), dict(fmt="fp8_e4m3_group"), dict(fmt="fp8_e4m3_group", H=128, page=1),
+               dict(q=torch.float16)):
+        ok, b = case(**kw)
+        assert ok and isinstance(b, k.Sm90Build) and b.smem() <= k.SMEM_LIMIT, (kw, b)
+    assert case()[1] == k.KNOWN_BUILDS["h16_p64"] and case(H=128, page=1)[1] == k.KNOWN_BUILDS["h128_p1"]
+    assert case(fmt="fp8_e4m3_group", H=128)[1] == k.KNOWN_BUILDS["group_h128"]
+    assert case(qo_lens=(2, 1))[1] == k.KNOWN_BUILDS["mtp_h16_qo2"]
+    for kw, word in ((dict(H=129), "num_heads"), (dict(page=8), "page_size"), (dict(page=48), "page_size"),
+                     (dict(fmt="bf16"), "kv format"), (dict(dims=(256, 64)), "head dims"),
+                     (dict(q=torch.float32), "query dtype"), (dict(qo_lens=(9,)), "qo_len"),
+                     (dict(H=128, qo_lens=(5, 1)), "qo_len"), (dict(qo_lens=(2, 0)), "qo_len")):
+        ok, why = case(**kw)
+        assert not ok and word in why, (kw, why)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+# -- page size 1 (SGLang's default): rows copied with cp.async ----------------------------------------------------
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_page1_compiles_to_16_byte_cp_async(heads):
     # 18 x 16-byte cp.async per thread and tile (4 boxes x 4 + k_pe 2), one cp.async mbarrier arrival (.noinc),
@@ -510,7 +494,7 @@ def test_page1_compiles_to_16_byte_cp_async(heads):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_odd_lengths_nan_slots(page1, H):
+def test_page1_odd_lengths_nan_slots(H):
     # extra_pages=1: a NaN slot listed after each request's last token; spare slots are NaN too
     b = make_paged_batch([0, 1, 63, 64, 65, 1000, 3001], [1] * 7, H, 1, "fp8_e4m3", device=DEVICE, seed=H + 1,
                          extra_pages=1)
@@ -522,7 +506,7 @@ def test_page1_odd_lengths_nan_slots(page1, H):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_splits_bit_identical(page1, H):
+def test_page1_splits_bit_identical(H):
     b = make_paged_batch([9000, 1, 4097], [1] * 3, H, 1, "fp8_e4m3", q_dtype=torch.float16, device=DEVICE,
                          seed=H + 2, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=64)
@@ -533,7 +517,7 @@ def test_page1_splits_bit_identical(page1, H):
 
 
 @gpu
-def test_page1_equals_page64_on_the_same_tokens(page1):
+def test_page1_equals_page64_on_the_same_tokens():
     # the same token values laid out as page-64 pages and as shuffled single slots: both kernels agree to rounding
     b = make_paged_batch([700, 65, 3000], [1] * 3, 16, 64, "fp8_e4m3", device=DEVICE, seed=21)
     _, o64, l64 = run_case(b)
@@ -563,7 +547,7 @@ def test_page1_equals_page64_on_the_same_tokens(page1):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_page1_cuda_graph_capture_then_replan(page1, H):
+def test_page1_cuda_graph_capture_then_replan(H):
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
     _graph_replan_check(attn, H, 1, seed=13 + H, spare_pages=64)
 
@@ -610,14 +594,7 @@ def test_merge_any_block_p_matches_float64(block_p):
         torch.testing.assert_close(lse[b].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
 
 
-# -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant,
-# off by default (backends.gluon.GLUON_MTP) until its H200 check; FP8MLA_GLUON_MTP=1 here --------------------------
-@pytest.fixture
-def mtp(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-
+# -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant -----
 def test_mtp_config_and_row_mapping():
     assert k.mtp_config(16, 2) == (16, 1, True) and k.mtp_config(8, 4) == (16, 1, True)
     assert k.mtp_config(16, 4) == (32, 1, True) and k.mtp_config(16, 8) == (32, 2, True)
@@ -749,39 +726,7 @@ def test_mtp_merge_maps_rows_to_tokens_and_heads():
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_mtp_is_behind_its_switch(monkeypatch):
-    """supports() refuses qo_len != 1 unless GLUON_MTP or FP8MLA_GLUON_MTP=1 (=0 refuses even when switched on) and
-    says how to turn it on; switched on it takes qo_len 1..8 with max qo_len x H <= 512, and refuses the rest by
-    name; one query per request is unaffected."""
-    from fp8mla.backends import AttentionSpec, gluon as gb
-    from fp8mla.formats import get_format
-    from fp8mla.layout import PagedLayout
-    if k.gluon is None:
-        pytest.skip(f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    monkeypatch.setenv("FP8MLA_GLUON_WIDE", "1")
-
-    def layout(qo_lens):
-        qo = torch.tensor([0] + [sum(qo_lens[: b + 1]) for b in range(len(qo_lens))], dtype=torch.int32)
-        B = len(qo_lens)
-        return PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * 3,
-                                    torch.arange(3 * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
-                                    64)
-
-    def spec(H):
-        return AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
-                             torch.device("cpu"))
-    for qo_lens, H in (([1, 1], 16), ([2, 1, 3], 16), ([8], 16), ([4, 2], 128)):
-        assert_behind_switch(monkeypatch, "GLUON_MTP", "FP8MLA_GLUON_MTP", spec(H), layout(qo_lens),
-                             max(qo_lens) == 1, hint="FP8MLA_GLUON_MTP=1", ctx=(qo_lens, H))
-    monkeypatch.setenv("FP8MLA_GLUON_MTP", "1")
-    for qo_lens, H in (([9], 16), ([5, 1], 128), ([2, 0], 16), ([6], 100)):
-        ok, why = gb.supports(spec(H), layout(qo_lens))
-        assert not ok and "qo_len" in why, (qo_lens, H, why)
-    assert gb.supports(spec(100), layout([5, 1]))[0]          # 500 rows
-
-
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,qo,causal", [(16, 4, True), (128, 2, False)])
 def test_mtp_compiles_for_sm90a(heads, qo, causal):
     r, _ = compile_report_in_child(page=64, ns=3, heads=heads, max_qo=qo, causal=causal)
@@ -797,10 +742,9 @@ def test_mtp_compiles_for_sm90a(heads, qo, causal):
                                         (1, [8, 2, 1, 3, 4, 5, 6, 7, 8]), (20, [3] * 9)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("page", [1, 64])
-def test_mtp_odd_lengths_nan_pools(mtp, monkeypatch, H, qo_lens, causal, page):
+def test_mtp_odd_lengths_nan_pools(monkeypatch, H, qo_lens, causal, page):
     """Mixed qo_len per request, kv_len 0 and kv_len < qo_len (causally empty rows: 0 and -inf), odd lengths over
     NaN-poisoned shuffled pools (NaN pages listed past kv_len too), page 1 (cp.async) and 64 (TMA)."""
-    monkeypatch.setenv("FP8MLA_GLUON_PAGE1", "1")
     lens = [0, 1, 2, 63, 64, 65, 129, 514, 3001]
     b = make_paged_batch(lens, qo_lens, H, page, "fp8_e4m3", device=DEVICE, seed=H + page + causal,
                          causal=causal, extra_pages=1)
@@ -813,7 +757,7 @@ def test_mtp_odd_lengths_nan_pools(mtp, monkeypatch, H, qo_lens, causal, page):
 @gpu
 @pytest.mark.parametrize("H,qo", [(16, 4), (128, 2)])
 @pytest.mark.parametrize("min_chunk", [64, 4096])
-def test_mtp_many_splits_and_bit_identical_reruns(mtp, H, qo, min_chunk):
+def test_mtp_many_splits_and_bit_identical_reruns(H, qo, min_chunk):
     b = make_paged_batch([20000, 1, 4097, 3], [qo, 1, qo, qo], H, 64, "fp8_e4m3", q_dtype=torch.float16,
                          device=DEVICE, seed=9, ckv_scale=0.05, kpe_scale=3.0)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
@@ -824,7 +768,7 @@ def test_mtp_many_splits_and_bit_identical_reruns(mtp, H, qo, min_chunk):
 
 
 @gpu
-def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows(mtp):
+def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows():
     b = make_paged_batch([300, 65], [2, 4], 16, 64, "fp8_e4m3", device=DEVICE, seed=5)
     attn, out, lse = run_case(b, backend="auto")
     assert attn._plan.backend == "gluon"
@@ -839,7 +783,7 @@ def test_mtp_auto_picks_gluon_and_refuses_beyond_512_rows(mtp):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_mtp_cuda_graph_capture_then_replan(mtp, H):
+def test_mtp_cuda_graph_capture_then_replan(H):
     """Captured with max qo_len 2 (H128) / 4 (H16); replayed after a re-plan with other lengths, pages and shorter
     queries (the kernel reads each request's qo_len on the device); a longer max qo_len is refused by name."""
     qo = 2 if H == 128 else 4
@@ -892,14 +836,13 @@ def test_mtp_graph_wrapper_keeps_its_first_variant():
     assert [gb.plan_max_qo(lay(q), plain, {}) for q in (1, 3, 8)] == [1, 3, 8]
 
 
-# -- the fused ("last arriver") merge: decode_sm90 FUSED_MERGE, behind gluon.GLUON_FUSED_MERGE (off) until its H200
-# check (scripts/fused_merge_device.py); FP8MLA_GLUON_FUSED_MERGE=1 here --------------------------------------------
+# -- the split merge ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seq,rows,bc,min_parts", [(16, 1, 128, 2), (16, 4, 256, 2), (0, 1, 128, 2),
                                                    (0, 2, 512, 2), (16, 2, 512, 4)])
 def test_merge_sequential_and_chunked_paths_match_float64(seq, rows, bc, min_parts):
-    """Both paths of the merge kernel (interpreter): lists of at most SEQ partials in the fused merge's sequential
+    """Both paths of the merge kernel (interpreter): lists of at most SEQ partials in one sequential
     order, longer ones in BLOCK_P chunks; several rows per program (ROWS), rows past qo_len x H and requests with
-    fewer than min_parts partials (left to the fused merge) untouched, empty partials, all-empty requests, lists in
+    fewer than min_parts partials (written by the decode kernel) untouched, empty partials, all-empty requests, lists in
     any order of the part buffers."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(seq + rows + bc + min_parts)
@@ -938,245 +881,6 @@ def test_merge_sequential_and_chunked_paths_match_float64(seq, rows, bc, min_par
         ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
         torch.testing.assert_close(out[toks].reshape(-1, C).double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[toks].reshape(-1).double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
-
-
-def _emulate_last_arriver(lens, n_slots, min_tiles, nhg, wide, fuse_max, rng):
-    """The fused merge's protocol in Python: CTAs (slot x head group) run their items in order, interleaved at
-    random; after each partial each warp of the consumer adds one to its counter (decode_sm90.counter_index) and
-    the warp that sees n - 1 merges its rows, in list order, from the partials written so far, then resets its
-    counter. Returns (merges: {(request, group, consumer, warp): (merger, partials seen)}, counters, items,
-    m_ptr)."""
-    _, cta_ptr, items, m_ptr, m_list = k.schedule(lens, n_slots, min_tiles)
-    assert m_list == list(range(len(items)))    # the fused merge reads partials in this (identity) list order
-    cnt = [0] * k.merge_counters(len(lens), 16 if not wide else 128, 1)
-    cons = (0, 1) if wide else (0,)              # the H16 kernel: consumer 0 writes the item's (merged) partial
-    queues = {(s, gr): list(range(cta_ptr[s], cta_ptr[s + 1])) for s in range(len(cta_ptr) - 1) for gr in range(nhg)}
-    written, merges = set(), {}
-    while any(queues.values()):
-        cta = rng.choice([c for c, q in queues.items() if q])
-        it = queues[cta].pop(0)
-        b = items[it][0]
-        n = m_ptr[b + 1] - m_ptr[b]
-        for cid in rng.sample(cons, len(cons)):
-            written.add((it, cta[1], cid))      # (the consumer's 4 warps' stores, then its barrier)
-            if 2 <= n <= fuse_max:
-                for w in rng.sample(range(4), 4):   # each warp's lane 0 arrives on the warp's counter
-                    u = k.counter_index(b, cta[1], cid, nhg, w)
-                    prev, cnt[u] = cnt[u], cnt[u] + 1
-                    if prev == n - 1:
-                        assert (b, cta[1], cid, w) not in merges
-                        merges[(b, cta[1], cid, w)] = (cta, [i for i in range(m_ptr[b], m_ptr[b + 1])
-                                                             if (i, cta[1], cid) in written])
-                        cnt[u] = 0
-    return merges, cnt, items, m_ptr
-
-
-@pytest.mark.parametrize("lens,slots,nhg,wide,fuse_max", [
-    ([1, 63, 65, 97, 514, 0, 4096, 130], 7, 1, False, k.FUSE_ALL), ([32768], 132, 1, False, k.FUSE_ALL),
-    ([8192] * 8, 66, 2, True, k.FUSE_ALL), ([8192] * 64, 66, 2, True, 4), ([3000, 1, 20000], 13, 1, True, 16)])
-def test_last_arriver_protocol_merges_every_unit_once_from_all_partials(lens, slots, nhg, wide, fuse_max):
-    """Under random interleavings of the CTAs: every (request, head group, consumer, warp) unit with 2..fuse_max
-    partials is merged exactly once, by an arrival that sees all of its partials written, every counter is back at
-    0 afterwards (the next launch / graph replay starts clean), and no unit outside 2..fuse_max is touched; the
-    merged value (float64, list order) is the same whoever arrives last."""
-    import random
-    g = torch.Generator().manual_seed(len(lens))
-    results = []
-    for seed in range(3):
-        merges, cnt, items, m_ptr = _emulate_last_arriver(lens, slots, 4, nhg, wide, fuse_max, random.Random(seed))
-        assert all(c == 0 for c in cnt)
-        want = {(b, gr, cid, w) for b in range(len(lens)) for gr in range(nhg) for cid in ((0, 1) if wide else (0,))
-                for w in range(4) if 2 <= m_ptr[b + 1] - m_ptr[b] <= fuse_max}
-        assert set(merges) == want
-        for (b, _, _, _), (_, seen) in merges.items():
-            assert seen == list(range(m_ptr[b], m_ptr[b + 1]))
-        if seed == 0:
-            lse_p = torch.randn(len(items), generator=g, dtype=torch.float64) * 3
-            o_p = torch.randn(len(items), 8, generator=g, dtype=torch.float64)
-        vals = {}
-        for u, (_, seen) in merges.items():
-            m = lse_p[seen].max()
-            acc, ws = torch.zeros(8, dtype=torch.float64), 0.0
-            for i in seen:                       # the kernel's order: the list, not the arrivals
-                w = float(torch.exp2(lse_p[i] - m))
-                acc, ws = acc + w * o_p[i], ws + w
-            vals[u] = (acc / ws, m + math.log2(ws))
-        results.append(vals)
-    for vals in results[1:]:
-        assert vals.keys() == results[0].keys()
-        assert all(torch.equal(vals[u][0], results[0][u][0]) and vals[u][1] == results[0][u][1] for u in vals)
-
-
-def test_merge_counters_sizing_and_graph_buffers():
-    """merge_counters covers every counter_index the kernel can form (request < batch, group < NHG, consumer < 2,
-    warp < 4),
-    and the CUDA-graph buffers hold that many for the wrapper's max batch at every head count / qo_len."""
-    from fp8mla.backends import gluon as gb
-    for H, qo in ((1, 1), (16, 1), (20, 1), (64, 1), (100, 1), (128, 1), (16, 4), (128, 2), (64, 8)):
-        _, nhg, wide = k.row_config(H, qo)
-        B = 37
-        top = k.counter_index(B - 1, nhg - 1, 1 if wide else 0, nhg, 3)
-        assert top < k.merge_counters(B, H, qo), (H, qo)
-        buf = gb._GraphBuffers(dict(gb.DEFAULTS, max_batch_size=B, max_kv_indices=64), 8, "cpu", {},
-                               k.padded_heads(H, qo))
-        c = buf.buf["merge_cnt"]
-        assert c.dtype == torch.int32 and c.numel() >= k.merge_counters(B, H, qo) and not c.any(), (H, qo)
-
-
-def test_fused_merge_switch_and_plan(monkeypatch):
-    """The switch: off by default (GLUON_FUSED_MERGE), FP8MLA_GLUON_FUSED_MERGE=1/0 forces it, the max parts from
-    FP8MLA_GLUON_FUSED_MAX_PARTS (an integer >= 2 or 'all', else an error naming the variable); build puts the
-    value in the plan and zeroed counters in t (device schedule; graph buffers on the host schedule)."""
-    from fp8mla.backends import AttentionSpec, gluon as gb
-    from fp8mla.formats import get_format
-    from fp8mla.layout import PagedLayout
-    monkeypatch.delenv("FP8MLA_GLUON_FUSED_MERGE", raising=False)
-    monkeypatch.delenv("FP8MLA_GLUON_FUSED_MAX_PARTS", raising=False)
-    assert gb.GLUON_FUSED_MERGE is False and gb.fused_merge_max_parts() == 0
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
-    assert gb.fused_merge_max_parts() == gb.GLUON_FUSED_MAX_PARTS
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "all")
-    assert gb.fused_merge_max_parts() == k.FUSE_ALL
-    for bad in ("1", "x", "-3"):
-        monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", bad)
-        with pytest.raises(ValueError, match="FP8MLA_GLUON_FUSED_MAX_PARTS"):
-            gb.fused_merge_max_parts()
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "8")
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    bt = torch.randint(0, 500, (5, 40), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    lay = PagedLayout.from_block_table(bt, torch.tensor([97, 1, 2514, 0, 900], dtype=torch.int32), 64)
-    for H, graph in ((16, False), (128, False), (16, True), (128, True)):
-        spec = AttentionSpec(H, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
-                             torch.device("cpu"), graph)
-        p = gb.build(lay, spec, dict(max_batch_size=16, max_kv_indices=4096), {})
-        assert p.fuse_max == 8 and p.t["merge_cnt"].numel() >= k.merge_counters(16 if graph else 5, H)
-        assert p.t["merge_cnt"].dtype == torch.int32 and not p.t["merge_cnt"].any()
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "0")
-    assert gb.build(lay, spec, dict(max_batch_size=16, max_kv_indices=4096), {}).fuse_max == 0
-
-
-def _tile_loop_spill_ops(sass: str) -> list[int]:
-    """LDL/STL between each consumer's first and last HGMMA (the two consumers' spans: HGMMAs split at the widest
-    gap), from cuobjdump's SASS."""
-    import re
-    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
-    idx = [i for i, x in enumerate(ins) if "HGMMA" in x]
-    cut = max((idx[j + 1] - idx[j], j) for j in range(len(idx) - 1))[1]
-    spans = [(idx[0], idx[cut]), (idx[cut + 1], idx[-1])]
-    return [sum(1 for x in ins[lo:hi + 1] if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)", x)) for lo, hi in spans]
-
-
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-@pytest.mark.parametrize("heads,page,qo", [(16, 64, 1), (128, 64, 1), (16, 1, 1), (128, 64, 2)])
-def test_fused_merge_compiles_without_new_spills_in_the_tile_loop(heads, page, qo):
-    """FUSED_MERGE compiles for sm_90a: the arrival (named barrier, per-warp atom.acq_rel.gpu: MEMBAR.GPU + ATOMG
-    + CCTL.IVALL) and the merge are a called function (CALL), the tile loops hold no more spill code than without
-    it (measured, triton 3.9 / 3.6: the same LDL+STL count per consumer's tile loop with and without, at H16, H32,
-    H128, pages 1/64, MTP), the kernel's other spill stays bounded, and without it there are no atomics (the off
-    kernel's SASS is byte-identical to the measured kernel's: checked by hand)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        code = ("import json, fp8mla.kernels.decode_sm90 as k\n"
-                "for f in (False, True):\n"
-                "    r = k.compile_report(page=%d, ns=3, heads=%d, max_qo=%d, fused_merge=f, sass_path=%r + str(f))\n"
-                "    print('REPORT', json.dumps(dict(spills=r['spills'], ops=r['ops'], ser=r['serialized_wgmma'])))"
-                % (page, heads, qo, os.path.join(d, "k.sass.")))
-        env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-        lines = [json.loads(x[len("REPORT "):]) for x in res.stdout.splitlines() if x.startswith("REPORT ")]
-        assert res.returncode == 0 and len(lines) == 2, res.stderr[-3000:]
-        loops = [_tile_loop_spill_ops(open(os.path.join(d, f"k.sass.{f}")).read()) for f in (False, True)]
-    off, on = lines
-    assert not any("ATOM" in op for op in off["ops"]) and "CALL.REL.NOINC" not in off["ops"], off["ops"]
-    assert on["ops"].get("ATOMG.E.ADD.STRONG.GPU", 0) >= 1 and on["ops"].get("CCTL.IVALL", 0) >= 1, on["ops"]
-    assert on["ops"].get("CALL.REL.NOINC", 0) >= 1 and not on["ser"]
-    hg = lambda r: sum(v for op, v in r["ops"].items() if op.startswith("HGMMA"))  # noqa: E731
-    assert hg(on) == hg(off)
-    assert all(b <= a + 4 for a, b in zip(*loops)), loops
-    assert on["spills"][0][0] <= off["spills"][0][0] + 320, (off["spills"], on["spills"])
-
-
-# GPU: the fused merge against the merge kernel, through MLAPagedAttention
-@pytest.fixture
-def fused(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", "all")
-
-
-def _run_fused_vs_separate(monkeypatch, b, **opts):
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "0")
-    _, o_sep, l_sep = run_case(b, **opts)
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MERGE", "1")
-    attn, o_f, l_f = run_case(b, **opts)
-    return attn, (o_sep, l_sep), (o_f, l_f)
-
-
-@gpu
-@pytest.mark.parametrize("H,page", [(16, 64), (16, 1), (128, 64), (128, 1), (40, 16)])
-def test_fused_merge_bit_identical_to_the_merge_kernel(fused, monkeypatch, H, page):
-    """Odd lengths over NaN pools, many splits (min_chunk 64): the fused merge's out/lse equal the merge kernel's
-    bit for bit (same formula, same order; lists of <= SEQ_PARTS partials), reruns are identical, counters are
-    back at 0 after every run."""
-    b = make_paged_batch([0, 1, 63, 65, 97, 514, 3000, 6000], [1] * 8, H, page, "fp8_e4m3", device=DEVICE,
-                         seed=H + page, extra_pages=1)
-    attn, (o_sep, l_sep), (o_f, l_f) = _run_fused_vs_separate(monkeypatch, b, min_chunk=512)
-    check(b, o_f, l_f)
-    assert torch.equal(o_f, o_sep) and torch.equal(l_f, l_sep)
-    assert not attn._plan.impl.t["merge_cnt"].any()
-    o2, l2 = torch.full_like(o_f, float("nan")), torch.full_like(l_f, float("nan"))
-    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
-    assert torch.equal(o_f, o2) and torch.equal(l_f, l2) and not attn._plan.impl.t["merge_cnt"].any()
-
-
-@gpu
-@pytest.mark.parametrize("max_parts", ["4", "all"])
-def test_fused_merge_many_splits_hybrid(fused, monkeypatch, max_parts):
-    """B1 L20000 over every SM (min_chunk 64: >100 partials) next to short requests: with max parts 4 the long
-    request goes to the merge kernel and the short split ones are fused; with 'all' one CTA merges them all."""
-    monkeypatch.setenv("FP8MLA_GLUON_FUSED_MAX_PARTS", max_parts)
-    b = make_paged_batch([20000, 1, 700, 4097], [1] * 4, 16, 64, "fp8_e4m3", device=DEVICE, seed=7)
-    attn, out, lse = run_case(b, min_chunk=64)
-    check(b, out, lse)
-    assert not attn._plan.impl.t["merge_cnt"].any()
-    o2, l2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-    attn.run(**b.run_args, out=o2, lse=l2, return_lse=True)
-    assert torch.equal(out, o2) and torch.equal(lse, l2)
-
-
-@gpu
-@pytest.mark.parametrize("H", [16, 128])
-def test_fused_merge_cuda_graph_replay_after_replan(fused, H):
-    """Captured with the fused merge, replayed after a re-plan (other lengths, other splits, one request fewer):
-    right answers, the counters in the graph buffers back at 0 after each replay."""
-    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, min_chunk=256)
-    seen = []
-
-    def counters_at_zero(attn):
-        cnt = attn._plan.impl.t["merge_cnt"]
-        assert attn._plan.impl.fuse_max and not cnt.any()
-        seen.append(cnt)
-    _graph_replan_check(attn, H, 64, seed=11, spare_pages=60, after_first=counters_at_zero)
-    cnt = seen[0]
-    assert attn._plan.impl.t["merge_cnt"].data_ptr() == cnt.data_ptr() and not cnt.any()
-
-
-@gpu
-@pytest.mark.parametrize("H,qo_lens", [(16, [1, 4, 2, 3, 1, 4]), (128, [2, 1, 2, 1, 2, 2])])
-def test_fused_merge_mtp_bit_identical(fused, mtp, monkeypatch, H, qo_lens):
-    """Multi-token rows (token x head) through the fused merge: kv_len 0 and < qo_len (causally empty rows), split
-    requests; equal bit for bit to the merge kernel, counters back at 0."""
-    b = make_paged_batch([0, 2, 65, 514, 3000, 6000], qo_lens, H, 64, "fp8_e4m3", device=DEVICE, seed=H,
-                         extra_pages=1)
-    attn, (o_sep, l_sep), (o_f, l_f) = _run_fused_vs_separate(monkeypatch, b, min_chunk=512)
-    assert attn._plan.backend == "gluon"
-    check(b, o_f, l_f)
-    assert torch.equal(o_f, o_sep) and torch.equal(l_f, l_sep)
-    assert not attn._plan.impl.t["merge_cnt"].any()
 
 
 def test_device_only_merge_sizes_cover_a_balanced_batch():

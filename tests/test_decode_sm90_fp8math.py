@@ -6,9 +6,8 @@ Error budget rel L2 <= 2e-2 (the default numerics: 3e-3).
 
 CPU: a float64 model of the two roundings (Q's terms, P in e4m3) on NaN-poisoned batches against the exact
 reference, which puts the expected error well inside the budget and shows the check can fail (P rounded to 1
-mantissa bit breaks it); the P scale's range; the plan's terms and ring depth; the routing of ``pv8`` to the launch
-(and never to the split / pipelined variants); the refusals (group scales, non-gluon backends, a launch with
-``pv_in_flight`` 2); the compile for sm_90a (every MMA e4m3: 104 QGMMA, no HGMMA, no wgmma serialization).
+mantissa bit breaks it); the P scale's range; the plan's terms and ring depth; the routing of ``fp8_math`` to the
+launch; the refusals (group scales, non-gluon backends, a launch with group scales); the compile for sm_90a (every MMA e4m3: 104 QGMMA, no HGMMA, no wgmma serialization).
 GPU (sm_90 with Gluon; skipped here): float64 reference over NaN-poisoned shuffled pools through
 MLAPagedAttention at H 8/16/40/128, pages 1/16/64, odd lengths, fp16 queries with scales, B1 L32k splits, MTP,
 bit-identical reruns, CUDA-graph replay after a re-plan.
@@ -23,14 +22,30 @@ import torch
 
 import fp8mla
 from conftest import compile_report_in_child
-from test_decode_sm90_qk8 import _split   # the kernel's split of Q into e4m3 terms
 from fp8mla.backends import gluon as gb
-from fp8mla.kernels import decode_sm90 as k
+from fp8mla.kernels import sm90 as k
 from fp8mla.testing import compare, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 BUDGET = 2e-2   # fp8_math's rel L2 (the default numerics: 3e-3)
+
+
+def _split(x: torch.Tensor, terms: int, amax=None) -> torch.Tensor:
+    """The kernel's split of a head's query row(s) (fp32 math, e4m3 round-to-nearest per term): the sum of the terms.
+    The power of two comes from ``amax``, the head's largest |q| (default: of ``x``'s last dim; the kernel takes it
+    over q_nope and q_pe together)."""
+    if amax is None:
+        amax = x.float().abs().amax(-1, keepdim=True)
+    amax = amax.clamp_min(1e-30)
+    f = torch.exp2(torch.floor(torch.log2(256.0 / amax)))
+    r = x.float() * f
+    total = torch.zeros_like(r, dtype=torch.float64)
+    for _ in range(terms):
+        t = r.to(torch.float8_e4m3fn).float()
+        total += t.double()
+        r = r - t
+    return total / f.double()
 
 
 def _round_p(p: torch.Tensor, mantissa_bits: int = 3) -> torch.Tensor:
@@ -91,61 +106,66 @@ def test_p_scale_keeps_p_normal_and_in_range():
     assert torch.equal(x.to(torch.float8_e4m3fn).float(), x)
 
 
+def _spec(H=16, fmt="fp8_e4m3", q=torch.bfloat16, page=64):
+    from fp8mla.backends import AttentionSpec
+    return AttentionSpec(H, 512, 64, page, True, 0.1, q, fp8mla.FORMATS[fmt], torch.device("cpu"))
+
+
 def test_plan_takes_two_terms_and_a_ring_that_fits():
+    """The fp8_math build: 2 e4m3 terms of Q, 3 stages beside them (4 do not fit: asked, they are lowered), the
+    chunk accumulators on the one-query H <= 16 kernel only."""
+    assert k.FP8_MATH_TERMS == 2
     for dtype in (torch.bfloat16, torch.float16):
-        ns = gb.plan_ring(3, 16, False, dtype, fp8_math=True)
-        assert ns == 3 and gb.plan_qk8(dtype, ns, 16, False, fp8_math=True) == gb.FP8_MATH_TERMS == 2
-        assert k.smem_bytes(ns, 16, False, 2) <= k.SMEM_LIMIT
-        ns = gb.plan_ring(3, 32, True, dtype, fp8_math=True)   # wide: fp16 takes 2 terms too, which fit
-        assert gb.plan_qk8(dtype, ns, 32, True, fp8_math=True) == 2
-    assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True, fp8_math=True) == 0
+        for H, stages in ((16, 3), (16, 4), (128, 3)):
+            b = gb._build_for(_spec(H, q=dtype), {"fp8_math": True, "num_stages": stages}, 1)
+            assert b.fp8_math and b.stages == 3 and b.q_terms == 2 and b.smem() <= k.SMEM_LIMIT, (H, stages)
+            assert b.constexprs()["QK8"] == 2 and b.constexprs().get("QKC", False) == (H <= 16)
+    assert k.smem_bytes(4, 16, False, k.FP8_MATH_TERMS) > k.SMEM_LIMIT   # why 4 stages are lowered
+    assert k.KNOWN_BUILDS["fp8_math_h16"] == gb._build_for(_spec(), {"fp8_math": True}, 1)
 
 
-@pytest.mark.parametrize("H,max_qo,chunks", [(16, 1, True), (128, 1, False), (16, 2, False)])
-def test_plan_routes_pv8_to_the_default_kernel(monkeypatch, H, max_qo, chunks):
-    """An fp8_math plan launches the default kernel with qk8 2 and pv8, even with the split / pipelined switches
-    on (they have no FP8 math); a plan without it passes no pv8 keyword (the default build's JIT key)."""
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", True)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", True)
-    for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
-        monkeypatch.delenv(env, raising=False)
+@pytest.mark.parametrize("H,max_qo", [(16, 1), (128, 1), (16, 2)])
+def test_plan_routes_fp8_math_to_the_launch(monkeypatch, H, max_qo):
+    """An fp8_math plan launches its fp8_math build; a plan without it the default build."""
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
-    monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append((a, kw)))
     spec = SimpleNamespace(num_heads=H, sm_scale=0.1, page_size=64, causal=True)
     pool = torch.zeros(4, 64, 576, dtype=torch.uint8)
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0, 2, False, True).run(
-        None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert calls and calls[0].get("pv8") is True and calls[0]["qk8"] == 2 and calls[0]["qk8_chunks"] == chunks
-    calls.clear()
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", False)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", False)
-    gb.GluonPlan(spec, 132, 8, 2, 256, 3, {}, max_qo, 0).run(
-        None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
-    assert "pv8" not in calls[0] and "qk8" not in calls[0]
+    for fp8_math in (True, False):
+        b = k.Sm90Build.for_plan(H, 64, max_qo, fp8_math=fp8_math)
+        gb.GluonPlan(spec, 132, 8, 2, 256, {}, b, max_qo * H).run(
+            None, None, pool[..., :512], pool[..., 512:], None, None, None, None, base_e=False)
+        assert calls[-1][0][0] is b and calls[-1][1]["scale_desc"] is None and calls[-1][1]["max_rows"] == max_qo * H
 
 
 def test_refusals(monkeypatch):
     q = torch.zeros(1, 16, 512)
     t = dict(part_o=torch.empty(1, 16, 512), part_lse=torch.empty(1, 16))
-    with pytest.raises(ValueError, match="pv8"):
-        k.launch(None, None, q, q, None, t, q, None, grid=132, grid_batch=1, max_rows=16, num_heads=16,
-                 sm_scale=0.1, page_size=64, ns=3, qk8=2, pv8=True, pv_in_flight=2)
+    kw = dict(grid=132, grid_batch=1, max_rows=16, num_heads=16, sm_scale=0.1)
+    with pytest.raises(ValueError, match="fp8_math: .*per-tensor"):
+        k.launch(k.Sm90Build.for_plan(16, 64, fp8_math=True), None, None, q, q, None, t, q, None, **kw,
+                 scale_desc=object())
+    with pytest.raises(ValueError, match="fp8_math's Q terms .* shared memory"):
+        k.launch(k.Sm90Build.for_plan(16, 64, fp8_math=True, stages=4), None, None, q, q, None, t, q, None, **kw)
     for kw in (dict(backend="torch"), dict(backend="triton"), dict(strategy="gather_cast")):
         with pytest.raises(ValueError, match="fp8_math"):
             fp8mla.MLAPagedAttention(fp8_math=True, **kw)
     # group scales: refused by name before anything is scheduled (the FlashInfer-way group plan too)
-    monkeypatch.setattr(gb, "_supports_cached", lambda *a: (True, ""))
-    spec = SimpleNamespace(kv_format=fp8mla.FORMATS["fp8_e4m3_group"], num_heads=16, device="cpu")
-    with pytest.raises(ValueError, match="fp8_math: .*group"):
-        gb.build(SimpleNamespace(batch_size=1, qo_lens=[1]), spec, {"fp8_math": True}, {})
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    if k.gluon is not None:
+        why = gb.select_build(_spec(fmt="fp8_e4m3_group"), SimpleNamespace(qo_lens=[1], max_qo_len=1),
+                              {"fp8_math": True})
+        assert isinstance(why, str) and why.startswith("fp8_math: ") and "group" in why
+        with pytest.raises(ValueError, match="fp8_math: .*group"):
+            gb.build(SimpleNamespace(batch_size=1, qo_lens=[1], max_qo_len=1), _spec(fmt="fp8_e4m3_group"),
+                     {"fp8_math": True}, {})
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
-@pytest.mark.parametrize("heads,page,chunks", [(16, 64, True), (128, 64, False), (16, 1, True)])
-def test_compiles_for_sm90a(heads, page, chunks):
-    r, _ = compile_report_in_child(page=page, ns=3, heads=heads, qk8=2, qk8_chunks=chunks, pv8=True,
-                                   aligned_ints=True)
+@pytest.mark.usefixtures("sm90_compile_tools")
+@pytest.mark.parametrize("heads,page", [(16, 64), (128, 64), (16, 1)])
+def test_compiles_for_sm90a(heads, page):
+    r, _ = compile_report_in_child(page=page, ns=3, heads=heads, fp8_math=True, aligned_ints=True)
     qg = sum(n for op, n in r["ops"].items() if op.startswith("QGMMA"))
     hg = sum(n for op, n in r["ops"].items() if op.startswith("HGMMA"))
     # per consumer: scores (4 chunks x 4 k32 steps + 2 for k_pe) x 2 terms, P.V 8 chunks x 2 k32 steps; all e4m3
@@ -159,7 +179,7 @@ def test_compiles_for_sm90a(heads, page, chunks):
 def _spy(monkeypatch):
     seen = []
     real = k.launch
-    monkeypatch.setattr(k, "launch", lambda *a, **kw: (seen.append((kw.get("qk8", 0), kw.get("pv8", False))),
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: (seen.append(kw.get("fp8_math", False)),
                                                        real(*a, **kw))[1])
     return seen
 
@@ -196,7 +216,7 @@ def test_matches_float64_over_nan_pools(monkeypatch, H, page, q_dtype, scales, v
     out = torch.full((7, H, 512), math.nan, dtype=q_dtype, device="cuda")
     lse = torch.full((7, H), math.nan, device="cuda")
     attn.run(**b.run_args, out=out, lse=lse, return_lse=True)
-    assert seen == [(2, True)], seen
+    assert seen == [True], seen
     _check(b, out, lse)
     o2, l2 = attn.run(**b.run_args, return_lse=True)
     assert torch.equal(o2, out) and torch.equal(l2, lse)   # bit-identical reruns
@@ -210,7 +230,7 @@ def test_many_splits_and_auto(monkeypatch, H):
     attn = fp8mla.MLAPagedAttention(fp8_math=True)   # auto picks gluon on sm_90
     attn.plan(**b.plan_args)
     out, lse = attn.run(**b.run_args, return_lse=True)
-    assert attn.backend == "gluon" and seen == [(2, True)]
+    assert attn.backend == "gluon" and seen == [True]
     _check(b, out, lse)
 
 
@@ -221,7 +241,7 @@ def test_mtp(monkeypatch):
     attn = fp8mla.MLAPagedAttention(backend="gluon", fp8_math=True)
     attn.plan(**b.plan_args)
     out, lse = attn.run(**b.run_args, return_lse=True)
-    assert seen and seen[0] == (2, True)
+    assert seen and seen[0] is True
     _check(b, out, lse)
 
 

@@ -1,8 +1,7 @@
-"""Per-token group scales (format fp8_e4m3_group) in the Gluon sm_90 decode kernel (``GROUP``; behind
-``FP8MLA_GLUON_GROUP``, off; kernel log 24 of docs/benchmarks.md).
+"""Per-token group scales (format fp8_e4m3_group) in the Gluon sm_90 decode kernel (``GROUP``).
 
 CPU: the group builds compile for sm_90a with the kernel's MMA counts and one more TMA box (or cp.async) per page
-for the scales; the launch, plan and run checks (the switch, the scale array's layout, shared memory, the options
+for the scales; the launch, plan and run checks (the scale array's layout, shared memory, the options
 the group kernel does not take). GPU (an sm_90 device with Gluon): float64 checks through MLAPagedAttention over
 NaN-poisoned pools (NaN scales in unused slots too), pages 1/16/64, 16/32/128 heads, scales spread over e^+-8
 within a tile, many splits with bit-identical reruns, multi-token decode, routing, CUDA-graph replay.
@@ -14,14 +13,15 @@ import torch
 
 import fp8mla
 from conftest import compile_report_in_child
-from test_decode_sm90 import assert_behind_switch, check, run_case
-from fp8mla.kernels import decode_sm90 as k
+from test_decode_sm90 import check, run_case
+from fp8mla.kernels import sm90 as k
+from fp8mla.kernels.sm90 import kernel as sm90_kernel
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon")
 DEVICE = "cuda" if ON_SM90 else "cpu"
-needs_gluon = pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+needs_gluon = pytest.mark.usefixtures("sm90_compile_tools")
 
 
 # -- CPU --------------------------------------------------------------------------------------------------------
@@ -72,20 +72,25 @@ def _launch_args(H=16, page=64):
     t.update(part_o=torch.empty(1, k.padded_heads(H), 512), part_lse=torch.empty(1, k.padded_heads(H)))
     sdesc = SimpleNamespace(base=None, strides=(4, 1), block_shape=[min(64, page), 4])
     return (desc, desc, q, q, None, t, q, torch.zeros(1, H)), dict(
-        grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1, page_size=page, ns=2), sdesc
+        grid=132 * k.head_config(H)[1], grid_batch=1, max_rows=H, num_heads=H, sm_scale=0.1), sdesc
 
 
-@pytest.mark.parametrize("bad,match", [(dict(qk8=2), "qk8"), (dict(pv_in_flight=2), "pv_in_flight"),
-                                       (dict(wide_row_sums=True), "wide_row_sums"), (dict(ns=4), "shared"),
-                                       (dict(box=[32, 4]), "boxes")])
+def _build(group=True, H=16, page=64, **kw):
+    import dataclasses
+    return dataclasses.replace(k.Sm90Build.for_plan(H, page, group=group, stages=2), **kw)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(fp8_math=True), "fp8_math"), (dict(stages=4), "shared"),
+                                       (dict(box=[32, 4]), "boxes"), (dict(group=False), "scale_desc")])
 def test_launch_refuses_what_the_group_kernel_does_not_take(monkeypatch, bad, match):
-    monkeypatch.setattr(k, "mla_decode_sm90_kernel", None)   # never reached
+    monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", None)   # never reached
     a, kw, sdesc = _launch_args()
     if "box" in bad:
         sdesc.block_shape = bad.pop("box")
-    kw.update(bad)
     with pytest.raises(ValueError, match=match):
-        k.launch(*a, **kw, scale_desc=sdesc)
+        k.launch(_build(**bad), *a, **kw, scale_desc=sdesc)
+    with pytest.raises(ValueError, match="scale_desc"):   # a group build without its scales
+        k.launch(_build(), *a, **kw)
 
 
 def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
@@ -95,11 +100,11 @@ def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append(kw)
 
-    monkeypatch.setattr(k, "mla_decode_sm90_kernel", Recorder())
-    monkeypatch.setattr(k, "launch_merge", lambda *a, **kw: None)
+    monkeypatch.setattr(sm90_kernel, "mla_decode_sm90_kernel", Recorder())
+    monkeypatch.setattr(sm90_kernel, "launch_merge", lambda *a, **kw: None)
     a, kw, sdesc = _launch_args()
-    k.launch(*a, **kw)
-    k.launch(*a, **kw, scale_desc=sdesc)
+    k.launch(_build(group=False), *a, **kw)
+    k.launch(_build(), *a, **kw, scale_desc=sdesc)
     keys = {"sc_desc", "sc_ptr", "stride_sc_row", "GROUP"}
     assert not keys & set(seen[0]) and keys <= set(seen[1])
     assert seen[1]["GROUP"] is True and seen[1]["sc_desc"] is sdesc and seen[1]["stride_sc_row"] == 4
@@ -114,22 +119,6 @@ def _spec_layout(fmt_name, page=64, H=16):
     lay = PagedLayout.from_block_table(torch.arange(130 // page + 1, dtype=torch.int32)[None],
                                        torch.tensor([130], dtype=torch.int32), page)
     return spec, lay
-
-
-@needs_gluon
-def test_group_is_behind_its_switch(monkeypatch):
-    """supports() refuses the group format unless GLUON_GROUP or FP8MLA_GLUON_GROUP=1 (=0 refuses even when
-    switched on) and says how to turn it on; per-tensor plans are unaffected."""
-    from fp8mla.backends import gluon as gb
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
-    for fmt in ("fp8_e4m3_group", "fp8_e4m3"):
-        spec, lay = _spec_layout(fmt)
-        assert_behind_switch(monkeypatch, "GLUON_GROUP", "FP8MLA_GLUON_GROUP", spec, lay, fmt == "fp8_e4m3", ctx=fmt)
-    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")   # every head count (16 rows per consumer, more head groups)
-    for H in (32, 33, 128):
-        assert gb.supports(*_spec_layout("fp8_e4m3_group", H=H))[0]
-    monkeypatch.setenv("FP8MLA_GLUON_QK8", "1")   # FP8 scores never take group plans
-    assert gb.plan_qk8(torch.bfloat16, 3, 16, False, group=True) == 0
 
 
 def test_group_build_has_16_rows_per_consumer():
@@ -150,13 +139,13 @@ def test_group_plan_run_refuses_scales_it_cannot_read():
     group scales given to it."""
     from fp8mla.backends import gluon as gb
     spec, _ = _spec_layout("fp8_e4m3_group")
-    plan = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {}, group=True)
+    plan = gb.GluonPlan(spec, 132, 1, 32, 128, {}, k.Sm90Build.for_plan(16, 64, group=True))
     args = [torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), None, None, None]
     with pytest.raises(ValueError, match="ckv_scale_arr.*got None"):
         plan.run(*args, None, None, None, False)
     with pytest.raises(ValueError, match="ckv_scale_arr.*16-byte"):
         plan.run(*args, torch.rand(4, 64, 5)[..., :4], None, None, False)
-    plain = gb.GluonPlan(spec, 132, 1, 32, 128, 3, {})
+    plain = gb.GluonPlan(spec, 132, 1, 32, 128, {}, k.Sm90Build.for_plan(16, 64))
     with pytest.raises(ValueError, match="ckv_scale_arr.*per-tensor"):
         plain.run(*args, torch.rand(4, 64, 4), None, None, False)
 
@@ -196,11 +185,6 @@ def test_device_schedule_empties_the_slots_past_it(lens, aligned):
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def group_on(monkeypatch):
-    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
-
-
 def _spread(batch, seed, spread=8.0):
     """Multiply every used token's group scales by e^U(-spread, spread) in place (the reference reads them too):
     tiles whose tokens' scales differ by up to e^16, the P normalization's case."""
@@ -212,7 +196,7 @@ def _spread(batch, seed, spread=8.0):
 @gpu
 @pytest.mark.parametrize("H", [1, 16, 32, 40, 128])
 @pytest.mark.parametrize("page", [1, 16, 32, 64, 128])
-def test_group_odd_lengths_nan_pools(group_on, H, page):
+def test_group_odd_lengths_nan_pools(H, page):
     lens = [0, 1, 63, 65, 97, 514, 3000] if page > 1 else [0, 1, 63, 65, 700]
     b = make_paged_batch(lens, [1] * len(lens), H, page, "fp8_e4m3_group", device=DEVICE, seed=H + page,
                          extra_pages=1 if page > 1 else 0)
@@ -224,7 +208,7 @@ def test_group_odd_lengths_nan_pools(group_on, H, page):
 
 @gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_group_scales_spread_within_tiles(group_on, H):
+def test_group_scales_spread_within_tiles(H):
     b = make_paged_batch([777, 65, 2500], [1] * 3, H, 64, "fp8_e4m3_group", device=DEVICE, seed=5, kpe_scale=3.0,
                          value_scale=2.0)
     _spread(b, seed=H)
@@ -232,7 +216,7 @@ def test_group_scales_spread_within_tiles(group_on, H):
 
 
 @gpu
-def test_group_fp16_queries_and_four_stages_asked(group_on):
+def test_group_fp16_queries_and_four_stages_asked():
     """fp16 queries with k_pe scaled; num_stages=4 (fits per-tensor at 16 heads, not with the group tiles) is
     lowered to what fits (3: an odd depth has per-consumer ready barriers, kernel log 29), instead of failing the
     plan."""
@@ -245,7 +229,7 @@ def test_group_fp16_queries_and_four_stages_asked(group_on):
 
 @gpu
 @pytest.mark.parametrize("min_chunk", [64, 4096])
-def test_group_many_splits_and_bit_identical_reruns(group_on, min_chunk):
+def test_group_many_splits_and_bit_identical_reruns(min_chunk):
     b = make_paged_batch([20000, 1, 4097], [1] * 3, 16, 64, "fp8_e4m3_group", device=DEVICE, seed=7)
     attn, out, lse = run_case(b, min_chunk=min_chunk)
     check(b, out, lse)
@@ -255,7 +239,7 @@ def test_group_many_splits_and_bit_identical_reruns(group_on, min_chunk):
 
 
 @gpu
-def test_group_multi_token_decode(group_on):
+def test_group_multi_token_decode():
     """qo_len 1..2 at 16 heads (32 rows), causal; kv_len 1 < qo_len 2 for the last request."""
     b = make_paged_batch([300, 65, 1000, 1], [2, 1, 2, 2], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=11)
     check(b, *run_case(b)[1:])
@@ -263,26 +247,24 @@ def test_group_multi_token_decode(group_on):
 
 @gpu
 def test_group_routing_and_a_plain_e4m3_plan_with_group_scales(monkeypatch):
-    """auto: the Gluon kernel with the switch on, the Triton kernel with it off, the same answer; FlashInfer's
+    """auto: the Gluon kernel; backend="triton" (the escape hatch): the Triton kernel, the same answer; FlashInfer's
     way (an e4m3 plan given ckv_scale_arr at run) builds the group plan on first use, on the same kernel."""
     b = make_paged_batch([500, 70], [1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=3)
     outs = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("FP8MLA_GLUON_GROUP", env)
-        attn, outs[env], lse = run_case(b, backend="auto")
-        assert type(attn._plan.impl).__name__ == ("GluonPlan" if env == "1" else "TritonPlan")
-        check(b, outs[env], lse)
-    monkeypatch.setenv("FP8MLA_GLUON_GROUP", "1")
+    for backend in ("auto", "triton"):
+        attn, outs[backend], lse = run_case(b, backend=backend)
+        assert type(attn._plan.impl).__name__ == ("GluonPlan" if backend == "auto" else "TritonPlan")
+        check(b, outs[backend], lse)
     attn = fp8mla.MLAPagedAttention(backend="auto")
     attn.plan(**dict(b.plan_args, kv_data_type=torch.float8_e4m3fn))
     out = attn.run(**b.run_args)
     assert type(attn._plan.group_impl).__name__ == "GluonPlan"
-    assert torch.equal(out, outs["1"])
+    assert torch.equal(out, outs["auto"])
 
 
 @gpu
 @pytest.mark.parametrize("H,qo", [(16, 3), (128, 2)])
-def test_group_wide_multi_token_decode(group_on, H, qo):
+def test_group_wide_multi_token_decode(H, qo):
     """Multi-token rows past 32 (48 and 256): 16 per consumer, 2 and 8 row-group CTAs per schedule slot."""
     b = make_paged_batch([300, 65, 1000], [qo, 1, qo], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H + qo)
     attn, out, lse = run_case(b)
@@ -291,7 +273,7 @@ def test_group_wide_multi_token_decode(group_on, H, qo):
 
 
 @gpu
-def test_group_refuses_a_scale_array_tma_cannot_read(group_on):
+def test_group_refuses_a_scale_array_tma_cannot_read():
     b = make_paged_batch([100], [1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=2)
     sa = b.run_args["ckv_scale_arr"]
     wide = torch.zeros(*sa.shape[:2], 5, device=DEVICE)
@@ -323,7 +305,7 @@ def _replan_and_replay(attn, plan_args, run_args, graph, out):
 
 
 @gpu
-def test_group_cuda_graph_capture_then_replan(group_on):
+def test_group_cuda_graph_capture_then_replan():
     """Capture run() with group scales, re-plan other lengths and page lists over the same pool, replay."""
     b = make_paged_batch([100, 3000, 17], [1, 1, 1], 16, 64, "fp8_e4m3_group", device=DEVICE, seed=21, spare_pages=60)
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
@@ -336,20 +318,19 @@ def test_group_cuda_graph_capture_then_replan(group_on):
 
 
 @gpu
-@pytest.mark.parametrize("switch,H", [("1", 16), ("1", 40), ("1", 128), ("0", 40)])
-def test_group_scales_flashinfer_way_in_a_cuda_graph(monkeypatch, switch, H):
-    """An e4m3 CUDA-graph wrapper run with ckv_scale_arr (the group plan built on that first run: gluon with the
-    switch on, where at H > 32 it has fewer schedule slots than the per-tensor plan; triton with it off), captured,
-    re-planned with other lengths and page lists, replayed: the replay computes the new plan."""
-    monkeypatch.setenv("FP8MLA_GLUON_GROUP", switch)
+@pytest.mark.parametrize("backend,H", [("auto", 16), ("auto", 40), ("auto", 128), ("triton", 40)])
+def test_group_scales_flashinfer_way_in_a_cuda_graph(backend, H):
+    """An e4m3 CUDA-graph wrapper run with ckv_scale_arr (the group plan built on that first run: gluon under auto,
+    where at H > 32 it has fewer schedule slots than the per-tensor plan; triton when asked), captured, re-planned
+    with other lengths and page lists, replayed: the replay computes the new plan."""
     b = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3_group", device=DEVICE, seed=H, spare_pages=60)
-    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="auto", max_batch_size=8)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend=backend, max_batch_size=8)
     plain = dict(b.plan_args, kv_data_type=torch.float8_e4m3fn)
     attn.plan(**plain)
     r = b.run_args
     out = torch.empty_like(r["q_nope"])
     g = capture_then_replay(lambda: attn.run(**r, out=out), out)
     check(b, out, attn.run(**r, return_lse=True)[1])
-    want = "GluonPlan" if switch == "1" else "TritonPlan"
+    want = "GluonPlan" if backend == "auto" else "TritonPlan"
     assert type(attn._plan.group_impl).__name__ == want
     _replan_and_replay(attn, plain, r, g, out)

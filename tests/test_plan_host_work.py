@@ -330,7 +330,7 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
     lists (``host["lists"]``): the triton and gluon host schedules then skip their clamping pass, and give the
     same arrays as from the host tensors alone, and as the device schedules (empty rows, full rows, B = 1)."""
     from fp8mla.backends import gluon as gb, triton as tb
-    from fp8mla.kernels import decode_sm90 as k
+    from fp8mla.kernels import sm90 as k
     g = torch.Generator().manual_seed(17)
     for trial in range(40):
         B, W, ps = [1, 3, 64, 17][trial % 4], int(torch.randint(1, 9, (1,), generator=g)), [1, 16, 64, 5][trial % 4]
@@ -352,7 +352,7 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
         gk = dict(num_indices=n, num_ctas=[1, 5, 66][trial % 3], min_tiles=[1, 4][trial % 2])
         fast = gb.schedule_host(lay.host, ps, **gk)
         assert fast == gb.schedule_host(plain, ps, **gk), trial
-        d = k.schedule_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"], aligned=gb.aligned_enabled())
+        d = k.schedule_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"])
         m = int(d["m_ptr"][-1])
         assert fast["cta_ptr"] == d["cta_ptr"].tolist() and fast["item_t1"] == d["item_t1"][:m].tolist(), trial
 
@@ -364,7 +364,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     back, and the buffers hold
     the device schedule's arrays. The kernel is never launched (it needs an sm_90 GPU): only the plan runs."""
     from fp8mla.backends import gluon as gb
-    from fp8mla.kernels import decode_sm90 as k
+    from fp8mla.kernels import sm90 as k
     from fp8mla.models import DeepseekMLAModel, load_config
     from fp8mla.models.runner import DecodeRunner
     monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
@@ -406,7 +406,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         t = attn._plan.impl.t
         L = gb._device_kv_len(attn.layout)
         assert L.tolist() == [p + 1 for p in prefix]
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, aligned=gb.aligned_enabled())
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
         n = int(want["m_ptr"][-1])
         for key in ("cta_ptr", "m_ptr"):
             assert torch.equal(t[key][: want[key].numel()], want[key]), (step, key)
@@ -424,7 +424,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         st = r.begin_step(ids, prefix)
         assert attn._plan.impl is impl
         t, L = impl.t, torch.tensor([p + 1 for p in prefix], dtype=torch.int32)  # the true lengths
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, aligned=gb.aligned_enabled())
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
         n = int(want["m_ptr"][-1])
         assert torch.equal(t["cta_ptr"][: want["cta_ptr"].numel()], want["cta_ptr"]), step
         for key in ("item_req", "item_t0", "item_t1"):

@@ -139,9 +139,9 @@ def test_append_read_back_round_trip(fmt, use_triton, case_seed):
                           kpe_scale=kpe_scale, device=DEVICE)
     lens = [13, 1, 8]
     ids = [cache.add_sequence() for _ in lens]
-    cache.extend(ids[:1], 3)                              # interleave allocations: pages are not in order
-    cache.extend(ids[1:], [lens[1], lens[2]])
-    cache.extend(ids[0], lens[0] - 3)
+    cache.reserve(ids[:1], 3)                              # interleave allocations: pages are not in order
+    cache.reserve(ids[1:], [lens[1], lens[2]])
+    cache.reserve(ids[0], lens[0] - 3)
     limit = 4 * f.max_value * ckv_scale if f.is_fp8 else 1e4
     # every token of every sequence was reserved; write them all through slot ids in sequence order
     T = sum(lens)

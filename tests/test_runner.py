@@ -293,7 +293,7 @@ def test_unreserve_frees_only_the_new_pages():
     cache = PagedMLACache(1, 8, 4, "bf16", head_dim_ckv=128, head_dim_kpe=16)
     s = cache.add_sequence(num_tokens=3)
     free = cache.num_free_pages
-    cache.extend([s], [6])   # 9 tokens: two more pages
+    cache.reserve([s], [6])   # 9 tokens: two more pages
     assert cache.num_free_pages == free - 2
     cache.unreserve([s])
     assert cache.seq_len(s) == 3 and len(cache.pages(s)) == 1 and cache.num_free_pages == free

@@ -1,42 +1,85 @@
-"""The product never imports the lab: no module under src/ imports ``lab``, ``scripts`` or ``devtools`` (lab/README.md),
-nor loads a file from those folders by path."""
+"""The product imports nothing of the repository's workshop: no module under ``src/`` imports ``lab`` (experiments),
+``scripts`` (device and benchmark scripts) or ``devtools`` (the SASS reader of the compile tests), at any depth,
+absolutely or through a relative import that climbs out of the package."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
+import os
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SRC = os.path.join(ROOT, "src")
 FORBIDDEN = ("lab", "scripts", "devtools")
 
 
-def _violations(path: Path, root: Path = SRC) -> list[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    bad = []
+def _imports(path: str):
+    """(line, top-level module name) of every import in a file: ``import a.b`` and ``from a.b import c`` give
+    "a"; a relative import gives the name it resolves to from the file's package (climbing out of src/ gives the
+    first name past the top, e.g. ``from ... import lab`` in fp8mla/x/y.py)."""
+    rel = os.path.relpath(path, SRC).split(os.sep)[:-1]   # the file's package, as names
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
     for node in ast.walk(tree):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            # a path handed to importlib / runpy / exec: "lab/...py", "scripts/...py"
-            v = node.value.replace("\\", "/")
-            if v.endswith(".py") and v.split("/")[0] in FORBIDDEN:
-                bad.append(f"{path.relative_to(root)}:{node.lineno}: loads {v!r}")
-        bad += [f"{path.relative_to(root)}:{node.lineno}: imports {n}" for n in names
-                if n.split(".")[0] in FORBIDDEN]
-    return bad
+            for a in node.names:
+                yield node.lineno, a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                yield node.lineno, (node.module or "").split(".")[0]
+                continue
+            base = rel[: len(rel) - (node.level - 1)] if node.level - 1 <= len(rel) else None
+            parts = (base if base is not None else []) + (node.module.split(".") if node.module else [])
+            if base is None or not base:   # climbed to (or past) src/ itself: the names are top-level modules
+                names = parts[:1] if parts else [a.name for a in node.names]
+                for n in names:
+                    yield node.lineno, n
+            else:
+                yield node.lineno, parts[0]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and not node.args[0].value.startswith("."):
+            yield node.lineno, node.args[0].value.split(".")[0]
 
 
-def test_src_imports_nothing_from_the_lab():
-    files = sorted(SRC.rglob("*.py"))
-    assert len(files) > 20, files   # the walk found the package
-    bad = [v for f in files for v in _violations(f)]
+def _py_files():
+    for d, _, files in os.walk(SRC):
+        for f in files:
+            if f.endswith(".py"):
+                yield os.path.join(d, f)
+
+
+def test_src_never_imports_lab_scripts_or_devtools():
+    bad = [f"{os.path.relpath(p, ROOT)}:{line} imports {name}" for p in _py_files() for line, name in _imports(p)
+           if name in FORBIDDEN]
     assert not bad, "\n".join(bad)
 
 
-def test_the_check_finds_a_lab_import(tmp_path):
-    f = tmp_path / "probe.py"
-    f.write_text("import lab.scripts.qk8_device\nfrom scripts import bench_table\nX = 'scripts/qk8_one.py'\n"
-                 "from .lab import x\nimport fp8mla.layout\n")
-    assert len(_violations(f, tmp_path)) == 3, _violations(f, tmp_path)
+def test_the_check_sees_each_form_of_import(tmp_path, monkeypatch):
+    """Every form the check reads is seen: absolute, from-import, dotted, importlib, and a relative import that
+    climbs out of the package."""
+    pkg = tmp_path / "fp8mla" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "m.py").write_text("import devtools.sass\nfrom lab.sm90 import x\nimport importlib\n"
+                              "importlib.import_module('scripts.compile_kernels')\nfrom ... import lab\n"
+                              "from . import fine\nfrom ..kernels import decode\n")
+    monkeypatch.setattr(__import__(__name__), "SRC", str(tmp_path))
+    got = [name for _, name in _imports(str(pkg / "m.py"))]
+    assert got.count("devtools") == 1 and got.count("lab") == 2 and got.count("scripts") == 1
+    assert "fp8mla" in got   # the relative imports inside the package resolve to it
+
+
+def _path_loads(path: str):
+    """(line, path) of every string constant naming a ``.py`` file under lab/, scripts/ or devtools/ (a file handed
+    to importlib / runpy / exec by path, which no import statement shows)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            v = node.value.replace("\\", "/")
+            if v.endswith(".py") and v.split("/")[0] in FORBIDDEN:
+                yield node.lineno, v
+
+
+def test_src_never_loads_a_lab_file_by_path(tmp_path):
+    bad = [f"{os.path.relpath(p, ROOT)}:{line} loads {v!r}" for p in _py_files() for line, v in _path_loads(p)]
+    assert not bad, "\n".join(bad)
+    probe = tmp_path / "probe.py"
+    probe.write_text("X = 'scripts/qk8_one.py'\nY = 'lab/sm90/x.py'\nZ = 'src/fp8mla/layout.py'\n")
+    assert [v for _, v in _path_loads(str(probe))] == ["scripts/qk8_one.py", "lab/sm90/x.py"]

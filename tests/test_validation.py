@@ -272,23 +272,23 @@ def test_cache_sequence_errors():
     s = cache.add_sequence(num_tokens=3)
     with pytest.raises(ValueError, match="seq_id"):
         cache.add_sequence(s)
-    for call in (lambda: cache.extend(99, 1), lambda: cache.free(99), lambda: cache.fork(99),
+    for call in (lambda: cache.reserve(99, 1), lambda: cache.free(99), lambda: cache.fork(99),
                  lambda: cache.seq_len(99), lambda: cache.plan_inputs([s, 99]), lambda: cache.pending_slots([99])):
         with pytest.raises(KeyError, match="seq_id"):
             call()
     with pytest.raises(ValueError, match="num_tokens"):
-        cache.extend(s, -1)
+        cache.reserve(s, -1)
     with pytest.raises(ValueError, match="num_tokens"):
-        cache.extend(s, 1.0)
+        cache.reserve(s, 1.0)
     with pytest.raises(ValueError, match="num_tokens"):
-        cache.extend([s], [1, 2])
+        cache.reserve([s], [1, 2])
     with pytest.raises(ValueError, match="seq_ids"):
-        cache.extend([s, s], 1)
+        cache.reserve([s, s], 1)
     with pytest.raises(ValueError, match="qo_lens"):
         cache.plan_inputs([s], qo_lens=[1, 1])
     # a full pool: a clear error, nothing reserved
     with pytest.raises(OutOfPagesError, match="full"):
-        cache.extend(s, 4 * 16)
+        cache.reserve(s, 4 * 16)
     assert cache.seq_len(s) == 3 and cache.num_free_pages == 3
     with pytest.raises(OutOfPagesError):
         cache.add_sequence("big", num_tokens=4 * 16)

@@ -298,10 +298,6 @@ class PagedMLACache:
     def _pages_needed(self, seq: _Sequence, n: int) -> int:
         return max(0, -(-(seq.length + n) // self.page_size) - len(seq.pages))
 
-    def extend(self, seq_ids, num_tokens) -> torch.Tensor:
-        """Alias of :meth:`reserve`, its old name (kept for existing callers; new code says ``reserve``)."""
-        return self.reserve(seq_ids, num_tokens)
-
     def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
         """Reserve ``num_tokens`` more slots at the end of each sequence; returns their flat slot ids (int64).
         Nothing is written: :meth:`append` fills the reserved slots, layer by layer.

@@ -5,7 +5,7 @@ Each backend module has ``build(layout, spec, options, state=None) -> plan objec
 
 - ``torch``: gathers the referenced tokens, fp32 math; any device; the reference-like fallback.
 - ``triton``: the portable split-KV Triton kernels (every GPU Triton supports; the CPU interpreter in CI).
-- ``gluon``: the warp-specialized Hopper kernel (sm_90), for the plans its ``supports()`` accepts.
+- ``gluon``: the warp-specialized Hopper kernel (sm_90), for the plans its ``select_build()`` accepts.
 - ``gather_cast``: a strategy over another backend: gather the batch's tokens into a 16-bit workspace, then
   run the 16-bit kernel on it (a baseline; never a cast of the pool).
 
@@ -52,7 +52,8 @@ def supports_gluon(spec: AttentionSpec, layout, options: dict) -> tuple[bool, st
         mod = _module("gluon")
     except Exception as e:  # not built on this install, or Gluon missing
         return False, f"the gluon backend is not available ({type(e).__name__}: {e})"
-    return mod.supports(spec, layout)
+    b = mod.select_build(spec, layout, options)
+    return (False, b) if isinstance(b, str) else (True, "")
 
 
 def build(name: str, layout, spec: AttentionSpec, options: dict, state: dict):

@@ -1,207 +1,65 @@
-"""The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.decode_sm90``).
+"""The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.sm90``).
 
-``supports(spec, layout)`` says which plans it takes; anything else stays on the Triton kernel (``auto``) or is
-refused by name (``backend="gluon"``), never answered wrongly. Taken today: sm_90, H <= 16 (padded to 16)
-and 17..128 heads with the wide-heads variant (``GLUON_WIDE_HEADS``, on; head groups of 32 or 64, ``nhg`` CTAs
-per schedule slot), one query token per request (1..8 with ``GLUON_MTP``, on: rows = (query token, head)
-pairs, max qo_len x H <= 512), page size 1 (rows copied with cp.async, ``GLUON_PAGE1``, on),
-16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group scales (the latter
-``GLUON_GROUP``, on), c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
+``select_build(spec, layout, options)`` gives the named build (``sm90.Sm90Build``) of each plan it takes, or the
+reason it refuses one: the plan then stays on the Triton kernel (``auto``) or is refused by name
+(``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
+heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per schedule slot), 1..8 query tokens
+per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
+copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
+scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
 layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
 copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
 to the pages each row lists either way.
 
-``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``decode_sm90.schedule``) and
+``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
 once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
 kernels read the real counts from device memory, so a captured run replays right after a re-plan.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
+from ._graph import GraphBuffers
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 # (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
-# or the FP8-scores variant's Q terms, where 4 do not fit: decode_sm90.ring_depth)
+# or the FP8-scores variant's Q terms, where 4 do not fit: sm90.ring_depth)
 DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 # fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
-# L2 <= 2e-2 (kernel log 30); the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
-FP8_MATH_TERMS = 2
+# L2 <= 2e-2; the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
 PAGE_MULTIPLE = 64
-# The wide-heads variant (17..128 heads: both consumers on every tile, 16 or 32 heads each; see decode_sm90). On
-# since its H200 check (scripts/decode_v2_device.py h128: 15/15 checks, 2026-11-30); FP8MLA_GLUON_WIDE=0 turns it
-# off (H > 16 then stays on the Triton kernel), =1 forces it on.
-GLUON_WIDE_HEADS = True
-# Page size 1 (SGLang's default; the kernel copies rows with cp.async instead of TMA boxes): on since its H200
-# check (scripts/decode_v2_device.py page1: 11/11 checks, 2026-11-30); FP8MLA_GLUON_PAGE1=0 turns it off, =1 on.
-GLUON_PAGE1 = True
-# Multi-token decode (MTP / speculative, qo_len 2..8 with max_qo x H <= 512: rows = (query token, head) pairs on
-# the wide variant, see decode_sm90.mtp_config): on since its H200 check (scripts/decode_v2_device.py mtp, 2026-11-30
-# 20:23 UTC: 10/10 checks; B64 L8k 2.62x / 1.75x / 2.18x faster than the Triton kernel at H16 qo2 / H16 qo4 / H128
-# qo2); FP8MLA_GLUON_MTP=0 turns it off (plans with qo_len != 1 then stay on the Triton kernel), =1 on.
-GLUON_MTP = True
-# The dims-split variant at 33..128 heads (decode_sm90_split: the consumers alternate QK + softmax by tile and
-# split the P.V by dims; same plan arrays, grid and merge as the wide kernel): OFF. H200 2026-11-30 (kernel log 14 of
-# docs/benchmarks.md): 14/14 checks passed, but only 1.04x faster than the wide kernel at H128 B64 L8k and 0.89-0.90x
-# at B8, B1 and H64; FP8MLA_GLUON_SPLIT=1 turns it on, =0 off. One query per request only.
-GLUON_SPLIT_DIMS = False
-# The software-pipelined H <= 16 kernel (decode_sm90_pipe: each consumer issues the QK of its next tile before the
-# softmax of its current one; NS 5, same plan arrays, grid, partials and merge): OFF. H200 2026-11-30 (kernel log 16):
-# 15/15 checks passed, but H16 B64 L8k 0.126 ms vs 0.110 for the default, and the timing run hit an "unspecified launch
-# failure" right after it (not isolated): do not turn it on before that is understood. FP8MLA_GLUON_PIPE=1 turns it
-# on, =0 off. One query per request only.
-# Its ring is 5 stages (odd): its two consumers' ready-barrier parity waits raced as the H16 kernel's did at 3
-# (kernel log 25), which may explain that failure; since log 29 it has per-consumer ready barriers too (compiled,
-# not yet run on a GPU).
-GLUON_PIPELINED = False
+# Per-token group scales (fp8_e4m3_group): the group build has 16 rows per consumer at any head count (H > 32:
+# ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it spills 1.4 KB). Its scale array must be rows
+# of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
 
 
-def _switch(env: str, default: bool) -> bool:
-    """A kernel switch: the environment variable ``env`` when it is "0" or "1", else the module's default."""
-    v = os.environ.get(env, "")
-    return v == "1" if v in ("0", "1") else default
-
-
-def pipelined_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_PIPE", GLUON_PIPELINED)
-
-
-# In-kernel "last arriver" merge of split requests (decode_sm90 FUSED_MERGE: the warp that writes the last partial
-# of a (request, head group, consumer, warp) merges its rows, in list order): OFF. H200 2026-11-30 (kernel log 15):
-# slower than the merge kernel at every shape timed, 9/13 checks (4 odd-length cases not bit-identical to the merge
-# kernel), and an "unspecified launch failure" in its H16 B64 timing run (not isolated): do not turn it on before
-# that is understood. FP8MLA_GLUON_FUSED_MERGE=1 turns it on, =0 off.
-# GLUON_FUSED_MAX_PARTS: requests split into more partials than this stay on the merge kernel, which is then
-# launched on every run (one SM merging B1 L32k's 132 partials would be slower than the merge kernel); "all" (env
-# FP8MLA_GLUON_FUSED_MAX_PARTS=all) fuses every request and launches no merge kernel.
-GLUON_FUSED_MERGE = False
-GLUON_FUSED_MAX_PARTS = 16
-# FP8 scores (decode_sm90 QK8, kernel log 18): S = K.Q^T as e4m3 x e4m3 wgmma straight from the TMA stage (no K
-# conversion), Q as 2 (bf16) or 3 (fp16) e4m3 terms that hold it exactly; P.V unchanged; at <= 16 heads one score
-# accumulator per 128-column chunk (QKC). OFF: H200 2026-11-30 (scripts/qk8_device.py) it is no faster (H16 B64 L8k
-# .110 vs .108-.113 ms, B8/B1 3-4% slower, H128 7-9% slower) and less exact: the e4m3 tensor core's accumulation
-# moves the lse by up to 1.9e-3 (relative, vs 1e-7 for the default) and rel L2 reaches 4.5e-3 / 6.6e-3 with
-# large scores (scales .05/.02, x4 values), above the 3e-3 of the default numerics; with chunk accumulators the H16
-# cases measured lse 1.9e-4, rel L2 <= 1.8e-3. FP8MLA_GLUON_QK8=1 turns it on, =0 off. Plans whose terms do not fit
-# shared memory (fp16 queries at more than 32 heads) keep the default kernel.
-GLUON_QK8 = False
-# Per-token group scales (format fp8_e4m3_group: one fp32 scale per token and 128 c_kv columns) in the Gluon kernel
-# (decode_sm90 GROUP: the producer brings each tile's [64, 4] scales with its rows by TMA or cp.async; one score
-# product per group times the tokens' scales; P x scale / the group's tile maximum per group for P.V, as the Triton
-# kernel's KV_GROUP numerics). ON: H200 2026-12-01 (kernel log 24): 16 float64 checks (H 8-128, pages 1-128, odd
-# lengths over NaN pools, B1 L32k splits, scales e^+-8) rel L2 <= 1.96e-3, bit-identical reruns; 1.23-2.93x faster
-# than the Triton group kernel (H16 B64 L8k .210 vs .477 ms, H128 B64 .917 vs 2.69), 1.35-2.2x slower than the
-# per-tensor Gluon kernel. FP8MLA_GLUON_GROUP=0 turns it off (group plans then run the Triton kernel). The group build
-# has 16 rows per consumer at any head count (H > 32: ceil(H / 32) head-group CTAs per schedule slot; at 32 per
-# consumer it spills 1.4 KB). Its scale array must be rows of one pool with 16-byte aligned strides (the cache's own
-# is); another layout is refused by name at run().
-GLUON_GROUP = True
-
-
-# The request-aligned split schedule (decode_sm90.aligned_pieces: one work item per CTA, requests cut into equal
-# pieces, a request of one CTA's share not split at all) where it is within a tile of the contiguous cut's balance;
-# the contiguous cut otherwise. FP8MLA_GLUON_ALIGNED=0 keeps the contiguous cut everywhere (kernel log 27).
-GLUON_ALIGNED = True
-
-
-# Each item's Q loaded in one pass (decode_sm90 launch(q_one_pass=True), the kernel's default): the rows and q_pe
-# together, kept in registers for the conversion. On since kernel log 30 (H200: the prologue 8.5 -> 4.4 us at H16 B1,
-# 1.00-1.02x end to end, bit-identical output); FP8MLA_GLUON_Q1P=0 restores the two-pass kernel.
-GLUON_Q_ONE_PASS = True
-
-
-def q_one_pass_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_Q1P", GLUON_Q_ONE_PASS)
-
-
-def aligned_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_ALIGNED", GLUON_ALIGNED)
-
-
-def group_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_GROUP", GLUON_GROUP)
-
-
-def qk8_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_QK8", GLUON_QK8)
-
-
-def plan_qk8(q_dtype, ns: int, hpw: int, wide: bool, group: bool = False, fp8_math: bool = False) -> int:
-    """e4m3 terms of Q for the FP8-scores variant of a plan (0: the default kernel): the switch on (or
-    ``fp8_math``), the format without group scales, and the terms beside an ns-stage ring within shared memory."""
-    from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group, fp8_math)
-    return terms if terms and k.smem_bytes(ns, hpw, wide, terms) <= k.SMEM_LIMIT else 0
-
-
-def _qk8_wanted(q_dtype, group: bool, fp8_math: bool = False) -> int:
-    """Q's e4m3 terms when the FP8-scores switch is on and the format has no group scales, else 0. ``fp8_math``:
-    always FP8_MATH_TERMS (hi + lo: exact for bf16 queries, fp16 ones rounded to 8 significant bits, well inside
-    fp8_math's error budget)."""
-    from ..kernels import decode_sm90 as k
-    if fp8_math:
-        return 0 if group else FP8_MATH_TERMS
-    return 0 if group or not qk8_enabled() else k.qk8_terms(q_dtype)
-
-
-def plan_ring(ns: int, hpw: int, wide: bool, q_dtype, group: bool = False, fp8_math: bool = False) -> int:
+def _stages(ns: int, hpw: int, wide: bool, group: bool, fp8_math: bool) -> int:
     """The ring depth of a plan whose options ask for ``ns`` stages. The group tiles (and ``fp8_math``'s Q terms)
     take shared memory from the ring: a per-tensor setting that does not fit them (4 stages at 16 heads) is lowered
-    to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16) then takes the even depth
-    above an odd request where it fits (decode_sm90.ring_depth), with room for the FP8-scores variant's Q terms when
-    its switch is on (the default 3 stages stay 3 there, not 4, so that ``plan_qk8`` still finds room for them)."""
-    from ..kernels import decode_sm90 as k
-    terms = _qk8_wanted(q_dtype, group, fp8_math)
-    if group or fp8_math:   # the group tiles, or fp8_math's Q terms (not optional there), must fit beside the ring
-        need = terms if fp8_math else 0
-        while ns > 2 and k.smem_bytes(ns, hpw, wide, need, group=group) > k.SMEM_LIMIT:
+    to what fits, as the same wrapper's group plan is built from its options. The alternating-tile kernel (H <= 16)
+    then takes the even depth above an odd request where it fits (sm90.ring_depth)."""
+    from ..kernels import sm90 as k
+    terms = k.FP8_MATH_TERMS if fp8_math and not group else 0
+    if group or fp8_math:   # the group tiles, or fp8_math's Q terms, must fit beside the ring
+        while ns > 2 and k.smem_bytes(ns, hpw, wide, terms, group=group) > k.SMEM_LIMIT:
             ns -= 1
     return k.ring_depth(ns, hpw, wide, terms, group)
 
 
-def fused_merge_max_parts() -> int:
-    """0 when the fused merge is off, else the most partials a request may have to be merged in the kernel."""
-    from ..kernels.decode_sm90 import FUSE_ALL
-    if not _switch("FP8MLA_GLUON_FUSED_MERGE", GLUON_FUSED_MERGE):
-        return 0
-    v = os.environ.get("FP8MLA_GLUON_FUSED_MAX_PARTS", "") or str(GLUON_FUSED_MAX_PARTS)
-    if v == "all":
-        return FUSE_ALL
-    if not v.isdigit() or int(v) < 2:
-        raise ValueError(f"FP8MLA_GLUON_FUSED_MAX_PARTS: expected an integer >= 2 or 'all', got {v!r}")
-    return min(int(v), FUSE_ALL)
-
-
-def split_dims_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_SPLIT", GLUON_SPLIT_DIMS)
-
-
-def page1_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_PAGE1", GLUON_PAGE1)
-
-
-def mtp_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_MTP", GLUON_MTP)
-
-
 def _qo_refusal(spec, qo_lens) -> str:
-    """Why the query lengths are refused ("" when taken): one query per request always; 1..8 with the MTP switch
-    on and max_qo x H within the kernel's 512 rows."""
-    from ..kernels import decode_sm90 as k
+    """Why the query lengths are refused ("" when taken): 1..8 query tokens per request with max_qo x H within the
+    kernel's 512 rows."""
+    from ..kernels import sm90 as k
     if qo_lens is None:
-        return "qo_indptr is device-only (one query per request must be known on the host)"
+        return "qo_indptr is device-only (the query lengths must be known on the host)"
     if qo_lens.count(1) == len(qo_lens):
         return ""
-    if not mtp_enabled():
-        return ("a request has qo_len != 1 (multi-token decode is off: FP8MLA_GLUON_MTP=1 turns it on for "
-                f"qo_len 1..{k.MAX_MTP_QO} with max qo_len x num_heads <= {k.MAX_MTP_ROWS})")
     lo, hi = min(qo_lens), max(qo_lens)
     if lo < 1 or hi > k.MAX_MTP_QO or hi * spec.num_heads > k.MAX_MTP_ROWS:
         return (f"qo_len {lo}..{hi} at {spec.num_heads} heads: multi-token decode takes qo_len 1..{k.MAX_MTP_QO} "
@@ -209,49 +67,60 @@ def _qo_refusal(spec, qo_lens) -> str:
     return ""
 
 
-def wide_heads_enabled() -> bool:
-    return _switch("FP8MLA_GLUON_WIDE", GLUON_WIDE_HEADS)
-
-
-def supports(spec, layout) -> tuple[bool, str]:
-    """(True, "") when the Gluon kernel computes this plan; else (False, why)."""
+def _spec_refusal(spec, options: dict) -> str:
+    """Why the Gluon kernel refuses a plan of this spec and these options ("" when it may take it): the checks
+    that do not depend on the page table."""
     fmt = spec.kv_format
     if not gluon_usable(spec.device):
-        return False, "needs an sm_90 GPU and triton.experimental.gluon"
-    from ..kernels import decode_sm90 as k
+        return "needs an sm_90 GPU and triton.experimental.gluon"
+    from ..kernels import sm90 as k
     if k.gluon is None:
-        return False, f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
-    wide = wide_heads_enabled()
-    max_heads = k.MAX_WIDE_HEADS if wide else k.HP
-    if (1 <= spec.num_heads <= max_heads and spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK
-            and (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0
-                 or (spec.page_size == 1 and page1_enabled())) and fmt.is_fp8
-            and fmt.storage_dtype == torch.float8_e4m3fn
-            and (fmt.scale_kind != "group" or group_enabled())
-            and spec.q_dtype in (torch.bfloat16, torch.float16) and layout.qo_lens is not None
-            and not _qo_refusal(spec, layout.qo_lens)):
-        return True, ""  # every plan asks: the messages below are formatted only when one fails
-    checks = [
-        (1 <= spec.num_heads <= max_heads,
-         f"num_heads {spec.num_heads} > {max_heads}" + ("" if wide else
-            " (the wide-heads variant is off: FP8MLA_GLUON_WIDE=0)")),
+        return f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
+    checks = (
+        (1 <= spec.num_heads <= k.MAX_WIDE_HEADS, lambda: f"num_heads {spec.num_heads} > {k.MAX_WIDE_HEADS}"),
         (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
-         f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
-        (spec.page_size in (16, 32) or spec.page_size % PAGE_MULTIPLE == 0 or (spec.page_size == 1 and page1_enabled()),
-         f"page_size {spec.page_size}: TMA tiles need 16, 32 or a multiple of 64" + (
-             " (page 1's cp.async path is off: FP8MLA_GLUON_PAGE1=0)" if spec.page_size == 1 else "")),
+         lambda: f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
+        (spec.page_size in (1, 16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
+         lambda: f"page_size {spec.page_size}: the kernel takes 1, 16, 32 or a multiple of 64"),
         (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn,
-         f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
-        (fmt.scale_kind != "group" or group_enabled(),
-         f"kv format {fmt.name}: group scales in the gluon kernel are off (FP8MLA_GLUON_GROUP=1 turns them on)"),
-        (spec.q_dtype in (torch.bfloat16, torch.float16), f"query dtype {spec.q_dtype}"),
-        (layout.qo_lens is not None, "qo_indptr is device-only (one query per request must be known on the host)"),
-    ]
-    for ok, why in checks:
+         lambda: f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
+        (spec.q_dtype in (torch.bfloat16, torch.float16), lambda: f"query dtype {spec.q_dtype}"),
+        (not (options.get("fp8_math") and fmt.scale_kind == "group"),
+         lambda: f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan has "
+                 f"per-token group scales ({fmt.name}, or ckv_scale_arr at run())"),
+    )
+    for ok, why in checks:   # every plan asks: a message is formatted only when its check fails
         if not ok:
-            return False, why
-    why = _qo_refusal(spec, layout.qo_lens)
-    return not why, why
+            return why()
+    return ""
+
+
+def _build_for(spec, options: dict, max_qo: int):
+    """The named build (``sm90.Sm90Build``) of an accepted spec at ``max_qo`` query tokens per request, or why its
+    ring does not fit shared memory."""
+    from ..kernels import sm90 as k
+    group = spec.kv_format.scale_kind == "group"
+    fp8_math = bool(options.get("fp8_math"))
+    hpw, _, wide = k.row_config(spec.num_heads, max_qo, k.GROUP_MAX_HPW if group else 32)
+    ns = _stages(int(options.get("num_stages") or DEFAULTS["num_stages"]), hpw, wide, group, fp8_math)
+    b = k.Sm90Build.for_plan(spec.num_heads, spec.page_size, max_qo, spec.causal, group, fp8_math, max(ns, 1))
+    if ns < 2 or b.smem() > k.SMEM_LIMIT:
+        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, b.q_terms, group=group) <= k.SMEM_LIMIT),
+                   default=1)
+        return (f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
+                f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages need "
+                f"{b.smem()} B of shared memory, above {k.SMEM_LIMIT}")
+    return b
+
+
+def select_build(spec, layout, options: dict, max_qo: int | None = None):
+    """The named build (``sm90.Sm90Build``) that computes this plan, or the reason (a str) the Gluon kernel refuses
+    it: ``backend="auto"`` then falls back to the Triton kernel, ``backend="gluon"`` raises the reason. ``max_qo``:
+    the build's query tokens per request (default: the layout's longest)."""
+    why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
+    if why:
+        return why
+    return _build_for(spec, options, max_qo or max(1, layout.max_qo_len or 1))
 
 
 @dataclass
@@ -261,16 +130,33 @@ class GluonPlan:
     grid_batch: int
     merge_p: int
     merge_c: int
-    ns: int
     t: dict
-    max_qo: int = 1   # >= 2: the multi-token variant, rows = max_qo x num_heads
-    fuse_max: int = 0   # > 0: the kernel merges requests of up to fuse_max partials (t["merge_cnt"] counters)
-    qk8: int = 0   # > 0: FP8 scores with this many e4m3 terms of Q (GLUON_QK8, or fp8_math)
-    group: bool = False   # per-token group scales (fp8_e4m3_group; GLUON_GROUP): run() takes ckv_scale_arr
-    pv8: bool = False     # fp8_math: e4m3 P.V too (with qk8 = FP8_MATH_TERMS)
+    build: object   # sm90.Sm90Build: the compiled variant
+
+    @property
+    def ns(self) -> int:
+        return self.build.stages
+
+    @property
+    def max_qo(self) -> int:   # >= 2: the multi-token variant, rows = max_qo x num_heads
+        return self.max_rows // self.spec.num_heads
+
+    @property
+    def group(self) -> bool:   # per-token group scales (fp8_e4m3_group): run() takes ckv_scale_arr
+        return self.build.group
+
+    @property
+    def fp8_math(self) -> bool:
+        return self.build.fp8_math
+
+    max_rows: int = 0   # max_qo x num_heads (0: num_heads)
+
+    def __post_init__(self):
+        if not self.max_rows:
+            self.max_rows = self.spec.num_heads
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
-        from ..kernels import decode_sm90 as k
+        from ..kernels import sm90 as k
         scale_desc = None
         if self.group:
             if ckv_scale_arr is None:
@@ -279,7 +165,7 @@ class GluonPlan:
                 raise ValueError(f"ckv_scale_arr: the gluon backend reads group scales with TMA and needs [P, page, "
                                  f"{k.GROUPS}] fp32 rows of one pool with 16-byte aligned strides; got "
                                  f"{ckv_scale_arr.dtype} {tuple(ckv_scale_arr.shape)} strides "
-                                 f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or FP8MLA_GLUON_GROUP=0)")
+                                 f"{tuple(ckv_scale_arr.stride())} (a contiguous array, or backend='triton')")
             if tuple(ckv_scale_arr.shape[:2]) != tuple(ckv_cache.shape[:2]):   # the kernel reads one row per pool row
                 raise ValueError(f"ckv_scale_arr: expected [{ckv_cache.shape[0]}, {ckv_cache.shape[1]}, {k.GROUPS}] "
                                  f"(the pool's pages and slots), got {tuple(ckv_scale_arr.shape)}")
@@ -292,63 +178,30 @@ class GluonPlan:
                 raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
-        launch = k.launch
-        if self.group or self.pv8:
-            pass   # the default kernel only (the split/pipe variants have neither group scales nor fp8_math)
-        elif self.max_qo == 1 and self.spec.num_heads > 32 and split_dims_enabled():
-            from ..kernels import decode_sm90_split
-            launch = decode_sm90_split.launch   # same arguments, plan arrays, grid and merge
-        elif self.max_qo == 1 and self.spec.num_heads <= k.HP and pipelined_enabled():
-            from ..kernels import decode_sm90_pipe
-            launch = decode_sm90_pipe.launch_for_plan   # same arguments, plan arrays, grid, partials; its own NS
-        launch(kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
-                 grid_batch=self.grid_batch, max_rows=self.max_qo * self.spec.num_heads,
-                 num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, page_size=self.spec.page_size,
-                 ns=self.ns, merge_p=self.merge_p, merge_c=self.merge_c, max_qo=self.max_qo,
-                 causal=self.spec.causal,
-                 **({"fused_merge": True, "fuse_max": self.fuse_max} if self.fuse_max else {}),
-                 **({"qk8": self.qk8, "qk8_chunks": self.max_qo == 1 and self.spec.num_heads <= k.HP}
-                    if self.qk8 and launch is k.launch else {}),
-                 **({"scale_desc": scale_desc} if scale_desc is not None else {}),
-                 **({"pv8": True} if self.pv8 else {}),
-                 **({"q_one_pass": False} if launch is k.launch and not q_one_pass_enabled() else {}))
+        k.launch(self.build, kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
+                 grid_batch=self.grid_batch, max_rows=self.max_rows, num_heads=self.spec.num_heads,
+                 sm_scale=self.spec.sm_scale, merge_p=self.merge_p, merge_c=self.merge_c, scale_desc=scale_desc)
         if base_e:
             lse.mul_(LN2)  # log2 -> ln
 
 
 def build(layout, spec, options: dict, state: dict) -> GluonPlan:
-    from ..kernels import decode_sm90 as k
-    ok, why = _supports_cached(spec, layout, state)
-    if not ok:
-        raise ValueError(f"backend 'gluon': {why}")
+    from ..kernels import sm90 as k
     opts = state.get("opts")
     if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
         opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
         state["opts_from"] = options
-    fp8_math = bool(opts.get("fp8_math"))
-    if fp8_math and spec.kv_format.scale_kind == "group":
-        raise ValueError(f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan "
-                         f"has per-token group scales ({spec.kv_format.name}, or ckv_scale_arr at run())")
+    b = _select_cached(spec, layout, opts, state)
+    if isinstance(b, str):
+        raise ValueError(f"backend 'gluon': {b}")
     device = spec.device
     buf = state.get("graph") if spec.use_cuda_graph else None
     n_sm = buf.n_sm if buf is not None else num_sms(device)  # (the device's properties: a few us per ask)
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
-    ns = int(opts["num_stages"])
     max_qo = plan_max_qo(layout, spec, state)
-    group = spec.kv_format.scale_kind == "group"
+    group, nhg = b.group, b.nhg
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
-    hpw, nhg, wide = k.row_config(spec.num_heads, max_qo, max_hpw)
-    ns = plan_ring(ns, hpw, wide, spec.q_dtype, group, fp8_math)
-    smem = k.smem_bytes(ns, hpw, wide, FP8_MATH_TERMS if fp8_math else 0, group=group)
-    if ns < 2 or smem > k.SMEM_LIMIT:
-        terms = FP8_MATH_TERMS if fp8_math else 0
-        most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, terms, group=group) <= k.SMEM_LIMIT),
-                   default=1)
-        raise ValueError(f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
-                         f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages "
-                         f"need {smem} B of shared memory, above "
-                         f"{k.SMEM_LIMIT}")
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
     rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)
@@ -360,8 +213,6 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     else:
         parts = None
     mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
-    fuse = fused_merge_max_parts()
-    qk8 = plan_qk8(spec.q_dtype, ns, hpw, wide, group, fp8_math)
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
@@ -370,23 +221,20 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(kv_len, slots, min_tiles, aligned=aligned_enabled())
+        t = k.schedule_device(kv_len, slots, min_tiles)
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        if fuse:   # arrival counters: zeros, and back at zero after every complete run
-            t["merge_cnt"] = torch.zeros(k.merge_counters(B, spec.num_heads, max_qo, max_hpw), dtype=torch.int32,
-                                         device=device)
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, aligned=aligned_enabled())
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, ns, t, max_qo, fuse, qk8, group, fp8_math)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -398,11 +246,11 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     ``fixed``: ``plan`` was captured in a CUDA graph, which replays right after any re-plan with its launch
     configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     buf, opts = state.get("graph"), state.get("opts")
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
         return None
-    nhg = k.row_config(plan.spec.num_heads, plan.max_qo, k.GROUP_MAX_HPW if plan.group else 32)[1]
+    nhg = plan.build.nhg
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE))
     last = state.get("rows_items")
@@ -422,14 +270,13 @@ def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int)
     schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
     request of a *balanced* batch gets from the contiguous schedule, about slots / batch + 1 partials (at most one
     per CTA). Any value is correct for any batch (the merge loops over a request's real list); a size far above
-    the real count costs masked work and narrow column blocks: the fixed 64 used for device-only plans until
-    2026-11-30 took ~85 us of H128 B64 L8k's .492 ms through the API (kernel alone .407; the host-sized merge
-    15 us), and 192 us before the merge kernel followed the real count."""
+    the real count costs masked work and narrow column blocks: a fixed 64 for device-only plans took ~85 us of
+    H128 B64 L8k's .492 ms through the API on the H200 (kernel alone .407; the host-sized merge 15 us)."""
     if parts is None:
         # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
         # .0258 ms); a longer list loops over 128-partial steps
         parts = min(max(1, slots), MERGE_GUESS_CAP, -(-max(1, slots) // max(1, batch)) + 1)
-    from ..kernels import decode_sm90 as k
+    from ..kernels import sm90 as k
     return k.merge_blocks(max(1, parts), batch, rows, n_sm)
 
 
@@ -449,21 +296,28 @@ def plan_max_qo(layout, spec, state: dict) -> int:
     return fixed
 
 
-def _supports_cached(spec, layout, state: dict) -> tuple[bool, str]:
-    """``supports`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format, the
-    wide-heads switch) run once per spec; the per-layout one (one query per request) every plan."""
-    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked supports() for this very plan
-    if checked is not None and checked[0] is spec and checked[1] is layout:
-        return True, ""
-    key = (spec, wide_heads_enabled(), mtp_enabled(), group_enabled())
-    if state.get("supported") != key:
-        ok, why = supports(spec, layout)
-        if not ok:
-            return ok, why
-        state["supported"] = key
-        return True, ""
-    why = _qo_refusal(spec, layout.qo_lens)
-    return not why, why
+def _select_cached(spec, layout, options: dict, state: dict):
+    """``select_build`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format) run once per
+    spec, the per-layout one (the query lengths) every plan; the build follows the plan's max_qo (fixed by the
+    first plan of a CUDA-graph wrapper, ``plan_max_qo``)."""
+    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked select_build for this very plan
+    if not (checked is not None and checked[0] is spec and checked[1] is layout):
+        if state.get("supported") != spec:
+            why = _spec_refusal(spec, options)
+            if why:
+                return why
+            state["supported"] = spec
+        why = _qo_refusal(spec, layout.qo_lens)
+        if why:
+            return why
+    max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
+    key = (spec, max_qo, id(options))
+    memo = state.get("build_memo")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    b = _build_for(spec, options, max_qo)
+    state["build_memo"] = (key, b)
+    return b
 
 
 def _device_kv_len(layout) -> torch.Tensor:
@@ -475,14 +329,13 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                  aligned: bool | None = None) -> dict:
-    """``decode_sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
+                  aligned: bool = True) -> dict:
+    """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
-    from ..kernels.decode_sm90 import TILE, aligned_lists, aligned_pieces
-    aligned = aligned_enabled() if aligned is None else aligned
+    from ..kernels.sm90 import TILE, aligned_lists, aligned_pieces
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
@@ -498,7 +351,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     if last is not None and last[0] == (num_ctas, min_tiles, aligned) and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
     ks = aligned_pieces(ntiles, num_ctas, min_tiles) if aligned else None
-    if ks is not None:   # one piece per CTA, requests cut into their pieces (decode_sm90.aligned_pieces)
+    if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]
         _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
@@ -561,41 +414,30 @@ def _clamped(host: dict, page_size: int, num_indices: int, tile: int):
     return qo, kvp, L, ntiles
 
 
-class _GraphBuffers:
-    """Fixed device arrays for CUDA-graph capture: plan() copies into them, never reallocates. The small int32
-    arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
+class _GraphBuffers(GraphBuffers):
+    """The gluon backend's CUDA-graph buffers (``GraphBuffers``): the work items' small arrays (each view 16-byte
+    aligned), the page ids, the merge list and the partials, sized once per wrapper."""
 
     def __init__(self, opts, n_sm, device, external: dict, rows: int):
-        from ..kernels import decode_sm90 as k
+        from ..kernels import sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
-        self.max_kv_indices = int(opts["max_kv_indices"])
         self.n_sm = n_sm
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
         # the arrays schedule_host fills (m_list, the identity, stays outside: written once), the one that changes
-        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed)
-        # (each rounded up to 4 entries: every view starts 16-byte aligned, as separate allocations did)
-        self.sizes = {key: -(-n // 4) * 4 for key, n in dict(
-            kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi, item_t1=mi,
-            m_ptr=mb + 1, batch_size=1).items()}
-        self.flat = torch.zeros(sum(self.sizes.values()), **i32)
-        self.buf, o = {}, 0
-        for key, n in self.sizes.items():
-            self.buf[key] = self.flat[o: o + n]
-            o += n
-        self.buf.update(kv_indices=torch.zeros(self.max_kv_indices, **i32), m_list=torch.arange(mi, **i32),
-                        part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
-                        part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device),
-                        # the fused merge's arrival counters (decode_sm90.merge_counters: batch x head groups x 2
-                        # consumers x 4 warps; rows // 16 >= 2 x head groups), zero between runs
-                        merge_cnt=torch.zeros(mb * max(2, rows // 16) * 4, **i32))
-        # FlashInfer's constructor buffers (int32) are the live tensors the kernel reads, as in FlashInfer:
-        # vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
-        if "kv_indices" in external and external["kv_indices"].device == self.buf["kv_indices"].device:
-            self.buf["kv_indices"] = external["kv_indices"]
-            self.max_kv_indices = external["kv_indices"].numel()
+        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed).
+        # FlashInfer's constructor kv_indices (int32) is the live tensor the kernel reads, at any size, as in
+        # FlashInfer: vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
+        super().__init__(
+            dict(kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi,
+                 item_t1=mi, m_ptr=mb + 1, batch_size=1),
+            dict(kv_indices=torch.zeros(int(opts["max_kv_indices"]), **i32), m_list=torch.arange(mi, **i32),
+                 part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device)),
+            device, {key: t for key, t in external.items() if key == "kv_indices"}, align=4, any_size=("kv_indices",))
+        self.max_kv_indices = self.buf["kv_indices"].numel()
 
     def check(self, B, n_indices, rows):
         if rows > self.rows:
@@ -607,43 +449,3 @@ class _GraphBuffers:
             if got > cap:
                 raise ValueError(f"plan: {what} {got} does not fit the gluon backend's CUDA-graph buffers ({cap}); "
                                  "construct MLAPagedAttention with a larger max_batch_size / max_kv_indices")
-
-    # A list while a caller stages the small arrays itself (the decode runner, see rebase): load_host appends its
-    # ``(values, capacity)`` segments there, in the flat buffer's order, instead of copying.
-    sink = None
-    rebased = False
-
-    def rebase(self, flat: torch.Tensor) -> None:
-        """Move the small int32 arrays into ``flat`` (an int32 device view with room for them, which the caller
-        fills through ``sink``, with its own arrays, in one copy). Before any capture: graphs captured earlier
-        would read the old buffer."""
-        if flat.numel() < self.flat.numel() or flat.dtype != torch.int32:
-            raise ValueError("rebase: needs an int32 buffer of the flat buffer's size")
-        flat = flat[: self.flat.numel()]
-        flat.copy_(self.flat)
-        self.flat, o = flat, 0
-        for key, n in self.sizes.items():
-            self.buf[key] = flat[o: o + n]
-            o += n
-        self.rebased = True
-
-    def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
-        """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (zero-padded to
-        each capacity, as the device schedule pads its items), and the page ids from ``kv_indices`` (none when
-        planned from the buffer itself)."""
-        if self.sink is not None:
-            self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
-            if kv_indices.data_ptr() == self.buf["kv_indices"].data_ptr():  # planned from the buffer itself
-                return self.buf
-            return self.load(dict(kv_indices=kv_indices))
-        from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
-        self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
-                        non_blocking=True)
-        return self.load(dict(kv_indices=kv_indices))
-
-    def load(self, tensors: dict) -> dict:
-        for key, v in tensors.items():
-            dst = self.buf[key][: v.numel()]
-            if dst.data_ptr() != v.data_ptr():
-                dst.copy_(v, non_blocking=True)
-        return self.buf

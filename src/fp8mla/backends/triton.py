@@ -20,6 +20,7 @@ import torch
 
 from ..kernels.decode import KV_BF16, KV_FP8_FP16_MATH, KV_GROUP, default_config, mla_decode
 from ..runtime import LN2, interpreting, num_sms
+from ._graph import GraphBuffers
 
 __all__ = ["build", "DEFAULTS", "KERNEL_OPTIONS", "schedule", "kernel_config"]
 
@@ -383,9 +384,9 @@ def _stage(arrays: dict, device) -> dict:
     return {k: d[o: o + n] for k, (o, n) in where.items()}
 
 
-class _GraphBuffers:
-    """Fixed device buffers for CUDA-graph capture; plan() copies into them, never reallocates. The small int32
-    arrays are views of one flat buffer, so a plan scheduled on the host fills them all with one copy."""
+class _GraphBuffers(GraphBuffers):
+    """The triton backend's CUDA-graph buffers (``GraphBuffers``): the split schedule's small arrays, the page ids
+    and the partials, sized by the constructor's capacities."""
 
     def __init__(self, opts, H, Dc, max_qo, device, target, external: dict):
         self.H, self.Dc, self.max_qo = H, Dc, max_qo
@@ -393,27 +394,17 @@ class _GraphBuffers:
         self.max_rows = H * max_qo
         self.max_items = target + self.max_batch
         self.max_kv_indices = opts["max_kv_indices"]
-        i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
+        parts = max_parts(target, mi)
         # the arrays that change every decode step first (a caller staging them through ``sink`` copies only up
         # to the last one changed: kv_len and item_end while the splits stay, see schedule_host)
-        self.sizes = dict(kv_len=mb, item_end=mi, qo_indptr=mb + 1, kv_indptr=mb + 1, split_indptr=mb + 1,
-                          num_items=1, batch_size=1, item_req=mi, item_start=mi, item_part=mi)
-        self.flat = torch.zeros(sum(self.sizes.values()), **i32)
-        self.buf, o = {}, 0
-        for k, n in self.sizes.items():
-            self.buf[k] = self.flat[o: o + n]
-            o += n
-        self.buf.update(kv_indices=torch.zeros(max(1, self.max_kv_indices), **i32),
-                        part_o=torch.empty(max_parts(target, mi), self.max_rows, Dc, dtype=torch.float32,
-                                           device=device),
-                        part_lse=torch.empty(max_parts(target, mi), self.max_rows, dtype=torch.float32,
-                                             device=device))
-        self.external = set()
-        for k, t in external.items():  # the caller's own int32 buffers (FlashInfer's constructor arguments)
-            if t.device == self.buf[k].device and t.numel() >= self.buf[k].numel():
-                self.buf[k] = t
-                self.external.add(k)
+        super().__init__(
+            dict(kv_len=mb, item_end=mi, qo_indptr=mb + 1, kv_indptr=mb + 1, split_indptr=mb + 1, num_items=1,
+                 batch_size=1, item_req=mi, item_start=mi, item_part=mi),
+            dict(kv_indices=torch.zeros(max(1, self.max_kv_indices), dtype=torch.int32, device=device),
+                 part_o=torch.empty(parts, self.max_rows, Dc, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(parts, self.max_rows, dtype=torch.float32, device=device)),
+            device, external)
 
     def check(self, H, Dc, rows, B, n_indices):
         for what, got, cap in (("num_heads", H, self.H), ("head_dim_ckv", Dc, self.Dc),
@@ -424,47 +415,3 @@ class _GraphBuffers:
                 raise ValueError(f"plan: {what} {got} does not fit the CUDA-graph buffers ({cap}); construct "
                                  "MLAPagedAttention with larger buffers (max_batch_size / max_qo_len / "
                                  "max_kv_indices, or FlashInfer's qo_indptr= / kv_indices= buffers)")
-
-    # A list while a caller stages the small arrays itself (the decode runner: its own arrays and these in one
-    # host -> device copy into a buffer that ``flat`` is a view of, see rebase): load_host appends its
-    # ``(values, capacity)`` segments there, in the flat buffer's order, instead of copying.
-    sink = None
-    rebased = False
-
-    def rebase(self, flat: torch.Tensor) -> None:
-        """Move the small int32 arrays into ``flat`` (an int32 device view with room for them, which the caller
-        fills through ``sink``). Before any capture: graphs captured earlier would read the old buffer."""
-        if flat.numel() < self.flat.numel() or flat.dtype != torch.int32 or self.external - {"kv_indices"}:
-            raise ValueError("rebase: needs an int32 buffer of the flat buffer's size and no external small buffers")
-        flat = flat[: self.flat.numel()]
-        flat.copy_(self.flat)
-        self.flat, o = flat, 0
-        for k, n in self.sizes.items():
-            self.buf[k] = flat[o: o + n]
-            o += n
-        self.rebased = True
-
-    def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
-        """Fill the buffers from host lists (:func:`schedule_host`): one copy into the flat buffer (plus one per
-        external small buffer), and the page ids from ``kv_indices`` (none when planned from the buffer itself)."""
-        if self.sink is not None:
-            self.sink += [(arrays[k], n) for k, n in self.sizes.items()]
-            if kv_indices.data_ptr() == self.buf["kv_indices"].data_ptr():  # planned from the buffer itself
-                return self.buf
-            return self.load(dict(kv_indices=kv_indices))
-        from ..layout import stage_ints  # pinned: the caching host allocator keeps it until the copy ran
-        self.flat.copy_(stage_ints([(arrays[k], n) for k, n in self.sizes.items()], pin=self.flat.is_cuda),
-                        non_blocking=True)
-        o = 0
-        for k, n in self.sizes.items():
-            if k in self.external:
-                self.buf[k][:n].copy_(self.flat[o: o + n], non_blocking=True)
-            o += n
-        return self.load(dict(kv_indices=kv_indices))
-
-    def load(self, tensors: dict) -> dict:
-        for k, v in tensors.items():
-            dst = self.buf[k][: v.numel()]
-            if dst.data_ptr() != v.data_ptr():  # planned straight from the buffer itself: nothing to copy
-                dst.copy_(v, non_blocking=True)
-        return self.buf

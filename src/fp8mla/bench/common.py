@@ -158,7 +158,7 @@ def kernel_time_ms(fn, reps: int = 3, exclude: tuple[str, ...] = ("nccl",)) -> t
 def kernel_table(fn, reps: int = 3, top: int = 12) -> list[tuple[str, float, int]]:
     """The ``top`` GPU kernels of one call of ``fn()`` by device time: ``(name, ms per call, launches per call)``,
     collectives included (their time is partly the wait for other ranks). A diagnosis aid for step benchmarks
-    (``FP8MLA_STEP_PROFILE=1``); CUDA-graph replays are resolved into their kernels by the profiler."""
+    (``fp8mla bench step --profile``); CUDA-graph replays are resolved into their kernels by the profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     fn()

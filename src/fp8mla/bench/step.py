@@ -123,7 +123,7 @@ class StepScenario:
         try:  # all or nothing: a batch the pool cannot hold leaves no sequence (and no page) behind
             for L in context_lens:
                 ids.append(self.cache.add_sequence(num_tokens=L - 1))
-            self.cache.extend(ids, 1)  # the decode step's token; each layer appends its own latent
+            self.cache.reserve(ids, 1)  # the decode step's token; each layer appends its own latent
         except Exception:
             for i in ids:
                 self.cache.free(i)
@@ -240,6 +240,7 @@ def add_arguments(p):
     p.add_argument("--cast-pool-backend", choices=["auto", "torch"], default="auto",
                    help="attention on cast_pool's BF16 copy (auto: the same kernel native gets)")
     p.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="skip the ceiling probes")
+    p.add_argument("--profile", action="store_true", help="with --model/--tp: print each graph step's top kernels")
     p.add_argument("--out", default="out/bench_step", help="folder for step.csv, step.md, step.png")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: time the DeepSeek MLA layer stack with heads split over N ranks "

@@ -53,8 +53,7 @@ def _layer_bytes_flops(model, B: int, ctx: int, cache) -> tuple[float, float]:
 
 def _fill(cache, ids: list, ctx: int, layers: int, cfg, dev, seed: int) -> None:
     """``ctx - 1`` tokens of random latents per sequence (the same on every rank: one seeded generator)."""
-    reserve = cache.reserve if hasattr(cache, "reserve") else cache.extend
-    slots = reserve(ids, ctx - 1)
+    slots = cache.reserve(ids, ctx - 1)
     g = torch.Generator(device=dev).manual_seed(seed)
     chunk = 1 << 16
     for layer in range(layers):
@@ -64,8 +63,10 @@ def _fill(cache, ids: list, ctx: int, layers: int, cfg, dev, seed: int) -> None:
                         torch.randn(s.numel(), cfg.qk_rope_head_dim, generator=g, device=dev))
 
 
-def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, seed: int = 0) -> dict:
-    """One (B, context) point on ``model`` / ``cache``: begin_step host ms, eager and graph ms per step, kernels."""
+def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, seed: int = 0,
+            profile: bool = False) -> dict:
+    """One (B, context) point on ``model`` / ``cache``: begin_step host ms, eager and graph ms per step, kernels.
+    ``profile``: also print the graph step's top kernels (``kernel_table``) to stderr."""
     from ..models.runner import DecodeRunner
     cfg, layers = model.cfg, len(model.layers)
     ids = [cache.add_sequence() for _ in range(B)]
@@ -104,7 +105,7 @@ def measure(model, cache, B: int, ctx: int, reps: int, dev, *, graphs: bool, see
             st = runner.begin_step(ids, prefix)
             out = runner.forward(x, st)
             r["graph_ms"] = step_time_ms(lambda: runner.forward(x, st), reps, dev)
-            if dev.type == "cuda" and os.environ.get("FP8MLA_STEP_PROFILE"):
+            if dev.type == "cuda" and profile:
                 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
                 for name, ms, n in kernel_table(lambda: runner.forward(x, st)):
                     print(f"  [profile rank {rank} B={B} ctx={ctx} graph step] {ms:8.4f} ms  x{n:<4d} {name}",
@@ -163,7 +164,7 @@ def run_tp(args) -> int:
         if B * (ctx + 2 * page) > cache.num_pages * page:
             say(f"{B:>14} {ctx:>14}  skipped: {B} x {ctx} tokens exceed the pool")
             continue
-        r = measure(model, cache, B, ctx, args.reps, dev, graphs=graphs)
+        r = measure(model, cache, B, ctx, args.reps, dev, graphs=graphs, profile=getattr(args, "profile", False))
         nbytes, flops = _layer_bytes_flops(model, B, ctx, cache)
         r["floor_ms"] = layers * ceil.floor_ms(nbytes, flops) if ceil else float("nan")
         r.setdefault("kernels_ms", float("nan"))

@@ -51,10 +51,8 @@ import triton.language as tl
 
 from .softmax import softmax_step
 
-# KV_MODE values. KV_FP8_FP16_MATH: FP8 (or fp16) storage, fp16 MMAs. KV_FP16_MATH is its old name, kept until
-# every caller has switched.
+# KV_MODE values. KV_FP8_FP16_MATH: FP8 (or fp16) storage, fp16 MMAs.
 KV_FP8_FP16_MATH, KV_BF16, KV_GROUP = 0, 1, 2
-KV_FP16_MATH = KV_FP8_FP16_MATH
 V_PLAIN, V_ASM = 0, 1          # V_CVT values
 V_CONVERT = {"plain": V_PLAIN, "asm": V_ASM}
 RAW_E4M3, RAW_E5M2 = 1, 2      # RAW_FP8 values (uint8 pools, SM80)
@@ -511,7 +509,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
                split_indptr, batch_size, *, grid_items: int, grid_batch: int, num_heads: int, max_rows: int,
                sm_scale: float, causal: bool, kv_mode: int, block_m: int, block_n: int, num_warps: int,
                num_stages: int, fp32_dot: bool, q_split: bool = False, evict_first: bool = True,
-               index64: bool | None = None, cvt_asm: bool = False, v_convert: str | None = None,
+               index64: bool | None = None, v_convert: str | None = None,
                raw_fp8: int = 0, column_chunks_override: int | None = None) -> None:
     """Launches the split kernel and the merge kernel. ``lse`` is written base 2.
 
@@ -524,8 +522,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     ``q_split``: bf16 MMAs (kv_mode 1) with an fp16 query: the query is split into two bf16 parts (ignored in the
     other modes, which run fp16 MMAs). ``v_convert``: ``"plain"`` or ``"asm"`` (V converted by inline PTX in
     128-column chunks: no byte-wise shared loads; the portable path); None picks :func:`default_config`'s for
-    the device (plain on sm_90 and the interpreter, asm elsewhere); ``cvt_asm=True`` is the old spelling of
-    ``v_convert="asm"``. ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits; an FP8
+    the device (plain on sm_90 and the interpreter, asm elsewhere). ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits; an FP8
     pool on a GPU older than sm_89 (where Triton has no FP8 type) is viewed as uint8 automatically.
     Page ids outside ``[0, P)`` are never read: the request's rows come out NaN.
     """
@@ -540,7 +537,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
         raise ValueError(f"head_dim_ckv/head_dim_kpe: expected powers of two >= 16, got {Dc}/{Dk}")
     arch = device_arch(ckv_cache)
     if v_convert is None:
-        v_convert = "asm" if cvt_asm else default_config(max_rows, kv_mode, arch)["v_convert"]
+        v_convert = default_config(max_rows, kv_mode, arch)["v_convert"]
     if arch is not None and arch < 89 and str(ckv_cache.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
         import torch  # SM80: no FP8 type in Triton; the same bytes as uint8, converted by bit manipulation
         raw_fp8 = RAW_E4M3 if ckv_cache.dtype == torch.float8_e4m3fn else RAW_E5M2

@@ -181,8 +181,7 @@ def _refuse_shared_pages(step) -> None:
 
 
 def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
-    # ``reserve`` is the new name of ``extend`` (kept as an alias); either reserves slots, all or nothing.
-    return (cache.reserve if hasattr(cache, "reserve") else cache.extend)(ids, counts)
+    return cache.reserve(ids, counts)   # all or nothing
 
 
 def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -> tuple[list, list]:
@@ -203,13 +202,9 @@ def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -
 
 def plan_decode(attn: MLAPagedAttention, cache: PagedMLACache, seq_ids: list, *, num_heads: int, sm_scale: float,
                 attn_dtype: torch.dtype) -> None:
-    """Plan one decode query per sequence over the cache's page tables (the cache's layout when it has one)."""
-    if hasattr(cache, "layout") and hasattr(attn, "plan_layout"):
-        attn.plan_layout(cache.layout(seq_ids), num_heads, cache.head_dim_ckv, cache.head_dim_kpe, True, sm_scale,
-                         attn_dtype, cache.format.name)
-    else:
-        attn.plan(**cache.plan_inputs(seq_ids), num_heads=num_heads, causal=True, sm_scale=sm_scale,
-                  q_data_type=attn_dtype)
+    """Plan one decode query per sequence over the cache's page tables (its layout: no host copy of them)."""
+    attn.plan_layout(cache.layout(seq_ids), num_heads, cache.head_dim_ckv, cache.head_dim_kpe, True, sm_scale,
+                     attn_dtype, cache.format.name)
 
 
 def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rope: YarnRope,

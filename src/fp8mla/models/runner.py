@@ -309,23 +309,16 @@ class DecodeRunner:
     def _plan_attention(self, attn: MLAPagedAttention, block_table: torch.Tensor, kv_len: list) -> None:
         m, cache = self.model, self.cache
         H, cfg = m.num_local_heads, m.cfg
-        if hasattr(attn, "plan_layout"):
-            lay = PagedLayout.decode_rows(block_table, kv_len, cache.page_size)
-            attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
-                             cache.format.name)
-            return
-        Bb, W = block_table.shape
-        i32 = dict(dtype=torch.int32, device=self.device)
-        attn.plan(torch.arange(Bb + 1, **i32), torch.arange(Bb + 1, **i32) * W, block_table.view(-1),
-                  torch.tensor(kv_len, **i32), H, cache.head_dim_ckv, cache.head_dim_kpe, cache.page_size, True,
-                  cfg.sm_scale, self.attn_dtype, cache.format.name)
+        lay = PagedLayout.decode_rows(block_table, kv_len, cache.page_size)
+        attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
+                         cache.format.name)
 
     def _bucket(self, Bb: int) -> dict:
         """The bucket's attention, static step and buffers (made on its first step). Its staging buffer, int32 on
         the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), the
         new tokens' table entries [Bb] as int64 (the scatter's index), int32 block-table rows [Bb] (the gather's
         index) and page ids [Bb], then, with CUDA-graph buffers, the attention plan's own small arrays (its buffers
-        are views of this one, see ``_GraphBuffers.rebase``), so that the plan costs no copy of its own."""
+        are views of this one, see ``backends._graph.GraphBuffers.rebase``), so that the plan costs no copy of its own."""
         g = self._graphs.get(Bb)
         if g is not None:
             return g

@@ -55,14 +55,14 @@ merge of decode_sm90 is not part of this kernel: ``launch`` ignores ``fused_merg
 """
 from __future__ import annotations
 
-from . import decode_sm90 as base
-from .decode_sm90 import DC, DK, HP, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
+from fp8mla.kernels import decode_sm90 as base
+from fp8mla.kernels.decode_sm90 import DC, DK, HP, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, fence_async_shared, warpgroup_mma,
                                                                  warpgroup_mma_wait)
-    from .decode_sm90 import (_relabel_k, _relabel_k64, _vt_chunk, _sanitize_tail, _producer, _per_item,
+    from fp8mla.kernels.decode_sm90 import (_relabel_k, _relabel_k64, _vt_chunk, _sanitize_tail, _producer, _per_item,
                               _cta_barrier, _store_item)
 
 NS_DEFAULT = 5

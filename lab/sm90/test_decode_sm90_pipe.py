@@ -51,7 +51,7 @@ def _sass_loops(sass: str) -> list[dict]:
     return out
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("page,ns,depth", [(64, 5, 11), (1, 5, 11), (64, 4, 11), (64, 5, 22)])
 def test_compiles_for_sm90a(page, ns, depth):
     r, sass_text = compile_report_in_child("fp8mla.kernels.decode_sm90_pipe", page=page, ns=ns, depth=depth)

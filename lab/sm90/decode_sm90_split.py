@@ -40,14 +40,14 @@ per-tensor scales, bf16/fp16 queries. Not MTP.
 """
 from __future__ import annotations
 
-from . import decode_sm90 as base
-from .decode_sm90 import DC, DK, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
+from fp8mla.kernels import decode_sm90 as base
+from fp8mla.kernels.decode_sm90 import DC, DK, TILE, STAGE_BYTES, SMEM_LIMIT, gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, fence_async_shared, warpgroup_mma,
                                                                  warpgroup_mma_wait)
-    from .decode_sm90 import (_relabel_k, _relabel_k64, _vt_chunk, _sanitize_tail, _producer, _per_item,
+    from fp8mla.kernels.decode_sm90 import (_relabel_k, _relabel_k64, _vt_chunk, _sanitize_tail, _producer, _per_item,
                               _cta_barrier)
 
 HG = 64            # heads per CTA (the MMA's N)

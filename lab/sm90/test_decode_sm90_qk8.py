@@ -103,10 +103,6 @@ def test_plan_routes_the_terms(monkeypatch, H, qk8, max_qo, want):
     """GluonPlan.run passes qk8 (and one accumulator per chunk on the H <= 16 one-query kernel only: the wide
     builds, MTP included, spill with five accumulators) only when the plan chose terms; the default launch gets no
     new keyword."""
-    for env in ("FP8MLA_GLUON_SPLIT", "FP8MLA_GLUON_PIPE"):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(gb, "GLUON_SPLIT_DIMS", False)
-    monkeypatch.setattr(gb, "GLUON_PIPELINED", False)
     calls = []
     monkeypatch.setattr(k, "kv_descriptors", lambda a, b: ("kv", "kpe"))
     monkeypatch.setattr(k, "launch", lambda *a, **kw: calls.append(kw))
@@ -126,7 +122,7 @@ def test_launch_refuses_a_bad_term_count():
                  sm_scale=0.1, page_size=64, qk8=1)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads,terms,chunks", [(16, 2, True), (16, 3, False), (128, 2, False)])
 def test_compiles_for_sm90a(heads, terms, chunks):
     r, _ = compile_report_in_child(page=64, ns=3, heads=heads, qk8=terms, qk8_chunks=chunks, aligned_ints=True)

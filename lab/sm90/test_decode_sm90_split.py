@@ -27,7 +27,7 @@ DEVICE = "cuda" if ON_SM90 else "cpu"
 
 
 # -- CPU --------------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("page", [64, 1])
 def test_compiles_for_sm90a(page):
     r, _ = compile_report_in_child("fp8mla.kernels.decode_sm90_split", page=page, heads=128)

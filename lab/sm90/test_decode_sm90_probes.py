@@ -23,7 +23,7 @@ def _report(**kw) -> tuple[dict, str]:
     return compile_report_in_child(page=64, ns=3, aligned_ints=True, **kw)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("kw", [dict(heads=16, timeline_tiles=96), dict(heads=128, wide_row_sums=True),
                                 dict(heads=16, pv_in_flight=2)])
 def test_measurement_builds_compile(kw):
@@ -149,7 +149,7 @@ def test_pdl_merge_only_on_cuda_and_never_in_the_interpreter(monkeypatch):
     assert not k.pdl_merge_enabled(fake_cuda)
 
 
-@pytest.mark.skipif(k.gluon is None, reason=f"Gluon does not import here: {k.GLUON_IMPORT_ERROR}")
+@pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_q_one_pass_compiles_with_fewer_loads(heads):
     """Q in one pass: no more global loads than the two-pass build (under triton 3.6, the H200's, fewer: it loads the

@@ -1,0 +1,482 @@
+"""Read the SASS of kernels compiled without a GPU, and keep the sm_90 decode builds' golden record.
+
+ptxas and cuobjdump come with the triton wheel (``triton/backends/nvidia/bin``). The reader gives registers,
+spills, shared memory, MMA counts (HGMMA / QGMMA / HMMA), byte-wise shared loads (``LDS.U8``) and a SHA-256 of the
+instruction stream with addresses, branch targets, labels and function names stripped (``stream_hash``), plus a
+second hash with the constant-bank parameter offsets (``c[0x0][...]``) normalized too, which stays the same when a
+kernel parameter is removed and the others move.
+
+    python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
+    python -m devtools.sass check             # compare them with the golden file of this triton
+    python -m devtools.sass show h16_p64      # one build's summary (and --sass FILE: its SASS)
+
+The golden file is per triton version (the SASS of one source differs between triton releases): record it once
+with each triton the project checks under (CI pins one, the H200 runs another) on the tree it must guard.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN_DIR = os.path.join(ROOT, "tests", "golden")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------------------------------------------
+def bin_dir() -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def tools_present() -> bool:
+    try:
+        d = bin_dir()
+    except ImportError:
+        return False
+    return all(os.path.exists(os.path.join(d, t)) for t in ("ptxas", "cuobjdump"))
+
+
+def gluon_import_error() -> str | None:
+    """None when triton's Gluon imports (with the Hopper modules the sm_90 kernel uses), else why not."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import tma  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def compile_tools_missing(gluon: bool = True) -> str | None:
+    """None when kernels can be compiled here (triton with ptxas and cuobjdump in its wheel; ``gluon``: and Gluon
+    imports), else why not. Tests skip on it, except under ``CI=true``, where it is a failure
+    (``require_compile_tools``)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"triton does not import: {type(e).__name__}: {e}"
+    why = gluon_import_error() if gluon else None
+    if why is None and not tools_present():
+        why = f"ptxas / cuobjdump not in the triton wheel ({bin_dir()})"
+    return why
+
+
+def require_compile_tools(gluon: bool = True) -> None:
+    """Skip the calling test when the compile tools are missing; fail it under ``CI=true`` (CI pins the triton
+    that has them, so a missing tool there means the pin broke, not "nothing to check")."""
+    import pytest
+    why = compile_tools_missing(gluon)
+    if why is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and the compile tools are missing: {why}")
+    pytest.skip(f"compile tools missing: {why}")
+
+
+def dump_sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([os.path.join(bin_dir(), "cuobjdump"), "--dump-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+def resource_usage(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([os.path.join(bin_dir(), "cuobjdump"), "--dump-resource-usage", path],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.remove(path)
+
+
+def ptxas_verbose(ptx: str, arch: str = "sm_90a") -> str:
+    """ptxas -v's report of a PTX text (registers and spill bytes per function). Later wheels ship an older
+    ``ptxas`` beside the one they use (``ptxas-blackwell``): the first that assembles it answers."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = ""
+        for exe in ("ptxas", "ptxas-blackwell"):
+            path = os.path.join(bin_dir(), exe)
+            if not os.path.exists(path):
+                continue
+            res = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", src + ".cubin"], capture_output=True,
+                                 text=True)
+            out = res.stderr
+            if res.returncode == 0:
+                break
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading SASS
+# ---------------------------------------------------------------------------------------------------------------
+# an instruction line: /*addr*/ [@!P0] OPCODE operands ;   (addresses have 4 or more hex digits)
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+_FUNCTION = re.compile(r"^\s*Function\s*:")
+_CONTROL = ("BRA", "BRX", "BSSY", "CALL", "JMP", "JMX", "RET", "BREAK", "SSY", "PBK", "WARPSYNC")
+_HEX = re.compile(r"0x[0-9a-f]+")
+_NAME = re.compile(r"`\([^)]*\)")          # `(label or function name)
+_CBANK = re.compile(r"c\[0x0\]\[[^\]]*\]")   # kernel parameters and driver constants in bank 0
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text without its address) of every SASS instruction, in order; a function boundary
+    is the entry (-1, "FUNCTION")."""
+    out = []
+    for line in sass.splitlines():
+        if _FUNCTION.match(line):
+            out.append((-1, "FUNCTION"))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            out.append((int(m.group(1), 16), " ".join(m.group(2).split())))
+    return out
+
+
+def opcode(text: str) -> str:
+    m = _OPCODE.match(text)
+    return m.group(1) if m else text.split()[0]
+
+
+def normalized_stream(sass: str, params: bool = False) -> list[str]:
+    """The instruction stream with what moves without the code changing stripped: addresses, branch and call
+    targets (hex or named), labels and function names. ``params``: also every ``c[0x0][...]`` operand (kernel
+    parameter offsets move when a parameter is added or removed)."""
+    out = []
+    for _, text in instructions(sass):
+        text = _NAME.sub("`()", text)
+        if opcode(text).split(".")[0] in _CONTROL:
+            text = _HEX.sub("ADDR", text)
+        if params:
+            text = _CBANK.sub("c[0x0][P]", text)
+        out.append(text)
+    return out
+
+
+def stream_hash(sass: str, params: bool = False) -> str:
+    return hashlib.sha256("\n".join(normalized_stream(sass, params)).encode()).hexdigest()
+
+
+def op_counts(sass: str) -> collections.Counter:
+    return collections.Counter(opcode(t) for a, t in instructions(sass) if a >= 0)
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """SASS lines of every loop: from the target of a backward branch to the branch (cuobjdump prints branch
+    targets as addresses). The end-of-kernel ``BRA`` to itself is not a loop."""
+    body = [(a, t) for a, t in instructions(sass) if a >= 0]
+    loops = []
+    for addr, text in body:
+        if opcode(text).split(".")[0] != "BRA":
+            continue
+        targets = _HEX.findall(text)
+        if targets and int(targets[-1], 16) < addr:
+            lo = int(targets[-1], 16)
+            loops.append([t for a, t in body if lo <= a <= addr])
+    return loops
+
+
+def mma_counts(ops: dict) -> dict:
+    fam = collections.Counter()
+    for op, n in ops.items():
+        for name in ("HGMMA", "QGMMA", "HMMA", "QMMA"):
+            if op.startswith(name + ".") or op == name:
+                fam[name] += n
+    return {name: fam.get(name, 0) for name in ("HGMMA", "QGMMA", "HMMA")}
+
+
+def summary(sass: str, ptxas_v: str, smem: int) -> dict:
+    """What the golden record keeps of one compiled kernel."""
+    ops = op_counts(sass)
+    spills = [list(map(int, x)) for x in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_v)]
+    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", ptxas_v)], "spills": spills,
+            "smem": int(smem), "mma": mma_counts(ops), "lds_u8": ops.get("LDS.U8", 0),
+            "instructions": sum(ops.values()), "sha256": stream_hash(sass),
+            "sha256_params": stream_hash(sass, params=True)}
+
+
+def analyse(k) -> dict:
+    """Resource usage (cuobjdump --dump-resource-usage: REG, STACK = the spill frame) and SASS counts of a kernel
+    compiled by ``triton.compile``; spills show as STACK > 0 and STL/LDL instructions (the Triton kernels' check,
+    scripts/compile_kernels.py)."""
+    res = resource_usage(k.asm["cubin"])
+    sass = dump_sass(k.asm["cubin"])
+    get = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}:(\d+)", res)) else -1  # noqa: E731
+    ops = op_counts(sass)
+    base = collections.Counter()
+    for op, n in ops.items():
+        base[op.split(".")[0]] += n
+    loops = loop_bodies(sass)
+    in_loops = sum(sum(opcode(t) == "LDS.U8" for t in body) for body in loops)
+    return dict(regs=get("REG"), local=get("LOCAL"), stack=get("STACK"), smem=k.metadata.shared,
+                spill_ops=base["STL"] + base["LDL"], lds_u8=ops["LDS.U8"], lds_u8_in_loops=in_loops,
+                loops=len(loops), ops=base, sass=sass)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling the sm_90 decode kernel (Gluon) without a GPU
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel's argument types in a real launch (bf16 queries; compile_report substitutes the query dtype and the
+# page's box rows)
+KERNEL_SIGNATURE = {
+    "kv_desc": "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)>",
+    "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "ckv_ptr": "*fp8e4nv", "kpe_ptr": "*fp8e4nv", "stride_kv_row": "i32", "stride_kpe_row": "i32",
+    "num_rows": "i32",
+    "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
+    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
+    "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
+    "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
+    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "HPW": "constexpr",
+    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr", "QK8": "constexpr", "QKC": "constexpr",
+    # group scales (compile_report(group=True)); constexpr None / False otherwise
+    "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
+    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
+
+
+# Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
+# H % 16 == 0 (triton specializes such ints): the strides and H itself.
+_INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
+              "stride_pl_i", "stride_o_t", "stride_o_h", "stride_lse_t")
+
+
+def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
+                   heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
+                   group: bool = False, fp8_math: bool = False) -> dict:
+    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``): ``heads`` picks the
+    variant (16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32; with ``group``, HPW 16 at every H);
+    ``max_qo`` >= 2: the multi-token variant, causal or not; ``group``: per-token group scales; ``fp8_math``: the
+    e4m3 build."""
+    from fp8mla.kernels import sm90
+    b = sm90.Sm90Build.for_plan(heads, page, max_qo, causal, group, fp8_math, ns)
+    if regs != b.regs:
+        import dataclasses
+        b = dataclasses.replace(b, regs=regs)
+    return compile_build(b, q_dtype=q_dtype, aligned_ints=aligned_ints, sass_path=sass_path)
+
+
+def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_path=None) -> dict:
+    """Compile one ``sm90.Sm90Build`` of the decode kernel for sm_90a with triton's own ptxas (no GPU needed) and
+    count SASS ops (``sass_report``). ``aligned_ints``: mark the strides and H divisible by 16, as the JIT
+    specializes them at H = 16/32/64/128 with contiguous tensors (then Q is read with 16-byte loads); False
+    compiles the unspecialized worst case."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels import sm90
+    if sm90.gluon is None:
+        raise RuntimeError(f"gluon is not importable: {sm90.GLUON_IMPORT_ERROR}")
+    fn = sm90.mla_decode_sm90_kernel
+    names = fn.arg_names
+    sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
+    rows = min(64, build.page_size)
+    sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
+    sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
+    sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
+    # every constexpr named (the defaults a launch leaves out too): the same kernel a launch compiles
+    consts = {"MTP": 0, "QK8": 0, "QKC": False, "GROUP": False, "PV8": False, **build.constexprs()}
+    if not build.group:
+        for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
+            sig[n] = "constexpr"
+            consts[n] = None
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
+                                or n in ("stride_kv_row", "stride_kpe_row")})
+    return sass_report(src, sass_path)
+
+
+def sass_report(src, sass_path=None) -> dict:
+    """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
+    SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
+    (SASS op counts), ``loops`` (per warp-specialized partition, the HGMMA, STL, LDL and LDS.U8 between its first
+    and last HGMMA: the tile loop) and ``serialized_wgmma`` (ptxas C7512); ``sass_path``: also write the SASS
+    there."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        for exe in ("ptxas", "ptxas-blackwell"):   # later wheels ship an older "ptxas" beside the one they use
+            res = subprocess.run([os.path.join(bindir, exe), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
+                                 capture_output=True, text=True)
+            v = res.stderr
+            if res.returncode == 0:
+                break
+        cub = os.path.join(d, "k.cubin")
+        open(cub, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", cub],
+                              capture_output=True, text=True).stdout
+    if sass_path:
+        open(sass_path, "w").write(sass)
+    ops = collections.Counter()
+    seq = []
+    # (addresses have 4 or more hex digits: the kernel is past 0x10000 bytes, so {4} alone missed the 2nd consumer)
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+        ops[m.group(1)] += 1
+        seq.append(m.group(1))
+    # the tile loops: from the first to the last HGMMA of each partition (partitions start at USETMAXREG)
+    loops, cur = [], []
+    for op in seq + ["USETMAXREG"]:
+        if op.startswith("USETMAXREG"):
+            h = [i for i, o in enumerate(cur) if o.startswith("HGMMA")]
+            if h:
+                body = cur[h[0]:h[-1] + 1]
+                loops.append({"HGMMA": len(h), "STL": sum(o.startswith("STL") for o in body),
+                              "LDL": sum(o.startswith("LDL") for o in body),
+                              "LDS.U8": sum(o == "LDS.U8" for o in body)})
+            cur = []
+        cur.append(op)
+    spills = [tuple(map(int, x)) for x in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)]
+    return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", v)], "spills": spills,
+            "smem": k.metadata.shared, "ptxas": v, "ops": dict(ops), "loops": loops,
+            "serialized_wgmma": "C7512" in v or "serialized" in v.lower()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sm_90 decode builds and their golden record
+# ---------------------------------------------------------------------------------------------------------------
+def sm90_builds() -> dict:
+    """The named builds the golden record keeps: ``fp8mla.kernels.sm90.KNOWN_BUILDS`` (bf16 queries, contiguous
+    tensors: the strides and H specialized divisible by 16, as a launch with H 16 or 128 has them)."""
+    from fp8mla.kernels.sm90.config import KNOWN_BUILDS
+    return KNOWN_BUILDS
+
+
+def compile_sm90(name: str) -> tuple[dict, str]:
+    """(summary, SASS text) of one named build compiled for sm_90a."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: nothing compiles in this process (run it in one without)")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.sass")
+        r = compile_build(sm90_builds()[name], aligned_ints=True, sass_path=path)
+        with open(path) as f:
+            sass = f.read()
+    return summary(sass, r["ptxas"], r["smem"]), sass
+
+
+def compile_many(names: list[str], workers: int = 2, timeout: int = 1200) -> dict:
+    """``compile_sm90`` of each name, in ``workers`` child processes without TRITON_INTERPRET (the test suite
+    sets it): {name: summary or {"error": ...}}."""
+    names = list(names)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "src")] + [p for p in sys.path if p]
+                                        + [env.get("PYTHONPATH", "")])
+    parts = [names[i::workers] for i in range(workers) if names[i::workers]]
+    procs = [subprocess.Popen([sys.executable, "-m", "devtools.sass", "json", *part], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in parts]
+    out = {}
+    for part, p in zip(parts, procs):
+        so, se = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            for n in part:
+                out[n] = {"error": f"exit {p.returncode}: {se[-3000:]}"}
+            continue
+        out.update(json.loads(so.splitlines()[-1]))
+    return out
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def golden_path(version: str | None = None) -> str:
+    return os.path.join(GOLDEN_DIR, f"sm90_triton-{version or triton_version()}.json")
+
+
+def diff(want: dict, got: dict) -> list[str]:
+    """The fields where one build's summary differs from its golden one."""
+    return [f"{key}: golden {want.get(key)!r}, now {got.get(key)!r}" for key in sorted(set(want) | set(got))
+            if want.get(key) != got.get(key)]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="compile every named sm_90 build and write the golden file")
+    rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
+    sub.add_parser("check", help="compare every named build with the golden file of this triton")
+    show = sub.add_parser("show", help="one build's summary")
+    show.add_argument("name", choices=sorted(sm90_builds()))
+    show.add_argument("--sass", default=None, help="also write its SASS here")
+    js = sub.add_parser("json", help=argparse.SUPPRESS)   # compile_many's child: JSON summaries on stdout
+    js.add_argument("names", nargs="+")
+    a = p.parse_args(argv)
+    if a.cmd == "json":
+        res = {}
+        for n in a.names:
+            try:
+                res[n] = compile_sm90(n)[0]
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                res[n] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        print(json.dumps(res))
+        return 0
+    if a.cmd == "show":
+        s, sass = compile_sm90(a.name)
+        print(json.dumps(s, indent=1))
+        if a.sass:
+            with open(a.sass, "w") as f:
+                f.write(sass)
+        return 0
+    res = compile_many(sorted(sm90_builds()))
+    bad = {n: r["error"] for n, r in res.items() if "error" in r}
+    if bad:
+        for n, e in bad.items():
+            print(f"{n}: {e}", file=sys.stderr)
+        return 1
+    if a.cmd == "record":
+        path = a.out or golden_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        doc = {"triton": triton_version(), "commit": _commit(), "arch": "sm_90a", "builds": res}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {path} ({len(res)} builds, triton {doc['triton']}, commit {doc['commit'][:10]})")
+        return 0
+    with open(golden_path()) as f:
+        golden = json.load(f)["builds"]
+    failed = 0
+    for n in sorted(sm90_builds()):
+        d = diff(golden.get(n, {}), res[n])
+        print(f"{n}: {'same' if not d else 'DIFFERS'}")
+        for line in d:
+            print("   ", line)
+        failed += bool(d)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The Hopper decode kernel: shared memory, barriers, the warp-specialized partitions (one producer, two consumers)
+and ``launch`` (kernel + split merge), with the TMA descriptors it reads through."""
+from __future__ import annotations
+
+from .config import DC, DK, GROUPS, HP, LOG2E, SMEM_LIMIT, Sm90Build, gluon
+from .merge import launch_merge
+
+if gluon is not None:
+    from .config import GROUPS_C, fence_async_shared, gl, mbarrier
+    from .consumer import _consumer0, _consumer1
+    from .producer import _producer
+
+    @gluon.jit
+    def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
+                               q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
+                               cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
+                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
+                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr,
+                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
+                               MTP: gl.constexpr = 0, QK8: gl.constexpr = 0, QKC: gl.constexpr = False,
+                               sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False,
+                               PV8: gl.constexpr = False):
+        # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
+        # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
+        # A kernel launched as this one's programmatic dependent may start now (it must wait, griddepcontrol.wait,
+        # before reading what this grid writes). Nothing is launched that way today; kept as measured (taking it out
+        # moves every build's SASS).
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        kbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS * 4, 64, 128], kv_l)
+        pbuf = gl.allocate_shared_memory(gl.float8e4nv, [NS, 64, 64], kpe_l)
+        if QK8:   # Q^T as QK8 e4m3 terms per consumer (the fp16 copies stay, one chunk each: unused)
+            q8_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QK8 * 4, HPW, 128], q8_l)
+            qpe8_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QK8, HPW, 64], kpe_l)
+            q_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 128], q_l)
+        else:
+            q_smem = gl.allocate_shared_memory(gl.float16, [8, HPW, 128], q_l)
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
+        if not QK8:   # placeholders (never read: the partitions' argument lists take no None)
+            q8_smem = q_smem
+            qpe8_smem = qpe_smem
+        if GROUP:   # four P^T tiles per consumer (one per scale group)
+            pT_smem = gl.allocate_shared_memory(gl.float16, [2 * GROUPS_C, HPW, 64], q_l)
+        elif PV8:   # fp8_math: P^T in e4m3 (64-byte rows, k-major for the e4m3 wgmma)
+            pT_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HPW, 64], kpe_l)
+        else:
+            pT_smem = gl.allocate_shared_memory(gl.float16, [2, HPW, 64], q_l)
+        # ready: one barrier per stage, or (an odd ring of the alternating kernel) one per stage and consumer
+        RB: gl.constexpr = 2 * NS if NS % 2 == 1 and not WIDE else NS
+        ready = gl.allocate_shared_memory(gl.int64, [RB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        # consumer 1 hands its (o, m, l) of each item to consumer 0 through these (full / empty barriers);
+        # WIDE has no exchange (a token allocation keeps one argument list)
+        x_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        XR: gl.constexpr = 64 if WIDE else 8 * 64
+        xo = gl.allocate_shared_memory(gl.float32, [XR, HPW], x_l)
+        xml = gl.allocate_shared_memory(gl.float32, [2 * HPW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ECNT: gl.constexpr = 2 if WIDE else 1     # WIDE: a stage is free once both consumers are done with it
+        RCNT: gl.constexpr = 128 if PAGE == 1 else 1   # page 1: one cp.async arrival per producer thread
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=RCNT)
+            mbarrier.init(empty.index(i), count=ECNT)
+            if RB != NS:
+                mbarrier.init(ready.index(NS + i), count=RCNT)
+        mbarrier.init(xbar.index(0), count=1)
+        mbarrier.init(xbar.index(1), count=1)
+        if GROUP:   # each ring stage's [64 tokens, 4] fp32 group scales (TMA boxes of 16-byte rows, or cp.async)
+            sc_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            sbuf = gl.allocate_shared_memory(gl.float32, [NS, 64, GROUPS_C], sc_sl)
+        fence_async_shared()
+        out = OUT
+        lse_out = LSE_OUT
+        # A tuple assigned to a variable turns its constexprs into runtime values; HPW and WIDE must stay
+        # constexpr (layouts, static branches), so the consumers' argument tuples are written out in the call.
+        # NS reaches the consumers as a runtime value, as it always has (the H16 kernel measured on the H200 was
+        # built that way; making it constexpr there is a separate, unmeasured change).
+        zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
+        ns_t = zero + NS
+        if not GROUP:   # placeholders (never read): a partition's argument list takes no None
+            sbuf = pbuf
+            sc_desc = kpe_desc
+            sc_ptr = kpe_ptr
+            stride_sc_row = stride_kpe_row
+        gl.warp_specialize([
+            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
+                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
+                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, sc_ptr,
+                         stride_sc_row, GROUP)),
+            (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
+                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
+            (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
+                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
+                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
+                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
+        ], [4, 4], [REGS, REGS])
+
+
+def kv_descriptors(ckv_cache, kpe_cache):
+    """TMA descriptors over the pool rows: c_kv boxes [64 x 128 B], k_pe boxes [64 x 64 B]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    P, page, _ = ckv_cache.shape
+    kv_l = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    kpe_l = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    rows = min(64, page)   # pages of 16/32 tokens: one box per page
+    kv = TensorDescriptor(ckv_cache, [P * page, DC], [ckv_cache.stride(1), 1], [rows, 128], kv_l)
+    kpe = TensorDescriptor(kpe_cache, [P * page, DK], [kpe_cache.stride(1), 1], [rows, 64], kpe_l)
+    return kv, kpe
+
+
+def scale_descriptor(ckv_scale_arr):
+    """TMA descriptor over the per-token group scales ``[P, page, 4]`` fp32 (fmt ``fp8_e4m3_group``), as rows of
+    16 bytes (one per pool row, like the c_kv boxes): boxes [min(64, page) x 4]. The rows must be one pool with
+    16-byte aligned strides (``scale_rows_ok``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    P, page, g = ckv_scale_arr.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(ckv_scale_arr, [P * page, g], [ckv_scale_arr.stride(1), 1], [min(64, page), g], layout)
+
+
+def scale_rows_ok(ckv_scale_arr) -> bool:
+    """The group scales as TMA reads them: [P, page, 4] fp32, a contiguous last dimension, rows of one pool (page
+    stride = page x row stride) with 16-byte aligned row stride and base."""
+    import torch
+    a = ckv_scale_arr
+    return (a.dim() == 3 and a.shape[2] == GROUPS and a.dtype == torch.float32 and a.stride(2) == 1
+            and a.stride(0) == a.shape[1] * a.stride(1) and a.stride(1) % 4 == 0 and a.data_ptr() % 16 == 0)
+
+
+def launch(build: Sm90Build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, grid: int,
+           grid_batch: int, max_rows: int, num_heads: int, sm_scale: float, merge_p: int = 32, merge_c: int = 128,
+           scale_desc=None):
+    """Decode kernel + merge of one named build (``Sm90Build``: page size, rows per consumer, head groups, wide,
+    multi-token, group scales, fp8_math, ring depth). ``t``: the plan's device arrays (qo_indptr, kv_indptr,
+    kv_indices, kv_len, cta_ptr, item_req, item_t0, item_t1, part_o [items, padded_heads(H), 512] fp32, part_lse
+    [items, padded_heads(H)], m_ptr, m_list, batch_size [1]). ``lse`` is written base 2. ``grid``: CTAs launched;
+    for the wide variant it is slots x nhg, the schedule (``cta_ptr``) having ``grid // nhg`` slots. Multi-token
+    builds read each request's qo_len from qo_indptr on the device (causal aligns its queries to the end);
+    ``max_rows`` is then max_qo x num_heads.
+
+    ``build.stages``: the ring depth, any; at an odd depth the alternating-tile kernel (H <= 16) has one ready
+    barrier per stage and consumer (``ring.ready_slot``).
+
+    ``build.group`` takes ``scale_desc`` (``scale_descriptor``; ``scales`` then holds (1, kpe_scale)): the producer
+    brings each tile's [64, 4] scales with its rows, the scores are one fp32 product per 128-column group times the
+    tokens' scales, and P.V takes P x scale / the group's tile maximum per group (the Triton kernel's KV_GROUP
+    numerics).
+
+    ``build.fp8_math`` (opt-in): S = K.Q^T and O^T += V^T.P^T as e4m3 x e4m3 wgmma: Q as ``FP8_MATH_TERMS`` e4m3
+    terms, K and V^T's bytes straight from the stage (no conversion), P x 2^8 rounded to e4m3 (``P8_SCALE``), the
+    row sums kept from the unrounded P. Error budget rel L2 <= 2e-2, not the default 3e-3. Per-tensor scales
+    only."""
+    b = build
+    if grid % b.nhg:
+        raise ValueError(f"grid: {b.nhg} head groups need a multiple of {b.nhg} CTAs, got {grid}")
+    if b.fp8_math and (b.group or scale_desc is not None):
+        raise ValueError("fp8_math: the e4m3 math runs with per-tensor scales (no group scales, no scale_desc)")
+    if b.group != (scale_desc is not None):
+        raise ValueError(f"scale_desc: the build {'has' if b.group else 'has no'} group scales; got "
+                         f"{'None' if scale_desc is None else 'a descriptor'}")
+    if b.smem() > SMEM_LIMIT:
+        what = "group scales" if b.group else ("fp8_math's Q terms" if b.fp8_math else "the ring")
+        raise ValueError(f"build: {what} at {num_heads} heads and {b.stages} stages need {b.smem()} B of shared "
+                         f"memory, above {SMEM_LIMIT}")
+    if scale_desc is not None and scale_desc.block_shape != [min(64, b.page_size), GROUPS]:
+        raise ValueError(f"scale_desc: expected boxes [{min(64, b.page_size)}, {GROUPS}] (scale_descriptor of a "
+                         f"[P, {b.page_size}, {GROUPS}] array), got {scale_desc.block_shape}")
+    po, pl = t["part_o"], t["part_lse"]
+    rows = 2 * b.hpw * b.nhg if b.wide else HP
+    if po.shape[1] < rows or pl.shape[1] < rows:
+        raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got "
+                         f"{po.shape[1]}/{pl.shape[1]}")
+    # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
+    mla_decode_sm90_kernel[(grid,)](
+        kv_desc, kpe_desc, kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0],
+        q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
+        t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
+        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), **b.constexprs(),
+        **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0]}
+           if scale_desc is not None else {}),
+        num_warps=4)
+    launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
+                 merge_c=merge_c)

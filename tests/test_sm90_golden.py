@@ -1,0 +1,73 @@
+"""Guard of the Hopper decode kernel's SASS: every named build (``fp8mla.kernels.sm90.KNOWN_BUILDS``) compiled for sm_90a
+with this environment's triton must match the golden record of that triton version
+(``tests/golden/sm90_triton-<version>.json``): registers, spills, shared memory, MMA and LDS.U8 counts and the
+SHA-256 of the instruction stream (addresses, branch targets and names stripped). A change that moves the SASS of
+a build is a kernel change: re-record (``python -m devtools.sass record``) in the commit that makes it, and say so.
+
+``sha256_params`` hashes the stream with the constant-bank operands normalized: a change that only removes a kernel
+parameter (the others' offsets move) keeps it, while ``sha256`` changes; such a commit re-records the strict one.
+The compiles run in two child processes (the suite sets TRITON_INTERPRET=1, under which nothing compiles): ~30 s
+on two cores. Under ``CI=true`` a missing Gluon or ptxas fails the test instead of skipping it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from devtools import sass
+
+pytestmark = pytest.mark.compile
+NAMES = sorted(sass.sm90_builds())
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    sass.require_compile_tools()
+    path = sass.golden_path()
+    if not os.path.exists(path):
+        msg = f"no golden SASS record for triton {sass.triton_version()} ({path}): python -m devtools.sass record"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def compiled(golden) -> dict:
+    return sass.compile_many(NAMES)
+
+
+def test_golden_record_covers_every_build(golden):
+    assert sorted(golden["builds"]) == NAMES
+    assert golden["triton"] == sass.triton_version()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_build_sass_matches_golden(golden, compiled, name):
+    got = compiled[name]
+    assert "error" not in got, f"{name}: {got.get('error')}"
+    d = sass.diff(golden["builds"][name], got)
+    assert not d, f"{name} (golden from commit {golden['commit'][:10]}):\n" + "\n".join(d)
+
+
+def test_stream_hash_sees_a_changed_instruction_and_ignores_addresses():
+    """The hash is over the instructions, not where they sit: a shifted address or branch target keeps it, an
+    operand change moves it; the parameter-normalized hash ignores only c[0x0][...] offsets."""
+    a = ("        Function : k\n"
+         "        /*0000*/   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+         "        /*0010*/   @P0 BRA 0x1390 ;   /* 0x0000001000b00947 */\n"
+         "        /*0020*/   CALL.REL.NOINC `(_merge_fn) ;   /* 0x0 */\n"
+         "        /*0030*/   HGMMA.64x16x16.F32 R24, gdesc[UR4], RZ ;   /* 0x0 */\n")
+    moved = a.replace("/*0010*/", "/*0110*/").replace("0x1390", "0x2390").replace("_merge_fn", "_other")
+    assert sass.stream_hash(a) == sass.stream_hash(moved)
+    changed = a.replace("R24", "R26")
+    assert sass.stream_hash(a) != sass.stream_hash(changed)
+    param = a.replace("c[0x0][0x28]", "c[0x0][0x30]")
+    assert sass.stream_hash(a) != sass.stream_hash(param)
+    assert sass.stream_hash(a, params=True) == sass.stream_hash(param, params=True)
+    s = sass.summary(a, "ptxas info : Used 168 registers, 0 bytes spill stores, 0 bytes spill loads", 1024)
+    assert s["mma"] == {"HGMMA": 1, "QGMMA": 0, "HMMA": 0} and s["instructions"] == 4 and s["regs"] == [168]
+    assert s["spills"] == [[0, 0]]
