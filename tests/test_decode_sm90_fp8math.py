@@ -14,6 +14,7 @@ bit-identical reruns, CUDA-graph replay after a re-plan.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -176,12 +177,38 @@ def test_compiles_for_sm90a(heads, page):
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------
+LAUNCH_SIGNATURE = inspect.signature(k.launch)   # the kernel's, taken before any test replaces it
+
+
 def _spy(monkeypatch):
+    """Record ``build.fp8_math`` of every ``k.launch`` (its build, ``Sm90Build``, comes first, positional or by
+    name), then launch."""
     seen = []
     real = k.launch
-    monkeypatch.setattr(k, "launch", lambda *a, **kw: (seen.append(kw.get("fp8_math", False)),
-                                                       real(*a, **kw))[1])
+
+    def spy(*a, **kw):
+        build = LAUNCH_SIGNATURE.bind(*a, **kw).arguments["build"]
+        assert isinstance(build, k.Sm90Build), build
+        seen.append(build.fp8_math)
+        return real(*a, **kw)
+    monkeypatch.setattr(k, "launch", spy)
     return seen
+
+
+def test_spy_reads_the_build(monkeypatch):
+    """The GPU tests' spy sees the launched build's fp8_math, passed positionally or by name (CPU: the launch
+    under it stubbed)."""
+    launched = []
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: launched.append((a, kw)))
+    seen = _spy(monkeypatch)
+    b8, b = k.Sm90Build.for_plan(16, 64, fp8_math=True), k.Sm90Build.for_plan(16, 64)
+    rest = dict(grid=132, grid_batch=1, max_rows=16, num_heads=16, sm_scale=0.1)
+    k.launch(b8, None, None, None, None, None, {}, None, None, **rest)
+    k.launch(build=b, kv_desc=None, kpe_desc=None, q_nope=None, q_pe=None, scales=None, t={}, out=None, lse=None,
+             **rest)
+    assert seen == [True, False] and len(launched) == 2
+    with pytest.raises(AssertionError):
+        k.launch(None, None, None, None, None, None, {}, None, None, **rest)   # no build: the spy says so
 
 
 def _check(b, out, lse, budget=BUDGET):
