@@ -25,6 +25,7 @@ Nothing of transformers' needs patching on the CPU: its eager DSA path is plain 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import random
 
@@ -124,14 +125,28 @@ class HFStack:
         mask = torch.where(keys[None, :] <= pos[:, None], 0.0, -math.inf)[None, None]
         layers, prev = [], None
         for norm, attn in zip(self.norms, self.attns):
+            kw = {cache_keyword(attn): cache}
             if self.glm:
-                o, _, prev = attn(norm(h), cos_sin, mask, cache=cache, prev_topk_indices=prev)
+                o, _, prev = attn(norm(h), cos_sin, mask, prev_topk_indices=prev, **kw)
             else:
-                o, _ = attn(norm(h), cos_sin, mask, cache=cache)
+                o, _ = attn(norm(h), cos_sin, mask, **kw)
                 prev = self.captured
             layers.append((h[0], o[0], prev[0].long()))
             h = h + o
+        # a cache keyword the layer does not know lands in its **kwargs unread: each chunk would then attend to
+        # itself alone (and the indexer's top-k, over the full-length mask, point past the keys)
+        assert cache.get_seq_length() == pos0 + n, (cache.get_seq_length(), pos0 + n)
         return layers
+
+
+def cache_keyword(attn: torch.nn.Module) -> str:
+    """The attention's cache argument by its signature: ``cache`` in transformers 5.24 (which maps the old name to it
+    through a deprecation shim), ``past_key_values`` in older releases such as 5.17 (which know only that one)."""
+    params = inspect.signature(type(attn).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise AssertionError(f"{type(attn).__name__}.forward takes neither cache nor past_key_values: {list(params)}")
 
 
 def load_ours(cfg, hf: HFStack, backend: str = "torch") -> DSAModel:
