@@ -88,8 +88,9 @@ def test_bad_input_is_named():
         _planned(head_dim_ckv=256)
     with pytest.raises(ValueError, match="q_data_type"):
         _planned(q_data_type=torch.float32)
-    with pytest.raises(RuntimeError, match="backend: 'gluon' cannot run on cpu"):
-        fp8mla.MLASparseAttention(backend="gluon").plan(8, 64, 16, 0.1, torch.bfloat16, "fp8_ds_mla")
+    with pytest.raises(RuntimeError, match="backend: 'gluon' cannot run on cpu"):   # (the default device is CUDA
+        fp8mla.MLASparseAttention(backend="gluon").plan(8, 64, 16, 0.1, torch.bfloat16, "fp8_ds_mla",  # on a GPU)
+                                                        device="cpu")
     with pytest.raises(ValueError, match="backend: expected one of"):
         fp8mla.MLASparseAttention(backend="flash")
     with pytest.raises(RuntimeError, match="plan"):
@@ -124,7 +125,12 @@ def test_gluon_plan_refusals_and_auto(monkeypatch):
     assert g._plan.config["gather"] == "regs"
     g.plan(128, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
     assert g.backend == "gluon" and g._plan.config["gather"] == sm90_sparse.DEFAULT_GATHER
+    # the split rule at a pinned SM count (the plan's device is CUDA on a GPU machine, the CPU here): splits fill
+    # twice the SMs, each split walking >= min_split (256) of the 2048 entries
+    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 4)
     assert g.splits_for(1) == 4 and g.splits_for(64) == 1  # 1 token x 2 head groups x 4 splits = 2 x 4 "SMs"
+    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 132)
+    assert g.splits_for(1) == 8 and g.splits_for(2) == 8 and g.splits_for(33) == 4  # 2048 / 256 caps it at 8
     assert sm90_sparse.AUTO_SELECT is False
     assert sparse_mod._gluon_support("auto", 16, fp8mla.formats.get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16,
                                      2048)() == (False, "the gluon sparse build is not auto-selected yet")

@@ -71,7 +71,7 @@ class MLASparseAttention:
         >>> cache.append(0, [s], torch.randn(40, 512), torch.randn(40, 64))
         >>> attn = fp8mla.MLASparseAttention(backend="torch")
         >>> attn.plan(num_heads=8, topk=64, page_size=16, sm_scale=576 ** -0.5, q_data_type=torch.bfloat16,
-        ...           kv_data_type="fp8_ds_mla")
+        ...           kv_data_type="fp8_ds_mla", device=cache.device)
         >>> slots = torch.tensor(cache.pages(s)).repeat_interleave(16) * 16 + torch.arange(48) % 16
         >>> indices = torch.full((1, 64), -1, dtype=torch.int32)
         >>> indices[0, :40] = slots[:40]
@@ -106,7 +106,9 @@ class MLASparseAttention:
                 ``"fp8_e4m3_group"``, ``"bf16"``, ``"fp16"`` or a storage dtype (per-tensor scales for FP8).
             head_dim_ckv, head_dim_kpe: 512 and 64 (the only latent widths the sparse models use).
             num_pages: pool pages, when known: run() then checks the pool against it.
-            device: where run() will get its tensors (default: the current CUDA device, else the CPU).
+            device: where run() will get its tensors (default: the current CUDA device, else the CPU). The
+                plan sees no tensor to take it from, unlike the dense ``plan()``: name it (``cache.device``)
+                whenever the pool may not be on the default device, e.g. a CPU pool on a GPU machine.
             num_splits: fix the number of programs an index row is split over (default: chosen per call
                 from the number of tokens, so that small batches still fill the GPU).
             min_split: fewest index entries one split program walks (a multiple of 64).
