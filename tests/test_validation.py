@@ -334,11 +334,32 @@ def test_int64_block_table_past_int32_is_refused_not_wrapped():
         wrapped[1, 1] += bad
         with pytest.raises(ValueError, match=r"block_table: request 1 references page -?42949672\d\d"):
             PagedLayout.from_block_table(wrapped, lens, 16)
-    # FlashInfer's arrays: the same check, naming kv_indices
-    idx = pb.plan_args["kv_indices"].long().clone()
+    # FlashInfer's arrays: the same check, naming kv_indices. A host check, so host arrays (on a GPU DEVICE is
+    # CUDA, and a device table is not read on the host: test_int64_device_table_is_clamped_not_wrapped)
+    host = make_paged_batch([33, 17], [1, 3], 16, 16, "fp8_e4m3", device="cpu", seed=0)
+    idx = host.plan_args["kv_indices"].long().clone()
     idx[1] += 2**32
     with pytest.raises(ValueError, match=r"kv_indices: request 0 references page 42949672\d\d"):
-        _plan(kv_indices=idx)
+        MLAPagedAttention(backend="torch").plan(**{**host.plan_args, "kv_indices": idx})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device table needs CUDA")
+def test_int64_device_table_is_clamped_not_wrapped(monkeypatch):
+    """The device case of the test above: an int64 CUDA kv_indices is not read on the host (no sync, no refusal
+    without FP8MLA_CHECK=1); its page p + 2**32 becomes int32's largest id (outside every pool, never read), not
+    page p."""
+    from fp8mla.layout import INT32_MAX, PagedLayout
+    monkeypatch.delenv("FP8MLA_CHECK", raising=False)
+    a = make_paged_batch([33, 17], [1, 3], 16, 16, "fp8_e4m3", device="cuda", seed=0).plan_args
+    idx = a["kv_indices"].long().clone()
+    idx[1] += 2**32
+    idx[2] -= 2**32
+    lay = PagedLayout.from_csr(a["qo_indptr"], a["kv_indptr"], idx, a["kv_len_arr"], 16)
+    want = a["kv_indices"].to(torch.int32).clone()
+    want[1], want[2] = INT32_MAX, -INT32_MAX - 1
+    assert lay.kv_indices.dtype == torch.int32 and lay.kv_indices.is_cuda
+    assert torch.equal(lay.kv_indices, want)
+    MLAPagedAttention(backend="torch").plan(**{**a, "kv_indices": idx})   # planned, not refused
 
 
 def test_int64_ids_saturate_on_the_way_to_int32():
