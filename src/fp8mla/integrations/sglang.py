@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from .versions import UnsupportedEngineVersion, check_version
+from .versions import UnsupportedEngineVersion, check_version, require_installed
 
 __all__ = ["BACKEND_NAME", "register", "create_backend"]
 
@@ -39,10 +39,12 @@ def create_backend(runner):
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point (idempotent)."""
+    """The ``sglang.srt.plugins`` entry point (idempotent). Without SGLang installed it raises
+    :class:`fp8mla.integrations.versions.EngineNotInstalled` (an ImportError) saying how to install it."""
     global _registered
     if _registered:
         return
+    require_installed("sglang", "fp8mla.integrations.sglang.register()")
     try:
         check_version("sglang")
     except UnsupportedEngineVersion as e:  # create_backend raises it again, from the backend module
