@@ -35,6 +35,7 @@ def run(checkpoint, backend, kv_cache_dtype, requests, tokens, repeats, profile)
               seed=0)
     prompts = [tiny_deepseek.words([3 + (11 * i + 5 * j) % 500 for j in range(16)]) for i in range(requests)]
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    print(f"{backend}/{kv_cache_dtype}: block size {llm.llm_engine.vllm_config.cache_config.block_size}", flush=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):
@@ -49,7 +50,7 @@ def run(checkpoint, backend, kv_cache_dtype, requests, tokens, repeats, profile)
         pr.enable()
         llm.generate(prompts, sp, use_tqdm=False)
         pr.disable()
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(25); pstats.Stats(pr).sort_stats("tottime").print_stats(20)
     del llm
     gc.collect()
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -67,7 +68,7 @@ def main():
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        ckpt = tiny_deepseek.write_checkpoint(d)
+        ckpt = tiny_deepseek.write_checkpoint(d, max_positions=512)
         res = {}
         for backend, kv in CONFIGS:
             name = backend if backend == "CPU_MLA" else f"{backend}/{kv}"

@@ -284,7 +284,7 @@ def test_fp8mla_member_unpickles_in_a_fresh_process_before_any_plugin_loads():
     code = ("import pickle, sys\n"
             "from vllm.v1.attention.backends.registry import AttentionBackendEnum\n"
             "assert 'FP8MLA' not in AttentionBackendEnum.__members__\n"
-            "m = pickle.loads(sys.stdin.buffer.read())\n"
+            "m = pickle.loads(sys.stdin.buffer.read())[\"backend\"]\n"
             "print(m.name, m.get_path(), m is AttentionBackendEnum['FP8MLA'])\n")
     r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps({"backend": member}), capture_output=True,
                        timeout=300, env={**os.environ, "VLLM_PLUGINS": ""})

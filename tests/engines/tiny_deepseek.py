@@ -25,7 +25,7 @@ def words(ids) -> str:
     return " ".join(f"w{i - len(SPECIALS)}" for i in ids)
 
 
-def write_checkpoint(path, *, kv_lora_rank: int = 512, seed: int = 1234) -> str:
+def write_checkpoint(path, *, kv_lora_rank: int = 512, max_positions: int = 256, seed: int = 1234) -> str:
     """Writes the model and its tokenizer under ``path``; returns ``str(path)``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -37,7 +37,7 @@ def write_checkpoint(path, *, kv_lora_rank: int = 512, seed: int = 1234) -> str:
                            num_key_value_heads=NUM_HEADS, n_shared_experts=1, n_routed_experts=4,
                            num_experts_per_tok=2, first_k_dense_replace=NUM_LAYERS, q_lora_rank=None,
                            kv_lora_rank=kv_lora_rank, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-                           max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.1,
+                           max_position_embeddings=max_positions, rope_theta=10000.0, initializer_range=0.1,
                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
