@@ -265,3 +265,54 @@ def test_plugin_entry_point_registers_the_backend_and_routes_the_cpu_platform():
     assert CpuPlatform.get_attn_backend_cls(member, Sel()) == member.get_path()
     # any other MLA selection keeps vLLM's own choice
     assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CPU_MLA, Sel()).endswith("CPUMLABackend")
+
+
+def test_fp8mla_member_unpickles_in_a_fresh_process_before_any_plugin_loads():
+    """vLLM's CPU platform spawns its engine core and workers: they unpickle the config (which names the
+    selected backend) before vLLM loads plugins there. A fresh interpreter stands for that process."""
+    import pickle
+    import subprocess
+    import sys
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from fp8mla.integrations import vllm as plugin
+    plugin.register()
+    member = AttentionBackendEnum["FP8MLA"]
+    assert pickle.loads(pickle.dumps(member)) is member
+    assert pickle.loads(pickle.dumps(AttentionBackendEnum.CPU_MLA)) is AttentionBackendEnum.CPU_MLA  # untouched
+    code = ("import pickle, sys\n"
+            "from vllm.v1.attention.backends.registry import AttentionBackendEnum\n"
+            "assert 'FP8MLA' not in AttentionBackendEnum.__members__\n"
+            "m = pickle.loads(sys.stdin.buffer.read())[\"backend\"]\n"
+            "print(m.name, m.get_path(), m is AttentionBackendEnum['FP8MLA'])\n")
+    r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps({"backend": member}), capture_output=True,
+                       timeout=300, env={**os.environ, "VLLM_PLUGINS": ""})
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert r.stdout.decode().split()[-3:] == ["FP8MLA", plugin.BACKEND_PATH, "True"]
+
+
+def test_cpu_platform_refuses_fp8mla_for_non_mla_models_and_unsupported_widths():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from fp8mla.integrations import vllm as plugin
+    from fp8mla.integrations.vllm_backend import latent_width_error
+    plugin.register()
+    member = AttentionBackendEnum["FP8MLA"]
+
+    class Sel:
+        use_mla, use_sparse, head_size = False, False, 128
+
+    with pytest.raises(ValueError, match=r"FP8MLA: fp8mla implements MLA attention only.*does not use MLA"):
+        CpuPlatform.get_attn_backend_cls(member, Sel())
+    Sel.use_mla, Sel.head_size = True, 448
+    with pytest.raises(ValueError, match=r"FP8MLA: latent width 448 is not supported.*320, 512, 576"):
+        CpuPlatform.get_attn_backend_cls(member, Sel())
+    Sel.head_size = 576
+    assert CpuPlatform.get_attn_backend_cls(member, Sel()) == plugin.BACKEND_PATH
+    assert latent_width_error(576) is None and latent_width_error(320) is None
+    assert "kv_lora_rank 384 + rope 64" in latent_width_error(448, 384)
+    # without FP8MLA, a non-MLA model keeps vLLM's own choice
+    Sel.use_mla = False
+    assert CpuPlatform.get_attn_backend_cls(None, Sel()).endswith("CPUAttentionBackend")

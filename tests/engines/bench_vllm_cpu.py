@@ -1,0 +1,86 @@
+"""CPU decode speed of FP8MLA against vLLM's stock CPU backend (the figure in docs/engines.md, "CPU speed").
+
+    .venv-vllm/bin/python tests/engines/bench_vllm_cpu.py [--profile]
+
+The tiny DeepSeek-V2 of tiny_deepseek.py in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager), 8
+requests x 256 greedy tokens (ignore_eos), after a warm-up run; wall time of ``generate`` per configuration,
+best of ``--repeats``. ``--profile`` prints where FP8MLA's run spends its time (cProfile, top 25 by cumulative).
+Not collected by pytest (no ``test_`` prefix): a measurement, not a check.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_deepseek  # noqa: E402
+
+CONFIGS = [("CPU_MLA", "auto"), ("FP8MLA", "auto"), ("FP8MLA", "fp8")]
+
+
+def run(checkpoint, backend, kv_cache_dtype, requests, tokens, repeats, profile):
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=checkpoint, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, attention_backend=backend,
+              max_model_len=512, max_num_seqs=requests, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              seed=0)
+    prompts = [tiny_deepseek.words([3 + (11 * i + 5 * j) % 500 for j in range(16)]) for i in range(requests)]
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    print(f"{backend}/{kv_cache_dtype}: block size {llm.llm_engine.vllm_config.cache_config.block_size}", flush=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    if profile and backend == "FP8MLA":
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        llm.generate(prompts, sp, use_tqdm=False)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(25); pstats.Stats(pr).sort_stats("tottime").print_stats(20)
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", choices=["CPU_MLA", "FP8MLA/auto", "FP8MLA/fp8"], action="append")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = tiny_deepseek.write_checkpoint(d, max_positions=512)
+        res = {}
+        for backend, kv in CONFIGS:
+            name = backend if backend == "CPU_MLA" else f"{backend}/{kv}"
+            if a.only and name not in a.only:
+                continue
+            res[name] = run(ckpt, backend, kv, a.requests, a.tokens, a.repeats, a.profile)
+            print(f"{name:12s} {a.requests} x {a.tokens} tokens: best {min(res[name]):.2f} s "
+                  f"(runs {', '.join(f'{t:.2f}' for t in res[name])})", flush=True)
+    if "CPU_MLA" in res:
+        for name, t in res.items():
+            print(f"{name:12s} {min(t) / min(res['CPU_MLA']):.2f}x the stock CPU_MLA/bf16 time")
+
+
+if __name__ == "__main__":
+    main()
