@@ -4,7 +4,10 @@ ptxas and cuobjdump come with the triton wheel (``triton/backends/nvidia/bin``).
 spills, shared memory, MMA counts (HGMMA / QGMMA / HMMA), byte-wise shared loads (``LDS.U8``) and a SHA-256 of the
 instruction stream with addresses, branch targets, labels and function names stripped (``stream_hash``), plus a
 second hash with the constant-bank parameter offsets (``c[0x0][...]``) normalized too, which stays the same when a
-kernel parameter is removed and the others move.
+kernel parameter is removed and the others move, and a third with the register numbers normalized
+(``sha256_regs``: every opcode and every other operand kept), which the guard requires instead of the first two for
+the builds ``REGISTER_RENUMBERING`` names: where this triton's ptxas numbers their registers differently from one
+compile of the same PTX to the next.
 
     python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
     python -m devtools.sass check             # compare them with the golden file of this triton
@@ -134,6 +137,9 @@ _CONTROL = ("BRA", "BRX", "BSSY", "CALL", "JMP", "JMX", "RET", "BREAK", "SSY", "
 _HEX = re.compile(r"0x[0-9a-f]+")
 _NAME = re.compile(r"`\([^)]*\)")          # `(label or function name)
 _CBANK = re.compile(r"c\[0x0\]\[[^\]]*\]")   # kernel parameters and driver constants in bank 0
+# a numbered register operand: R, UR (uniform), P, UP (predicates), B (convergence barriers); RZ, URZ, PT, UPT
+# carry no number and stay
+_REG = re.compile(r"\b(U?R|U?P|B)\d+\b")
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -155,10 +161,21 @@ def opcode(text: str) -> str:
     return m.group(1) if m else text.split()[0]
 
 
-def normalized_stream(sass: str, params: bool = False) -> list[str]:
+def _strip_register_numbers(text: str) -> str:
+    """``R24`` -> ``R``, ``UR5`` -> ``UR``, ``@!P0`` -> ``@!P`` ...; the opcode itself is left alone (``.B32``
+    and such are types, not registers)."""
+    m = _OPCODE.match(text)
+    if not m:
+        return _REG.sub(r"\1", text)
+    s, e = m.span(1)
+    return _REG.sub(r"\1", text[:s]) + text[s:e] + _REG.sub(r"\1", text[e:])
+
+
+def normalized_stream(sass: str, params: bool = False, regs: bool = False) -> list[str]:
     """The instruction stream with what moves without the code changing stripped: addresses, branch and call
     targets (hex or named), labels and function names. ``params``: also every ``c[0x0][...]`` operand (kernel
-    parameter offsets move when a parameter is added or removed)."""
+    parameter offsets move when a parameter is added or removed). ``regs``: also every register number (ptxas's
+    allocation; the opcodes, immediates, memory offsets and constant-bank operands stay)."""
     out = []
     for _, text in instructions(sass):
         text = _NAME.sub("`()", text)
@@ -166,12 +183,14 @@ def normalized_stream(sass: str, params: bool = False) -> list[str]:
             text = _HEX.sub("ADDR", text)
         if params:
             text = _CBANK.sub("c[0x0][P]", text)
+        if regs:
+            text = _strip_register_numbers(text)
         out.append(text)
     return out
 
 
-def stream_hash(sass: str, params: bool = False) -> str:
-    return hashlib.sha256("\n".join(normalized_stream(sass, params)).encode()).hexdigest()
+def stream_hash(sass: str, params: bool = False, regs: bool = False) -> str:
+    return hashlib.sha256("\n".join(normalized_stream(sass, params, regs)).encode()).hexdigest()
 
 
 def op_counts(sass: str) -> collections.Counter:
@@ -209,7 +228,7 @@ def summary(sass: str, ptxas_v: str, smem: int) -> dict:
     return {"regs": [int(r) for r in re.findall(r"Used (\d+) registers", ptxas_v)], "spills": spills,
             "smem": int(smem), "mma": mma_counts(ops), "lds_u8": ops.get("LDS.U8", 0),
             "instructions": sum(ops.values()), "sha256": stream_hash(sass),
-            "sha256_params": stream_hash(sass, params=True)}
+            "sha256_params": stream_hash(sass, params=True), "sha256_regs": stream_hash(sass, regs=True)}
 
 
 def analyse(k) -> dict:
@@ -409,9 +428,35 @@ def golden_path(version: str | None = None) -> str:
     return os.path.join(GOLDEN_DIR, f"sm90_triton-{version or triton_version()}.json")
 
 
-def diff(want: dict, got: dict) -> list[str]:
-    """The fields where one build's summary differs from its golden one."""
-    return [f"{key}: golden {want.get(key)!r}, now {got.get(key)!r}" for key in sorted(set(want) | set(got))
+# Builds whose register numbers this triton's ptxas does not reproduce: {triton version: {build: why}}. For them the
+# guard compares sha256_regs (and every count) instead of sha256 and sha256_params; every other build keeps the
+# strict hashes. Only where it was seen, with the evidence: a build is named here after two compiles of the same
+# tree differ.
+REGISTER_RENUMBERING = {
+    "3.6.0": {
+        name: "triton 3.6.0's ptxas gives a different cubin from the same PTX from one fresh compile to the next "
+              "(group_h16: three fresh compiles of one tree, byte-identical PTX, three SASS hashes; group_h128: "
+              "three compiles of one tree, on the H200 and on a CPU, three hashes; fp8_math_h16: two fresh compiles, "
+              "at 4542871 and at 8cf2646, and the record's, three hashes); the streams differ only in register "
+              "numbers (group: which of R192..R201 a value gets), opcodes, counts, spills and every other operand "
+              "the same"
+        for name in ("group_h16", "group_h128", "fp8_math_h16")},
+}
+_STRICT = ("sha256", "sha256_params")
+
+
+def renumbering(name: str, version: str | None = None) -> str | None:
+    """Why build ``name``'s register numbers are not reproducible under this triton, or None (strict)."""
+    return REGISTER_RENUMBERING.get(version or triton_version(), {}).get(name)
+
+
+def diff(want: dict, got: dict, renumbered: bool = False) -> list[str]:
+    """The fields where one build's summary differs from its golden one; ``renumbered``: not the strict hashes
+    (``REGISTER_RENUMBERING``), which then keeps sha256_regs required."""
+    keys = sorted(set(want) | set(got))
+    if renumbered:
+        keys = [k for k in keys if k not in _STRICT]
+    return [f"{key}: golden {want.get(key)!r}, now {got.get(key)!r}" for key in keys
             if want.get(key) != got.get(key)]
 
 
@@ -470,8 +515,10 @@ def main(argv=None):
         golden = json.load(f)["builds"]
     failed = 0
     for n in sorted(sm90_builds()):
-        d = diff(golden.get(n, {}), res[n])
-        print(f"{n}: {'same' if not d else 'DIFFERS'}")
+        why = renumbering(n)
+        d = diff(golden.get(n, {}), res[n], renumbered=why is not None)
+        note = " (registers renumbered: sha256_regs, not the strict hashes)" if why else ""
+        print(f"{n}: {'same' if not d else 'DIFFERS'}{note}")
         for line in d:
             print("   ", line)
         failed += bool(d)

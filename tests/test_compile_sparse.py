@@ -1,6 +1,6 @@
 """The Triton sparse kernel (kernels/sparse_decode.py) and its split merge compiled for sm_80, sm_89, sm_90a and
-sm_120 without a GPU, in the configuration ``launch_config`` picks there, with scripts/compile_kernels.py's
-helpers (ptxas / cuobjdump from the triton wheel): no spills and no byte-wise shared loads (``LDS.U8``) in any
+sm_120 without a GPU, in the configuration ``launch_config`` picks there, with devtools/triton_targets.py's helpers
+(ptxas / cuobjdump from the triton wheel): no spills and no byte-wise shared loads (``LDS.U8``) in any
 loop on the portable targets, shared memory within what each target gives one block. sm_90a's default (the dense
 decode's H200 tile) is checked to compile and fit; it may spill, as the dense decode's does.
 
@@ -19,10 +19,9 @@ if __name__ != "__main__":
     triton = pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "..", "scripts", "compile_kernels.py")
-_spec = importlib.util.spec_from_file_location("compile_kernels", SCRIPT)
-ck = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ck)
+if __name__ == "__main__":   # the compile child runs this file as a script: devtools is at the repository root
+    sys.path.insert(0, os.path.dirname(HERE))
+from devtools import triton_targets as ck  # noqa: E402
 
 PORTABLE = (80, 89, 120)
 # (format, heads): GLM-5's record at 8-16 heads per GPU (TP) and 64 (DP attention; V3.2's 128 gets the same

@@ -5,9 +5,8 @@ one block's limit, and the spills bounded (triton 3.9: 255 registers; the defaul
 a few LDL and no STL inside the tile loop; "regs" 16 B, none in the loop; "prefetch" ~480 B, checked only to
 compile). The GPU check is lab/scripts/sparse_gluon_device.py.
 
-Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles). The
-compile helpers come from devtools/sass.py where it exists, else scripts/compile_kernels.py (both name the
-same ``analyse`` / ``loop_bodies`` / ``tools_present``)."""
+Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles), with
+devtools/sass.py's ``analyse`` / ``loop_bodies`` / ``tools_present``."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +22,11 @@ if __name__ != "__main__":
     pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..")
+ROOT = os.path.dirname(HERE)
+if __name__ == "__main__":   # the compile child runs this file as a script: devtools is at the repository root
+    sys.path.insert(0, ROOT)
+from devtools import sass as ck  # noqa: E402
+
 KERNEL = os.path.join(ROOT, "src", "fp8mla", "kernels", "sm90", "sparse.py")
 
 
@@ -35,16 +38,6 @@ def _load(name, path):
     return mod
 
 
-def _helpers():
-    for rel in (("devtools", "sass.py"), ("scripts", "compile_kernels.py")):
-        path = os.path.join(ROOT, *rel)
-        if os.path.exists(path):
-            return _load("_sparse_gluon_helpers", path)
-    raise FileNotFoundError("neither devtools/sass.py nor scripts/compile_kernels.py")
-
-
-ck = _helpers()
-
 # Argument types of a real launch: contiguous bf16 [n, H, 512] / [n, H, 64] queries, the record pool's three views,
 # int32 index rows of topk % 64 == 0 entries. Ints the launcher sees divisible by 16 get that hint; the lse rows
 # (H = 8) and partial-lse rows are not; stride_lse_h is 1 (triton makes it a constant).
@@ -52,8 +45,7 @@ _PTR = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*f
         "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
 _DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
           "stride_o_h", "stride_po_i", "stride_po_h"}
-# the opcode of a loop-body line: scripts/compile_kernels.py keeps cuobjdump's "/*addr*/" prefix, devtools/sass.py
-# strips it
+# the opcode of a loop-body line (devtools/sass.py strips cuobjdump's "/*addr*/" prefix; the pattern takes either)
 _OPCODE = re.compile(r"^\s*(?:/\*[0-9a-f]{4,}\*/\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
 CASES = {"async-split": dict(SPLIT=True, GATHER=2), "async-nosplit": dict(SPLIT=False, GATHER=2),
          "regs-split": dict(SPLIT=True, GATHER=0), "prefetch-split": dict(SPLIT=True, GATHER=1)}

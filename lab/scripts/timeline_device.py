@@ -1,7 +1,7 @@
 """Where a consumer's tile goes (kernel log 21's measurement): the Gluon decode kernel built with its timing probe
 (``launch(timeline=...)``: each consumer stamps its SM's clock64 at six points of each tile) on the H200.
 
-    PYTHONPATH=$PWD/src python3 scripts/timeline_device.py [--out DIR]
+    PYTHONPATH=$PWD/src python3 lab/scripts/timeline_device.py [--out DIR]
 
 Phases per tile (cycles, median and 90th percentile over every recorded tile of every CTA and consumer):
   ready  stamp 0 -> 1   waiting on the ring's ready barrier (the data)
