@@ -10,7 +10,8 @@
 #   WHEEL_DIR (default .whl): pytest-xdist / execnet / hypothesis wheels, installed with --no-index when the
 #   machine lacks them (the device has no network). Prints one summary line per part and a failure list;
 #   OUTDIR gets each part's verbose log and, for grid, passed_ids.txt (feed it back as DONE_IDS).
-# Env: SUITE_TIMEOUT (s per part, default 530), WORKERS (per part, default 15), DONE_IDS.
+# Env: SUITE_TIMEOUT (s per part, default 530), WORKERS (per part, default 15), DONE_IDS, SHARDS (grid parts,
+# default 2).
 set -u
 out=${1:-out/gpu_suite}
 phase=${2:-files}
@@ -63,8 +64,10 @@ if [ "$phase" = files ]; then
   part B $g1 "${b[@]}" &
   wait
 else
-  export SHARDS=2
-  for s in 0 1; do
+  # SHARDS parts (default 2: one per GPU of an x2, both on the one GPU otherwise), each with WORKERS workers;
+  # SHARDS=1 runs one part with all the workers (a remainder call with DONE_IDS).
+  export SHARDS=${SHARDS:-2}
+  for s in $(seq 0 $(( SHARDS - 1 ))); do
     SHARD=$s part grid$s $(( s % (ngpu >= 2 ? 2 : 1) )) $G::test_batch1_h16 $G::test_batched_h16 \
         $G::test_batch1_h128 $G::test_batched_h128 &
   done
