@@ -9,6 +9,8 @@
 # Device call (repo root):  bash scripts/flashinfer_swap/run.sh "$OUT"   with carry [".whl", ".fi_tests"]
 # FI_MODES="flashinfer fp8mla" (default) picks the runs; one of them alone fits a shorter call. FI_CONTRACT=0
 # skips fp8mla's own tests/test_flashinfer_contract.py, which otherwise runs last, in what is left of the budget.
+# FI_RUN_CAP (s, default 240) caps each test run on top of FI_BUDGET: raise both for a call that has the time to
+# finish the whole selection in one mode (e.g. FI_MODES=fp8mla FI_BUDGET=330 FI_RUN_CAP=320 in a 6-minute call).
 set -u
 root=$(pwd)
 here=$root/scripts/flashinfer_swap
@@ -49,12 +51,13 @@ for mode in $modes; do
   swap=0; [ "$mode" = fp8mla ] && swap=1
   reserve=10; [ "${FI_CONTRACT:-1}" = 1 ] && reserve=40      # seconds kept for what comes after this run
   [ "$mode" = flashinfer ] && case " $modes " in *" fp8mla "*) reserve=$(( reserve + 100 )) ;; esac
-  FI_SWAP=$swap timeout -s INT -k 10 "$(left $reserve 240)" python3 -m pytest -q -p fi_swap --tb=line -rfE \
+  cap=$(left $reserve "${FI_RUN_CAP:-240}")
+  FI_SWAP=$swap timeout -s INT -k 10 "$cap" python3 -m pytest -q -p fi_swap --tb=line -rfE \
     fi_pre_nope/test_deepseek_mla.py fi_nope/test_deepseek_mla.py --junitxml="$out/$mode.xml" \
     > "$out/$mode.txt" 2>&1
   echo "exit $? ($mode)" >> "$out/$mode.txt"
   tail -n 4 "$out/$mode.txt"
-  step "$mode run done"
+  step "$mode run done (cap $cap s)"
 done
 cd "$root"
 if [ "${FI_CONTRACT:-1}" = 1 ]; then  # fp8mla's own contract tests on the GPU, with what is left
