@@ -70,6 +70,15 @@ def reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, nreq):
     return compare(out[:n], ref).rel_l2
 
 
+def _why(e: Exception, head: int = 200, tail: int = 400) -> str:
+    """An exception for the log: its type and message, long ones cut in the middle (a FlashInfer JIT build error
+    says what failed at its end, a plan refusal at its start: keep both)."""
+    msg = " ".join(str(e).split())
+    if len(msg) > head + tail + 5:
+        msg = f"{msg[:head]} [...] {msg[-tail:]}"
+    return f"{type(e).__name__}: {msg}"
+
+
 def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, out, lse):
     import flashinfer  # noqa: F401 - imported here: optional
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -165,8 +174,8 @@ def main(args) -> int:
                                 runners[f"flashinfer {be}"] = _flashinfer_runner(
                                     be, plan_args, H, fmt.storage_dtype, q_nope, q_pe, ckv, kpe, out, lse)
                             except Exception as e:  # noqa: BLE001 - record and go on
-                                print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: "
-                                      f"{type(e).__name__}: {str(e)[:160]}")
+                                print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: not planned: "
+                                      f"{_why(e)}", flush=True)
                     for name, fn in runners.items():
                         try:
                             out.fill_(float("nan"))
@@ -175,8 +184,7 @@ def main(args) -> int:
                             err = reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, args.err_requests)
                             ms = time_ms(fn, reps=args.reps)
                         except Exception as e:  # noqa: BLE001
-                            print(f"  {name} {fmt_name} H{H} B{B} L{L} page{page}: {type(e).__name__}: "
-                                  f"{str(e)[:200]}")
+                            print(f"  {name} {fmt_name} H{H} B{B} L{L} page{page}: failed: {_why(e)}", flush=True)
                             continue
                         from ..kernels import decode as _dec
                         ck = _dec.LAST_COMPILED if name.startswith("fp8mla") and "gluon" not in name else None
