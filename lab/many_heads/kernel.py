@@ -17,6 +17,9 @@ One CTA per (request, KV split, 64-head group); 12 warps in three roles (warp sp
   columns of ``k16``). Softmax in fp32 with exp2; the running maximum is the same in both consumers, the row sums
   are per consumer (its tokens) and added at the end.
 
+The ``conv2`` build (16 warps) adds a second converter warpgroup (``_converter_b``: chunks 4-7) beside the first
+(chunks 8, 0-3 and the TMA), each with its own fence + barrier + arrive per round (design.md, "conv2: prediction").
+
 Numerics (the product's default): FP8 e4m3 -> fp16 is exact; Q x (per-tensor scale) x f (f a power of two per
 head, the largest |q| near 2^14) rounded once to fp16; fp16 MMAs accumulate in fp32; P in fp16; the scores are
 multiplied by sm_scale x log2(e) / f per row, the output by ckv_scale.
