@@ -3,7 +3,7 @@ kernel and FlashInfer fa3 on a BF16 pool, with the read-bandwidth and bf16 matmu
 
     PYTHONPATH=$PWD/src python3 lab/many_heads/check_device.py            # on the GPU; JSON to $OUT
     PYTHONPATH=$PWD/src python3 lab/many_heads/check_device.py --dry-run  # on a CPU: what can run there
-    ... --builds best,conv2          # only these builds (checks and timings), beside the product (and fa3)
+    ... --builds best,conv2,conv2s   # only these builds (checks and timings), beside the product (and fa3)
 
 Fails soft: a case that does not compile or is wrong is reported and the rest still runs; the JSON is rewritten
 after every step. The dry run checks the float64 reference (against an independent form of the same sum), that the
@@ -160,9 +160,12 @@ BUILDS = {"prototype": dict(owner=False), "prototype owner": dict(owner=True),  
           "owner release pair": dict(owner=True, release=True, pair=True, regs=224),
           # two converter warpgroups in parallel (A: 8, (0, 1), (2, 3) + the TMA; B: (4, 5), (6, 7)); 16 warps:
           # consumers 208, each converter 48 registers (224 / 32 and 216 / 40 spill in the converters)
-          "conv2": dict(owner=True, release=True, pair=True, conv2=True, regs=208)}
+          "conv2": dict(owner=True, release=True, pair=True, conv2=True, regs=208),
+          # ... with one chunk per round (A: 8, 0, 1, 2, 3; B: 4, 5, 6, 7): no chunk waits for its neighbour's release
+          "conv2 single": dict(owner=True, release=True, pair=True, conv2=True, conv2_chunks=1, regs=208)}
 BUILD_ALIASES = {"prototype": "prototype", "owner": "prototype owner", "release": "owner release",
-                 "pair": "owner release pair", "best": "owner release pair", "conv2": "conv2"}
+                 "pair": "owner release pair", "best": "owner release pair", "conv2": "conv2",
+                 "conv2s": "conv2 single"}
 
 
 def select_builds(spec):
@@ -382,9 +385,9 @@ def time_shape(device, H, B, L, read, mm, flush, reps, fi_pass):
 
 def table():
     names = list(BUILDS) + ["fp8mla gluon", "flashinfer fa3 bf16"]
-    both = "conv2" in BUILDS and "owner release pair" in BUILDS
+    vs_pair = [b for b in ("conv2", "conv2 single") if b in BUILDS and "owner release pair" in BUILDS]
     lines = ["| shape | floor ms | " + " | ".join(names) + " | fa3 / best proto | fp8mla / best proto |"
-             + (" conv2 / pair |" if both else ""), "|---" * (len(names) + 4 + both) + "|"]
+             + "".join(f" {b} / pair |" for b in vs_pair), "|---" * (len(names) + 4 + len(vs_pair)) + "|"]
     for r in RESULTS["timings"]:
         ms = {n: r.get(n, {}).get("ms") for n in names}
         cells = []
@@ -396,9 +399,8 @@ def table():
         p = min([ms[b] for b in BUILDS if ms[b]], default=None)
         g, f = ms["fp8mla gluon"], ms["flashinfer fa3 bf16"]
         ratio = [f"{x / p:.2f}x" if p and x else "-" for x in (f, g)]
-        if both:   # the new build against the best one of run 2
-            c2, pr = ms["conv2"], ms["owner release pair"]
-            ratio.append(f"{c2 / pr:.3f}" if c2 and pr else "-")
+        for c2 in vs_pair:   # the new builds against the best one of run 2
+            ratio.append(f"{ms[c2] / ms['owner release pair']:.3f}" if ms[c2] and ms["owner release pair"] else "-")
         lines.append(f"| H{r['H']} B{r['B']} L{r['L']} | {r['floor_ms']:.4f} | " + " | ".join(cells + ratio) + " |")
     return "\n".join(lines)
 
@@ -494,7 +496,8 @@ def dry_run():
                    str(e)[:90])
     for bad, kw in (("release", dict(release=True)), ("pair", dict(owner=True, pair=True)),
                     ("conv2", dict(owner=True, release=True, conv2=True)),
-                    ("regs", dict(owner=True, release=True, pair=True, conv2=True, regs=240))):
+                    ("regs", dict(owner=True, release=True, pair=True, conv2=True, regs=240)),
+                    ("conv2_chunks", dict(owner=True, release=True, pair=True, conv2=True, conv2_chunks=3, regs=208))):
         try:
             mh.decode(*args, sm_scale=SM_SCALE, **kw)
             report(f"decode refuses {kw}", False, "no error")
@@ -537,7 +540,8 @@ def dry_run():
     pm_kw = {"prototype": dict(owner=False), "prototype owner": dict(owner=True),
              "owner release": dict(owner=True, release=True),
              "owner release pair": dict(owner=True, release=True, pair=True),
-             "conv2": dict(owner=True, release=True, pair=True, conv2=True)}
+             "conv2": dict(owner=True, release=True, pair=True, conv2=2),
+             "conv2 single": dict(owner=True, release=True, pair=True, conv2=1)}
     for build in BUILDS:
         try:
             for n in (0, 1, 2, 3, 5):
@@ -546,14 +550,14 @@ def dry_run():
             report(f"protocol model: {build}, 100 interleavings", True)
         except pm.Violation as e:
             report(f"protocol model: {build}, 100 interleavings", False, str(e)[:120])
-    if "conv2" in BUILDS:   # its control: converter A refilling a stage converter B may still read
+    for build in [b for b in ("conv2", "conv2 single") if b in BUILDS]:   # converter A refilling a stage B reads
         found = 0
         for seed in range(50):
             try:
-                pm.run(5, seed=seed, **pm_kw["conv2"], drop_stage_wait=True)
+                pm.run(5, seed=seed, **pm_kw[build], drop_stage_wait=True)
             except pm.Violation:
                 found += 1
-        report("protocol model control: conv2 without the stage_free wait fails", found > 0, f"{found} of 50")
+        report(f"protocol model control: {build} without the stage_free wait fails", found > 0, f"{found} of 50")
     report("pick_splits covers the SMs", [mh.pick_splits(B, H, t) for B, H, t in ((64, 128, 128), (8, 128, 128),
                                                                                    (1, 128, 512), (1, 64, 512))]
            == [1, 8, 66, 128])
@@ -571,7 +575,7 @@ def main():
     ap.add_argument("--checks-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--builds", default=",".join(BUILDS),
                     help="comma-separated builds to check and time (aliases: prototype, owner, release, pair = best, "
-                         "conv2); default all")
+                         "conv2, conv2s = conv2 single); default all")
     a = ap.parse_args()
     select_builds(a.builds)
     RESULTS["env"]["builds"] = list(BUILDS)
