@@ -584,7 +584,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
     if conv2 and conv2_chunks not in (1, 2):
         raise ValueError(f"conv2_chunks: expected 1 or 2 chunks per converter round, got {conv2_chunks}")
     if conv2 and not (160 <= regs <= 232 and regs % 8 == 0):
-        raise ValueError(f"regs: conv2 needs a multiple of 8 in [160, 232] (256 - regs >= 24 per converter), got {regs}")
+        raise ValueError(f"regs: conv2 needs a multiple of 8 in [160, 232] (256 - regs >= 24 per converter), "
+                         f"got {regs}")
     if smem_bytes(ns) > SMEM_LIMIT:
         raise ValueError(f"ns: {ns} stages need {smem_bytes(ns)} B of shared memory, over {SMEM_LIMIT}")
     if max_kv_len is None:
