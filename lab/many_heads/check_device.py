@@ -3,6 +3,7 @@ kernel and FlashInfer fa3 on a BF16 pool, with the read-bandwidth and bf16 matmu
 
     PYTHONPATH=$PWD/src python3 lab/many_heads/check_device.py            # on the GPU; JSON to $OUT
     PYTHONPATH=$PWD/src python3 lab/many_heads/check_device.py --dry-run  # on a CPU: what can run there
+    ... --builds best,conv2,conv2s   # only these builds (checks and timings), beside the product (and fa3)
 
 Fails soft: a case that does not compile or is wrong is reported and the rest still runs; the JSON is rewritten
 after every step. The dry run checks the float64 reference (against an independent form of the same sum), that the
@@ -156,7 +157,28 @@ BUILDS = {"prototype": dict(owner=False), "prototype owner": dict(owner=True),  
           # converter gets 56 registers (no spill with the per-chunk waits)
           "owner release": dict(owner=True, release=True, regs=224),
           # ... and two chunks per converter fence + barrier round
-          "owner release pair": dict(owner=True, release=True, pair=True, regs=224)}
+          "owner release pair": dict(owner=True, release=True, pair=True, regs=224),
+          # two converter warpgroups in parallel (A: 8, (0, 1), (2, 3) + the TMA; B: (4, 5), (6, 7)); 16 warps:
+          # consumers 208, each converter 48 registers (224 / 32 and 216 / 40 spill in the converters)
+          "conv2": dict(owner=True, release=True, pair=True, conv2=True, regs=208),
+          # ... with one chunk per round (A: 8, 0, 1, 2, 3; B: 4, 5, 6, 7): no chunk waits for its neighbour's release
+          "conv2 single": dict(owner=True, release=True, pair=True, conv2=True, conv2_chunks=1, regs=208)}
+BUILD_ALIASES = {"prototype": "prototype", "owner": "prototype owner", "release": "owner release",
+                 "pair": "owner release pair", "best": "owner release pair", "conv2": "conv2",
+                 "conv2s": "conv2 single"}
+
+
+def select_builds(spec):
+    """--builds: comma-separated names or aliases (best = the owner release pair build); keeps BUILDS' order."""
+    want = set()
+    for w in (x.strip() for x in spec.split(",") if x.strip()):
+        name = BUILD_ALIASES.get(w, w)
+        if name not in BUILDS:
+            raise SystemExit(f"--builds: expected names from {sorted(set(BUILD_ALIASES) | set(BUILDS))}, got {w!r}")
+        want.add(name)
+    for name in list(BUILDS):
+        if name not in want:
+            del BUILDS[name]
 
 
 def run_checks(device, seed0=1000):
@@ -363,8 +385,9 @@ def time_shape(device, H, B, L, read, mm, flush, reps, fi_pass):
 
 def table():
     names = list(BUILDS) + ["fp8mla gluon", "flashinfer fa3 bf16"]
-    lines = ["| shape | floor ms | " + " | ".join(names) + " | fa3 / best proto | fp8mla / best proto |",
-             "|---" * (len(names) + 4) + "|"]
+    vs_pair = [b for b in ("conv2", "conv2 single") if b in BUILDS and "owner release pair" in BUILDS]
+    lines = ["| shape | floor ms | " + " | ".join(names) + " | fa3 / best proto | fp8mla / best proto |"
+             + "".join(f" {b} / pair |" for b in vs_pair), "|---" * (len(names) + 4 + len(vs_pair)) + "|"]
     for r in RESULTS["timings"]:
         ms = {n: r.get(n, {}).get("ms") for n in names}
         cells = []
@@ -376,6 +399,8 @@ def table():
         p = min([ms[b] for b in BUILDS if ms[b]], default=None)
         g, f = ms["fp8mla gluon"], ms["flashinfer fa3 bf16"]
         ratio = [f"{x / p:.2f}x" if p and x else "-" for x in (f, g)]
+        for c2 in vs_pair:   # the new builds against the best one of run 2
+            ratio.append(f"{ms[c2] / ms['owner release pair']:.3f}" if ms[c2] and ms["owner release pair"] else "-")
         lines.append(f"| H{r['H']} B{r['B']} L{r['L']} | {r['floor_ms']:.4f} | " + " | ".join(cells + ratio) + " |")
     return "\n".join(lines)
 
@@ -469,7 +494,10 @@ def dry_run():
         except ValueError as e:
             report(f"check_args refuses a bad {name}", str(e).startswith(name) or f"{name}" in str(e).split(":")[0],
                    str(e)[:90])
-    for bad, kw in (("release", dict(release=True)), ("pair", dict(owner=True, pair=True))):
+    for bad, kw in (("release", dict(release=True)), ("pair", dict(owner=True, pair=True)),
+                    ("conv2", dict(owner=True, release=True, conv2=True)),
+                    ("regs", dict(owner=True, release=True, pair=True, conv2=True, regs=240)),
+                    ("conv2_chunks", dict(owner=True, release=True, pair=True, conv2=True, conv2_chunks=3, regs=208))):
         try:
             mh.decode(*args, sm_scale=SM_SCALE, **kw)
             report(f"decode refuses {kw}", False, "no error")
@@ -507,6 +535,29 @@ def dry_run():
         report(f"numerics model through the checker ({name})", ok,
                f"rel L2 {facts['rel_l2']:.2e} (budget 3e-3), lse rel L2 {facts['lse_rel_l2']:.1e} "
                f"(max abs {facts['lse_max_abs']:.1e})")
+    # 6. the barrier protocol of the builds selected (protocol_model.py: a few seeds; the full model is its own run)
+    import protocol_model as pm
+    pm_kw = {"prototype": dict(owner=False), "prototype owner": dict(owner=True),
+             "owner release": dict(owner=True, release=True),
+             "owner release pair": dict(owner=True, release=True, pair=True),
+             "conv2": dict(owner=True, release=True, pair=True, conv2=2),
+             "conv2 single": dict(owner=True, release=True, pair=True, conv2=1)}
+    for build in BUILDS:
+        try:
+            for n in (0, 1, 2, 3, 5):
+                for seed in range(20):
+                    pm.run(n, seed=seed, **pm_kw[build])
+            report(f"protocol model: {build}, 100 interleavings", True)
+        except pm.Violation as e:
+            report(f"protocol model: {build}, 100 interleavings", False, str(e)[:120])
+    for build in [b for b in ("conv2", "conv2 single") if b in BUILDS]:   # converter A refilling a stage B reads
+        found = 0
+        for seed in range(50):
+            try:
+                pm.run(5, seed=seed, **pm_kw[build], drop_stage_wait=True)
+            except pm.Violation:
+                found += 1
+        report(f"protocol model control: {build} without the stage_free wait fails", found > 0, f"{found} of 50")
     report("pick_splits covers the SMs", [mh.pick_splits(B, H, t) for B, H, t in ((64, 128, 128), (8, 128, 128),
                                                                                    (1, 128, 512), (1, 64, 512))]
            == [1, 8, 66, 128])
@@ -522,7 +573,12 @@ def main():
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--check-timeout", type=int, default=240, help="seconds for the checks' child process")
     ap.add_argument("--checks-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--builds", default=",".join(BUILDS),
+                    help="comma-separated builds to check and time (aliases: prototype, owner, release, pair = best, "
+                         "conv2, conv2s = conv2 single); default all")
     a = ap.parse_args()
+    select_builds(a.builds)
+    RESULTS["env"]["builds"] = list(BUILDS)
     RESULTS["env"].update(torch=torch.__version__, triton=__import__("triton").__version__,
                           date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     if a.dry_run:
@@ -546,7 +602,8 @@ def main():
     import subprocess
     child_out = os.path.join(a.out, "checks_child")
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--checks-only", "--out", child_out],
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--checks-only", "--out", child_out,
+                            "--builds", ",".join(BUILDS)],
                            timeout=a.check_timeout, capture_output=True, text=True)
         sys.stdout.write(r.stdout)
         if r.returncode != 0 and r.stderr:

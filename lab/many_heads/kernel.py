@@ -17,6 +17,9 @@ One CTA per (request, KV split, 64-head group); 12 warps in three roles (warp sp
   columns of ``k16``). Softmax in fp32 with exp2; the running maximum is the same in both consumers, the row sums
   are per consumer (its tokens) and added at the end.
 
+The ``conv2`` build (16 warps) adds a second converter warpgroup (``_converter_b``: chunks 4-7) beside the first
+(chunks 8, 0-3 and the TMA), each with its own fence + barrier + arrive per round (design.md, "conv2: prediction").
+
 Numerics (the product's default): FP8 e4m3 -> fp16 is exact; Q x (per-tensor scale) x f (f a power of two per
 head, the largest |q| near 2^14) rounded once to fp16; fp16 MMAs accumulate in fp32; P in fp16; the scores are
 multiplied by sm_scale x log2(e) / f per row, the output by ckv_scale.
@@ -47,8 +50,9 @@ SMEM_LIMIT = 232448
 
 
 def smem_bytes(ns: int) -> int:
-    """Shared memory of the build: Q 72 KB, the fp16 tile 72 KB, NS FP8 stages of 36 KB, P 8 KB, exchange, barriers."""
-    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9)
+    """Shared memory of the build: Q 72 KB, the fp16 tile 72 KB, NS FP8 stages of 36 KB, P 8 KB, exchange, barriers
+    (conv2's NS stage_free ones counted for every build)."""
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9 + ns)
 
 
 if gluon is not None:
@@ -85,8 +89,24 @@ if gluon is not None:
             mbarrier.arrive(k16_ready.index(CB), count=1)
 
     @gluon.jit
+    def _conv2_rounds(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST: gl.constexpr, C0: gl.constexpr,
+                      MASK: gl.constexpr, CHUNKS: gl.constexpr, cl: gl.constexpr):
+        # one conv2 converter's tile: chunk FIRST alone (A: 8; B: none, -1), then chunks C0 .. C0 + 3 in the
+        # order one consumer releases them, CHUNKS (1 or 2) per fence + barrier + arrive round
+        if FIRST >= 0:
+            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST, -1, MASK, cl)
+        if CHUNKS == 2:
+            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0, C0 + 1, MASK, cl)
+            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0 + 2, C0 + 3, MASK, cl)
+        else:
+            for c in gl.static_range(4):
+                _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0 + c, -1, MASK, cl)
+
+    @gluon.jit
     def _converter(kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready, k16_free,
-                   b, t0, n, NS: gl.constexpr, RELEASE: gl.constexpr, PAIR: gl.constexpr):
+                   stage_free, b, t0, n, NS: gl.constexpr, RELEASE: gl.constexpr, PAIR: gl.constexpr,
+                   CONV2: gl.constexpr):
+        # CONV2 > 0 (chunks per round): this is converter A (chunks 8, 0-3, and the TMA); _converter_b does 4-7
         # one thread's 16 contiguous bytes per load (LDS.128 over the 64-byte swizzled box)
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, cl))
@@ -128,7 +148,9 @@ if gluon is not None:
                 # RELEASE: chunk 8 first (free once the owner's scores of tile i - 1 are done), then 0, 4, 1, 5,
                 # ... as the two consumers' P.V MMAs release them; PAIR: rounds (8), (0, 4), (1, 5), (2, 6), (3, 7)
                 if valid < TILE:
-                    if PAIR:
+                    if CONV2 > 0:   # the chunks consumer 0 releases, in its order, after chunk 8
+                        _conv2_rounds(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, True, CONV2, cl)
+                    elif PAIR:
                         _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, True, cl)
                         for r in gl.static_range(4):
                             _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, True, cl)
@@ -137,7 +159,9 @@ if gluon is not None:
                             _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep,
                                            ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4, -1, True, cl)
                 else:
-                    if PAIR:
+                    if CONV2 > 0:
+                        _conv2_rounds(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, False, CONV2, cl)
+                    elif PAIR:
                         _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, False, cl)
                         for r in gl.static_range(4):
                             _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, False, cl)
@@ -146,12 +170,36 @@ if gluon is not None:
                             _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep,
                                            ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4, -1, False, cl)
             if i + NS < n:         # the stage is free again: the tile NS ahead goes into it
+                if CONV2 > 0:      # ... once converter B has read its chunks of it too
+                    mbarrier.wait(stage_free.index(s), (i // NS) & 1)
                 page = gl.load(kv_indices + pbase + t0 + i + NS)
                 bar = ready8.index(s)
                 mbarrier.expect(bar, TILE * 576)
                 for c in gl.static_range(NCH - 1):
                     _tma_load(kv_desc, [page * PAGE, c * 64], bar, stage.index(s * NCH + c))
                 _tma_load(kpe_desc, [page * PAGE, 0], bar, stage.index(s * NCH + NCH - 1))
+
+    @gluon.jit
+    def _converter_b(kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS: gl.constexpr,
+                     CONV2: gl.constexpr):
+        # the conv2 build's second converter warpgroup: chunks 4-7 (the ones consumer 1 releases), CONV2 per round
+        # ((4, 5), (6, 7) or 4, 5, 6, 7), each round with its own fence + partition barrier + arrive, in parallel
+        # with converter A's; then it hands the FP8 stage back to converter A (stage_free), which alone refills it
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, cl))
+        L = gl.load(kv_len + b)
+        for i in range(n):
+            s = i % NS
+            valid = gl.minimum(L - (t0 + i) * TILE, TILE)
+            keep = (rows < valid)[:, None]
+            mbarrier.wait(ready8.index(s), (i // NS) & 1)
+            z = _opaque_zero(i)
+            if valid < TILE:
+                _conv2_rounds(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, True, CONV2, cl)
+            else:
+                _conv2_rounds(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, False, CONV2, cl)
+            # the last round's partition barrier came after every warp's loads of the stage
+            mbarrier.arrive(stage_free.index(s), count=1)
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem,
@@ -350,7 +398,7 @@ if gluon is not None:
     def many_heads_kernel(kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse_out, part_o,
                           part_lse, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT,
                           NS: gl.constexpr, REGS: gl.constexpr, DIRECT: gl.constexpr, OWNER: gl.constexpr,
-                          RELEASE: gl.constexpr, PAIR: gl.constexpr):
+                          RELEASE: gl.constexpr, PAIR: gl.constexpr, CONV2: gl.constexpr):
         pid = gl.program_id(0)
         hg = gl.program_id(1)
         b = pid // NSPLIT
@@ -389,17 +437,38 @@ if gluon is not None:
                 mbarrier.init(k16_free.index(c), count=1)
         else:
             k16_free = bars.index(1)
+        if CONV2 > 0:   # converter B's "done reading FP8 stage s" (converter A waits on it before the TMA refills s)
+            stage_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NS):
+                mbarrier.init(stage_free.index(i), count=1)
+        else:
+            stage_free = ready8   # unused
         fence_async_shared()
-        gl.warp_specialize([
-            (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
-                          k16_free, b, t0, n, NS, RELEASE, PAIR)),
-            (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
-            (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
-                          t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
-        ], [4, 4], [REGS, REGS])
+        if CONV2 > 0:
+            # 16 warps: 2 x 128 x REGS (consumers) + 2 x 128 x (256 - REGS) (converters) = 64K registers; the
+            # default partition (converter A) gets what the workers leave, the same 256 - REGS
+            gl.warp_specialize([
+                (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
+                              k16_free, stage_free, b, t0, n, NS, RELEASE, PAIR, CONV2)),
+                (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
+                              k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                              t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
+                (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
+                              k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                              t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
+                (_converter_b, (kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS, CONV2)),
+            ], [4, 4, 4], [REGS, REGS, 256 - REGS])
+        else:
+            gl.warp_specialize([
+                (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
+                              k16_free, stage_free, b, t0, n, NS, RELEASE, PAIR, CONV2)),
+                (_consumer0, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
+                              k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                              t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
+                (_consumer1, (q_nope, q_pe, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
+                              k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, split, hg,
+                              t0, n, H, ckv_scale, kpe_scale, sm_scale_log2, NSPLIT, DIRECT, OWNER, RELEASE)),
+            ], [4, 4], [REGS, REGS])
 
 
 @triton.jit
@@ -489,7 +558,7 @@ def kv_descriptors(ckv_cache, kpe_cache):
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *, sm_scale: float,
            ckv_scale: float = 1.0, kpe_scale: float = 1.0, num_splits: int | None = None, max_kv_len: int | None = None,
            ns: int = 2, regs: int = 240, owner: bool = False, release: bool = False, pair: bool = False,
-           out=None, lse=None, part=None, descs=None):
+           conv2: bool = False, conv2_chunks: int = 2, out=None, lse=None, part=None, descs=None):
     """The prototype's launcher. q_nope [B, H, 512] / q_pe [B, H, 64] bf16 (one query per request, H 64 or 128);
     ckv_cache [P, 64, 512] / kpe_cache [P, 64, 64] float8_e4m3fn views of one [P, 64, 576] pool; kv_indptr [B+1],
     kv_indices (page ids), kv_len [B] int32. Returns (out [B, H, 512] bf16, lse [B, H] fp32, base 2).
@@ -498,7 +567,10 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
     tile i's whole score tile and softmax) instead of the token split. ``release`` (needs ``owner``): each 16-bit
     chunk goes back to the converter on its own barrier as its last reader finishes, so the next tile's conversion
     runs under this tile's softmax and P.V. ``pair`` (needs ``release``): the converter stores two chunks per fence +
-    barrier round (5 rounds a tile instead of 9); ``regs=232`` gives the converter 40 registers for it."""
+    barrier round (5 rounds a tile instead of 9); ``regs=232`` gives the converter 40 registers for it. ``conv2``
+    (needs ``pair``): two converter warpgroups in parallel, A: (8), (0, 1), (2, 3) and the TMA, B: (4, 5), (6, 7),
+    each with its own fence + barrier + arrive per round; ``conv2_chunks=1``: one chunk per round (A: 8, 0, 1, 2, 3;
+    B: 4, 5, 6, 7); 16 warps, so ``regs`` (consumers) leaves 256 - regs to each converter (208 / 48)."""
     import torch
     B, H = check_args(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)
     if gluon is None:
@@ -507,6 +579,13 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
         raise ValueError("release: the per-chunk release needs owner=True, got owner=False")
     if pair and not release:
         raise ValueError("pair: two chunks per converter round needs release=True, got release=False")
+    if conv2 and not pair:
+        raise ValueError("conv2: the two-converter build is built on pair=True, got pair=False")
+    if conv2 and conv2_chunks not in (1, 2):
+        raise ValueError(f"conv2_chunks: expected 1 or 2 chunks per converter round, got {conv2_chunks}")
+    if conv2 and not (160 <= regs <= 232 and regs % 8 == 0):
+        raise ValueError(f"regs: conv2 needs a multiple of 8 in [160, 232] (256 - regs >= 24 per converter), "
+                         f"got {regs}")
     if smem_bytes(ns) > SMEM_LIMIT:
         raise ValueError(f"ns: {ns} stages need {smem_bytes(ns)} B of shared memory, over {SMEM_LIMIT}")
     if max_kv_len is None:
@@ -533,7 +612,7 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len, *,
             kv_desc, kpe_desc, q_nope, q_pe, kv_indptr, kv_indices, kv_len, out, lse, part_o, part_lse, H,
             float(ckv_scale), float(kpe_scale), sm_scale_log2, num_splits,
             NS=ns, REGS=regs, DIRECT=direct, OWNER=bool(owner), RELEASE=bool(release), PAIR=bool(pair),
-            num_warps=4)
+            CONV2=int(conv2_chunks) if conv2 else 0, num_warps=4)
         if not direct:
             _merge_kernel[(B * H,)](out, lse, part_o, part_lse, H, num_splits,
                                     BLOCK_S=16, num_warps=4)
@@ -547,11 +626,11 @@ KERNEL_SIGNATURE = {
     "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "H": "i32",
     "ckv_scale": "fp32", "kpe_scale": "fp32", "sm_scale_log2": "fp32", "NSPLIT": "i32",
     "NS": "constexpr", "REGS": "constexpr", "DIRECT": "constexpr", "OWNER": "constexpr", "RELEASE": "constexpr",
-    "PAIR": "constexpr"}
+    "PAIR": "constexpr", "CONV2": "constexpr"}
 
 
 def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, owner: bool = False, release: bool = False,
-                   pair: bool = False, sass_path=None) -> dict:
+                   pair: bool = False, conv2: bool = False, conv2_chunks: int = 2, sass_path=None) -> dict:
     """Compile the prototype for sm_90a with triton's own ptxas (no GPU) and read its SASS."""
     from triton.experimental.gluon._runtime import GluonASTSource
     if gluon is None:
@@ -559,7 +638,7 @@ def compile_report(num_splits: int = 2, ns: int = 2, regs: int = 240, owner: boo
     fn = many_heads_kernel
     names = fn.arg_names
     consts = {"NS": ns, "REGS": regs, "DIRECT": num_splits == 1, "OWNER": bool(owner), "RELEASE": bool(release),
-              "PAIR": bool(pair)}
+              "PAIR": bool(pair), "CONV2": int(conv2_chunks) if conv2 else 0}
     src = GluonASTSource(fn=fn, signature=KERNEL_SIGNATURE,
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)

@@ -7,8 +7,9 @@ it starts reading and again when it releases the buffer (an async wgmma reads un
 
     python lab/many_heads/protocol_model.py         # both builds, many seeds and tile counts; and the controls
 
-The controls drop one wait each (the converter's k16_free wait; the owner build's p_bar wait): the model must then
-report a violation, so it can fail.
+The controls drop one wait each (the converter's k16_free wait; the owner build's p_bar wait; conv2: converter A's
+stage_free wait before the TMA refills a stage converter B may still read, converter B's ready8 or k16_free wait):
+the model must then report a violation, so it can fail.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ class Violation(Exception):
 
 ORDER = (8, 0, 4, 1, 5, 2, 6, 3, 7)                     # the release builds' chunk order
 ROUNDS_PAIR = ((8,), (0, 4), (1, 5), (2, 6), (3, 7))    # ... and the pair build's rounds
+ROUNDS_CONV2_A = {2: ((8,), (0, 1), (2, 3)),            # conv2: converter A (and the TMA) ...
+                  1: ((8,), (0,), (1,), (2,), (3,))}     # (conv2_chunks=1: one chunk per round)
+ROUNDS_CONV2_B = {2: ((4, 5), (6, 7)), 1: ((4,), (5,), (6,), (7,))}   # ... and converter B, in parallel
 
 
-def converter(st, n, drop_free_wait=False, release=False, pair=False):
+def converter(st, n, drop_free_wait=False, release=False, pair=False, conv2=0, drop_stage_wait=False):
     def tma(i):   # the copy lands some time later: stage written, then the ready barrier's transaction completes
         st["pending"].append(("stage", i % NS, i, ("ready8", i % NS)))
 
@@ -54,7 +58,7 @@ def converter(st, n, drop_free_wait=False, release=False, pair=False):
                 yield ("wait", "k16_free", (i & 1) ^ 1)
             rounds = [(c,) for c in range(NCH)]
         else:
-            rounds = ROUNDS_PAIR if pair else [(c,) for c in ORDER]
+            rounds = ROUNDS_CONV2_A[conv2] if conv2 else ROUNDS_PAIR if pair else [(c,) for c in ORDER]
         for rnd in rounds:
             for c in rnd:
                 if release and i > 0 and not drop_free_wait:
@@ -64,7 +68,27 @@ def converter(st, n, drop_free_wait=False, release=False, pair=False):
             for c in rnd:
                 yield ("arrive", ("k16_ready", c))
         if i + NS < n:
+            if conv2 and not drop_stage_wait:   # converter B has read its chunks of stage s
+                yield ("wait", ("stage_free", s), (i // NS) & 1)
             tma(i + NS)
+
+
+def converter_b(st, n, chunks, drop_free_wait=False, drop_ready_wait=False):
+    """conv2's second converter: chunks 4-7 of every tile, then stage s back to converter A."""
+    for i in range(n):
+        s = i % NS
+        if not drop_ready_wait:
+            yield ("wait", ("ready8", s), (i // NS) & 1)
+        for rnd in ROUNDS_CONV2_B[chunks]:
+            for c in rnd:
+                if i > 0 and not drop_free_wait:
+                    yield ("wait", ("k16_free", c), (i & 1) ^ 1)
+                yield ("read", ("stage", s), i)
+                yield ("write", ("k16", c), i)
+            for c in rnd:
+                yield ("arrive", ("k16_ready", c))
+        yield ("read", ("stage", s), i)   # its loads of the stage are complete only here (the round's barrier)
+        yield ("arrive", ("stage_free", s))
 
 
 def consumer(st, cid, n, owner, drop_p_wait=False, release=False):
@@ -124,16 +148,22 @@ def consumer(st, cid, n, owner, drop_p_wait=False, release=False):
     yield ("read", ("xm", 3 - cid), "l")
 
 
-def run(n, owner, seed, release=False, pair=False, **drop):
+def run(n, owner, seed, release=False, pair=False, conv2=0, **drop):
+    """One interleaving; conv2: 0 (one converter) or the two converters' chunks per round (1, 2)."""
     rng = random.Random(seed)
     bars = {("ready8", s): Barrier(1) for s in range(NS)}
     bars.update({("k16_ready", c): Barrier(1) for c in range(NCH)})
     bars.update(k16_free=Barrier(2), x_bar=Barrier(2), p_bar=Barrier(1 if owner else 2), q_bar=Barrier(2))
     bars.update({("k16_free", c): Barrier(1) for c in range(NCH)})   # the release builds' per-chunk barriers
+    bars.update({("stage_free", s): Barrier(1) for s in range(NS)})    # conv2: converter B done with stage s
     st = {"pending": [], "buf": {}}
-    agents = {"converter": converter(st, n, drop.get("drop_free_wait", False), release, pair),
+    agents = {"converter": converter(st, n, drop.get("drop_free_wait", False), release, pair, conv2,
+                                     drop.get("drop_stage_wait", False)),
               "c0": consumer(st, 0, n, owner, drop.get("drop_p_wait", False), release),
               "c1": consumer(st, 1, n, owner, drop.get("drop_p_wait", False), release)}
+    if conv2:
+        agents["converter B"] = converter_b(st, n, conv2, drop.get("drop_b_free_wait", False),
+                                            drop.get("drop_b_ready_wait", False))
     nxt = {k: next(g, None) for k, g in agents.items()}
 
     def runnable(a):
@@ -167,7 +197,9 @@ def run(n, owner, seed, release=False, pair=False, **drop):
 def main():
     ok = True
     builds = {"token split": dict(owner=False), "owner": dict(owner=True),
-              "owner release": dict(owner=True, release=True), "owner release pair": dict(owner=True, release=True, pair=True)}
+              "owner release": dict(owner=True, release=True), "owner release pair": dict(owner=True, release=True, pair=True),
+              "conv2": dict(owner=True, release=True, pair=True, conv2=2),
+              "conv2 single": dict(owner=True, release=True, pair=True, conv2=1)}
     for name, kw in builds.items():
         runs = 0
         for n in range(0, 9):
@@ -182,7 +214,10 @@ def main():
         print(f"{name} build: {runs} interleavings, no hang, no stale read" if ok else "")
     for name, drop in (("token split", "drop_free_wait"), ("owner", "drop_free_wait"), ("owner", "drop_p_wait"),
                        ("owner release", "drop_free_wait"), ("owner release pair", "drop_free_wait"),
-                       ("owner release", "drop_p_wait")):
+                       ("owner release", "drop_p_wait"), ("conv2", "drop_free_wait"), ("conv2", "drop_p_wait"),
+                       ("conv2", "drop_stage_wait"), ("conv2", "drop_b_free_wait"), ("conv2", "drop_b_ready_wait"),
+                       ("conv2 single", "drop_free_wait"), ("conv2 single", "drop_stage_wait"),
+                       ("conv2 single", "drop_b_free_wait")):
         found = 0
         for seed in range(300):
             try:

@@ -1,5 +1,7 @@
 """Loops of a SASS dump (a backward branch and its target) and what each holds: HGMMA, F2FP, local loads and
-stores (spill traffic), byte-wise shared loads. Used for design.md's SASS facts: `python sass_loops.py k.sass`."""
+stores (spill traffic), byte-wise shared loads, shared loads / stores and the converter round's ordering ops
+(MEMBAR, FENCE, BAR, SYNCS: mbarrier waits and arrives). Used for design.md's SASS facts: `python sass_loops.py
+k.sass`."""
 import collections
 import re
 import sys
@@ -24,7 +26,8 @@ def loops(sass: str) -> list[dict]:
             out.append({"from": hex(tgt), "to": hex(addr), "ops": len(body), "HGMMA": c["HGMMA"],
                         "F2FP_E4M3": sum(o.startswith("F2FP.F16.E4M3") for o in body),
                         "LDL": c["LDL"], "STL": c["STL"], "LDS.U8": sum(o.startswith("LDS.U8") for o in body),
-                        "UTMALDG": c["UTMALDG"], "MUFU": c["MUFU"]})
+                        "UTMALDG": c["UTMALDG"], "MUFU": c["MUFU"], "MEMBAR": c["MEMBAR"], "FENCE": c["FENCE"],
+                        "BAR": c["BAR"], "SYNCS": c["SYNCS"], "LDS": c["LDS"], "STS": c["STS"]})
     return out
 
 
