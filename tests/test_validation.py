@@ -186,6 +186,10 @@ def test_run_scales():
     _run_rejects(attn, r, ValueError, "ckv_scale", "exactly one", ckv_scale=0.5,
                  ckv_scale_arr=torch.ones(r["ckv_cache"].shape[0], 16, 4, device=DEVICE))
     _run_rejects(attn, r, ValueError, "ckv_scale", "got neither", ckv_scale=None)  # never a silent 1.0
+    # FlashInfer's own test (test_fp8_kv_requires_scales) matches this phrase: both scales missing, or either
+    fi_words = "ckv_scale and kpe_scale are required"
+    _run_rejects(attn, r, ValueError, "ckv_scale", fi_words, ckv_scale=None, kpe_scale=None)
+    _run_rejects(attn, r, ValueError, "kpe_scale", fi_words, "got kpe_scale=None", kpe_scale=None)
     _run_rejects(attn, r, ValueError, "ckv_scale", "positive", ckv_scale=0.0)
     _run_rejects(attn, r, ValueError, "kpe_scale", "positive", kpe_scale=-1.0)
     _run_rejects(attn, r, ValueError, "kpe_scale", "positive", kpe_scale=math.nan)

@@ -441,11 +441,13 @@ class MLAPagedAttention:
             raise ValueError(f"ckv_scale_arr: the plan's kv_data_type {fmt.name!r} has no group scales; plan "
                              "with kv_data_type torch.float8_e4m3fn or 'fp8_e4m3_group' to use ckv_scale_arr")
         elif fmt.is_fp8 and ckv_scale is None:
-            raise ValueError(f"ckv_scale: an FP8 pool ({fmt.name}) needs its scale (real = stored x scale): pass "
-                             "exactly one of ckv_scale (per tensor) / ckv_scale_arr (per-token groups); got neither")
+            # (FlashInfer's words lead: code written against its wrapper matches on them)
+            raise ValueError(f"ckv_scale: ckv_scale and kpe_scale are required for an FP8 pool ({fmt.name}; real = "
+                             "stored x scale): pass exactly one of ckv_scale (per tensor) / ckv_scale_arr (per-token "
+                             "groups), and kpe_scale; got neither ckv_scale nor ckv_scale_arr")
         if fmt.is_fp8 and kpe_scale is None:
-            raise ValueError(f"kpe_scale: an FP8 pool ({fmt.name}) needs kpe_scale (real = stored x scale; 1.0 "
-                             "when k_pe was stored unscaled), got None")
+            raise ValueError(f"kpe_scale: ckv_scale and kpe_scale are required for an FP8 pool ({fmt.name}; real = "
+                             "stored x scale; kpe_scale 1.0 when k_pe was stored unscaled), got kpe_scale=None")
         ckv = _check_scale("ckv_scale", ckv_scale, fmt, spec.device, allowed=fmt.scale_kind == "tensor")
         kpe = _check_scale("kpe_scale", kpe_scale, fmt, spec.device, allowed=fmt.is_fp8)
         if self._scales is None or self._scales.device != spec.device:
