@@ -272,6 +272,19 @@ KERNEL_SIGNATURE = {
     "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
 
 
+# The heads-on-M kernel's (``heads_on_m_kernel``): 64 x 64-byte boxes for both pools
+MH_KERNEL_SIGNATURE = {
+    "kv_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
+    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32", "num_slots": "i32",
+    "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
+    "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
+    "stride_lse_t": "i32", "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "NHG": "constexpr"}
+
+
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
 # H % 16 == 0 (triton specializes such ints): the strides and H itself.
 _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
@@ -302,6 +315,8 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
     from fp8mla.kernels import sm90
     if sm90.gluon is None:
         raise RuntimeError(f"gluon is not importable: {sm90.GLUON_IMPORT_ERROR}")
+    if getattr(build, "heads_on_m", False):
+        return _compile_heads_on_m(build, q_dtype, aligned_ints, sass_path)
     fn = sm90.mla_decode_sm90_kernel
     names = fn.arg_names
     sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
@@ -319,6 +334,20 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
                                 or n in ("stride_kv_row", "stride_kpe_row")})
+    return sass_report(src, sass_path)
+
+
+def _compile_heads_on_m(build, q_dtype: str, aligned_ints: bool, sass_path) -> dict:
+    """``compile_build`` of a heads-on-M build (``heads_on_m_kernel``, its own signature)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels import sm90
+    fn = sm90.heads_on_m_kernel
+    names = fn.arg_names
+    sig = dict(MH_KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
+    src = GluonASTSource(fn=fn, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in build.constexprs().items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
     return sass_report(src, sass_path)
 
 
