@@ -293,12 +293,17 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
-                   group: bool = False, fp8_math: bool = False) -> dict:
-    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``): ``heads`` picks the
+                   group: bool = False, fp8_math: bool = False, heads_on_m: bool = False) -> dict:
+    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``; ``heads_on_m``: the
+    heads-on-M build of ``heads`` and ``page``, ``Sm90Build.for_heads_on_m``, its own stages and registers, ``ns``
+    and ``regs`` not applied): ``heads`` picks the
     variant (16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32; with ``group``, HPW 16 at every H);
     ``max_qo`` >= 2: the multi-token variant, causal or not; ``group``: per-token group scales; ``fp8_math``: the
     e4m3 build."""
     from fp8mla.kernels import sm90
+    if heads_on_m:
+        return compile_build(sm90.Sm90Build.for_heads_on_m(heads, page), q_dtype=q_dtype, aligned_ints=aligned_ints,
+                             sass_path=sass_path)
     b = sm90.Sm90Build.for_plan(heads, page, max_qo, causal, group, fp8_math, ns)
     if regs != b.regs:
         import dataclasses

@@ -92,7 +92,7 @@ from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, 
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok
 from .merge import SEQ_PARTS, _merge_parts_kernel, launch_merge, merge_blocks, merge_tile
 from .ring import ready_barrier, ring_depth
-from .schedule import ALIGNED_SLACK, aligned_lists, aligned_pieces, schedule, schedule_device
+from .schedule import ALIGNED_SLACK, UNBOUNDED_SLACK, aligned_lists, aligned_pieces, schedule, schedule_device
 
 from .heads_on_m import launch_heads_on_m
 
@@ -100,7 +100,7 @@ if gluon is not None:
     from .heads_on_m import heads_on_m_kernel, mh_kv_descriptors
     from .kernel import mla_decode_sm90_kernel
 
-__all__ = ["ALIGNED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
+__all__ = ["ALIGNED_SLACK", "UNBOUNDED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
            "KNOWN_BUILDS", "Sm90Build",
            "MAX_MTP_QO", "MAX_MTP_ROWS", "MAX_WIDE_HEADS", "MH_HEADS", "MH_MIN_HEADS", "MH_REGS", "MH_STAGES",
            "P8_SCALE", "ROW_BYTES", "SEQ_PARTS", "SMEM_LIMIT",
