@@ -10,6 +10,7 @@ the builds ``REGISTER_RENUMBERING`` names: where this triton's ptxas numbers the
 compile of the same PTX to the next.
 
     python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
+    python -m devtools.sass record --only mh64_p64   # (re-)record these builds only, every other entry kept as is
     python -m devtools.sass check             # compare them with the golden file of this triton
     python -m devtools.sass show h16_p64      # one build's summary (and --sass FILE: its SASS)
 
@@ -507,6 +508,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     rec = sub.add_parser("record", help="compile every named sm_90 build and write the golden file")
     rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
+    rec.add_argument("--only", nargs="+", default=None, choices=sorted(sm90_builds()),
+                     help="compile and (re-)record these builds only; the file's other entries and its commit stay")
     sub.add_parser("check", help="compare every named build with the golden file of this triton")
     show = sub.add_parser("show", help="one build's summary")
     show.add_argument("name", choices=sorted(sm90_builds()))
@@ -530,7 +533,8 @@ def main(argv=None):
             with open(a.sass, "w") as f:
                 f.write(sass)
         return 0
-    res = compile_many(sorted(sm90_builds()))
+    only = getattr(a, "only", None)
+    res = compile_many(sorted(only or sm90_builds()))
     bad = {n: r["error"] for n, r in res.items() if "error" in r}
     if bad:
         for n, e in bad.items():
@@ -540,6 +544,10 @@ def main(argv=None):
         path = a.out or golden_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         doc = {"triton": triton_version(), "commit": _commit(), "arch": "sm_90a", "builds": res}
+        if only:   # the other builds' entries (and the commit they were recorded at) stay as they are
+            with open(golden_path()) as f:
+                doc = json.load(f)
+            doc["builds"].update(res)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.write("\n")
