@@ -278,9 +278,9 @@ MH_KERNEL_SIGNATURE = {
     "kv_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
     "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
     "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
-    "kv_indices": "*i32", "kv_len": "*i32", "cta_ptr": "*i32", "item_req": "*i32", "item_t0": "*i32",
-    "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
-    "sm_scale_log2": "fp32", "H": "i32", "num_slots": "i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "m_ptr": "*i32", "batch_size": "*i32", "item_req": "*i32",
+    "item_t0": "*i32", "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
     "stride_lse_t": "i32", "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "NHG": "constexpr"}

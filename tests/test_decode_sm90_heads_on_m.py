@@ -130,12 +130,12 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     assert p.t["cta_ptr"][66].item() == 64 and p.t["item_t1"][:64].tolist() == [128] * 64
     assert p.t["m_ptr"].tolist() == list(range(65)) and p.t["part_o"].shape[1:] == (128, 512)
     d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {})
-    assert d.n_items == 66 + 64 and d.t["cta_ptr"][66].item() == 64
+    assert d.n_items == 66 + 64 and d.t["cta_ptr"][66].item() == d.t["m_ptr"][64].item() == 64
     for key in ("item_req", "item_t0", "item_t1"):
         assert torch.equal(d.t[key][:64], p.t[key][:64]), key
     lens = [0, 1, 63, 64, 65, 127, 1000, 4097]
     h = gb.build(_layout(64, [1] * 8, lens), _spec(96), dict(min_chunk=64), {})
-    assert h.n_items == len(h.t["item_req"]) == h.t["cta_ptr"][h.slots].item() and h.slots == 66
+    assert h.n_items == len(h.t["item_req"]) == h.t["m_ptr"][8].item() and h.slots == 66
     assert max(b - a for a, b in zip(h.t["m_ptr"].tolist(), h.t["m_ptr"].tolist()[1:])) > 1   # splits: a merge
     g = gb.build(_layout(64, [1] * 8, lens), _spec(64, graph=True), dict(max_batch_size=16), {})
     assert g.build == k.KNOWN_BUILDS["mh64_p64"] and g.slots == 132 and g.n_items == 132 + 16
@@ -144,7 +144,7 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     g.run(q, q[..., :64], ckv, ckv[..., :64], torch.ones(2), None, q, torch.zeros(8, 64), False)
     (args, kw), = calls
     assert args[0] is g.build and args[1:3] == ("kv", "kpe") and args[6] is g.t
-    assert (kw["n_items"], kw["num_slots"], kw["num_heads"]) == (148, 132, 64)
+    assert (kw["n_items"], kw["num_heads"]) == (148, 64)
     with pytest.raises(ValueError, match="ckv_scale_arr"):   # per-tensor scales only
         g.run(q, q[..., :64], ckv, ckv[..., :64], torch.ones(2), torch.ones(80, 64, 4), q, torch.zeros(8, 64), False)
 

@@ -190,7 +190,7 @@ class GluonPlan:
         return self.build.fp8_math
 
     max_rows: int = 0   # max_qo x num_heads (0: num_heads)
-    slots: int = 0      # the schedule's CTAs (heads-on-M: cta_ptr[slots] is the item count)
+    slots: int = 0      # the schedule's CTAs
     n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: CTAs past the count exit)
 
     def __post_init__(self):
@@ -222,7 +222,7 @@ class GluonPlan:
         if self.build.heads_on_m:   # (no group scales: refused above)
             kv_desc, kpe_desc = k.mh_kv_descriptors(ckv_cache, kpe_cache)
             k.launch_heads_on_m(self.build, kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse,
-                                n_items=self.n_items, num_slots=self.slots, grid_batch=self.grid_batch,
+                                n_items=self.n_items, grid_batch=self.grid_batch,
                                 num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, merge_p=self.merge_p,
                                 merge_c=self.merge_c)
             if base_e:

@@ -5,7 +5,7 @@ operand that both products read (design and measurements: lab/many_heads/design.
 One CTA per (work item, 64-head group), not persistent: the items are the product's schedule (``schedule``), CTA
 ``pid`` runs item ``pid // NHG`` for heads ``64 (pid % NHG) + [0, 64)`` (the head groups of an item adjacent in
 the grid, as the wide build's, so a tile's second read should hit L2); CTAs past the schedule's item count
-(``cta_ptr[num_slots]``: CUDA graphs launch the buffers' fixed capacity) exit at once. 12 warps in three roles:
+(``m_ptr[batch_size]``: CUDA graphs launch the buffers' fixed capacity) exit at once. 12 warps in three roles:
 
 - converter (default partition, 4 warps): issues the TMA boxes of each FP8 tile (eight 64 x 64-byte boxes of c_kv,
   one of k_pe) into a 2-stage ring and converts each landed tile into the fp16 tile ``k16`` [64 tokens, 576] (nine
@@ -275,15 +275,16 @@ if gluon is not None:
 
     @gluon.jit
     def heads_on_m_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
-                          cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
-                          num_slots, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r,
+                          m_ptr, batch_size, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT,
+                          sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r,
                           stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
                           PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, NHG: gl.constexpr):
         pid = gl.program_id(0)
         it = pid // NHG
         hg = pid % NHG
-        # the schedule's item count (its last CTA's end); the grid may be the buffers' fixed capacity
-        if it >= gl.load(cta_ptr + num_slots):
+        # the schedule's item count (the end of the last request's items; any cut, any slot count: a CUDA-graph
+        # wrapper's group plan shares these buffers with fewer slots); the grid may be the buffers' fixed capacity
+        if it >= gl.load(m_ptr + gl.load(batch_size)):
             return
         b = gl.load(item_req + it)
         t0 = gl.load(item_t0 + it)
@@ -345,15 +346,15 @@ def mh_kv_descriptors(ckv_cache, kpe_cache):
 
 
 def launch_heads_on_m(build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, out, lse, *, n_items: int,
-                      num_slots: int, grid_batch: int, num_heads: int, sm_scale: float, merge_p: int = 32,
+                      grid_batch: int, num_heads: int, sm_scale: float, merge_p: int = 32,
                       merge_c: int = 128) -> None:
     """The heads-on-M build's kernel + the split merge. ``build``: an ``Sm90Build`` with ``heads_on_m`` (page size
     a multiple of 64, ``nhg`` = ceil(H / 64)). ``kv_desc`` / ``kpe_desc``: ``mh_kv_descriptors`` of the pool.
     q_nope [tokens, H, 512] / q_pe [tokens, H, 64] bf16 or fp16 (one query per request), ``scales`` [2] fp32
     (ckv_scale, kpe_scale) on the device. ``t``: the plan's arrays (as ``launch``): qo_indptr, kv_indptr,
-    kv_indices, kv_len (clamped), cta_ptr [num_slots + 1] (its last entry: the item count), item_req / item_t0 /
-    item_t1, part_o [items, 64 nhg, 512] / part_lse [items, 64 nhg] fp32, m_ptr, m_list, batch_size. ``n_items``:
-    the items launched (the real count, or a cap: CTAs past the count exit), ``num_slots``: the schedule's CTAs.
+    kv_indices, kv_len (clamped), item_req / item_t0 / item_t1, part_o [items, 64 nhg, 512] / part_lse [items,
+    64 nhg] fp32, m_ptr [B + 1] (m_ptr[batch_size]: the item count), m_list, batch_size [1]. ``n_items``: the items
+    launched (the real count, or a cap: CTAs past the count exit).
     out [tokens, H, 512] (query dtype), lse [tokens, H] fp32 written base 2."""
     b = build
     if not b.heads_on_m or b.page_size % TILE:
@@ -370,13 +371,11 @@ def launch_heads_on_m(build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, o
     rows = HEADS_PER_CTA * b.nhg
     if po.shape[1] < rows or pl.shape[1] < rows:
         raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got {po.shape[1]}/{pl.shape[1]}")
-    if t["cta_ptr"].numel() < num_slots + 1:
-        raise ValueError(f"cta_ptr: expected >= {num_slots + 1} entries, got {t['cta_ptr'].numel()}")
     if n_items > 0:
         heads_on_m_kernel[(n_items * b.nhg,)](
             kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
-            t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
-            num_slots, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0),
+            t["m_ptr"], t["batch_size"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse,
+            sm_scale * LOG2E, num_heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0),
             po.stride(1), pl.stride(0), out.stride(0), out.stride(1), lse.stride(0),
             **b.constexprs(), num_warps=4)
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=num_heads, num_heads=num_heads, merge_p=merge_p,
