@@ -13,21 +13,25 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# each step's timeout: its own budget, within what is left of ${TOTAL_S:-570} s for the whole script (one device
+# call allows 600 s)
+budget() { local left=$(( ${TOTAL_S:-570} - ($(date +%s) - t0) )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log --oneline -1 2>/dev/null || true; date -u; } | tee "$out/environment.txt"
 
-timeout -s INT -k 10 180 python3 -m pytest -x -q -p no:cacheprovider -rfEs --tb=short \
+timeout -s INT -k 5 "$(budget 220)" python3 -m pytest -x -q -p no:cacheprovider -rfEs --tb=short \
     tests/test_decode_sm90_heads_on_m.py > "$out/tests_heads_on_m.txt" 2>&1
 echo "exit $?" >> "$out/tests_heads_on_m.txt"
 say "heads-on-M tests done"; tail -n 15 "$out/tests_heads_on_m.txt"
 
-timeout -s INT -k 10 130 python3 -m pytest -x -q -p no:cacheprovider -rfEs --tb=short -n 4 \
+xd=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")   # (pytest-xdist where installed)
+timeout -s INT -k 5 "$(budget 110)" python3 -m pytest -x -q -p no:cacheprovider -rfEs --tb=short $xd \
     tests/test_decode_sm90.py -k "wide and not 16" > "$out/tests_wide.txt" 2>&1
 echo "exit $?" >> "$out/tests_wide.txt"
 say "wide-heads tests done"; tail -n 10 "$out/tests_wide.txt"
 
-timeout -s INT -k 10 240 python3 -m fp8mla bench decode --heads 64 128 --pages 64 --kv fp8_e4m3 \
+timeout -s INT -k 5 "$(budget 250)" python3 -m fp8mla bench decode --heads 64 128 --pages 64 --kv fp8_e4m3 \
     --compare flashinfer wide_heads fp8_math --reps 20 --out "$out/bench" > "$out/bench.txt" 2>&1
 echo "exit $?" >> "$out/bench.txt"
 say "bench done"
