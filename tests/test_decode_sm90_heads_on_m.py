@@ -119,7 +119,7 @@ def test_heads_on_m_option_is_checked():
 @pytest.mark.usefixtures("sm90_compile_tools")
 def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     """gluon.build / GluonPlan.run of heads-on-M plans on CPU tensors (the kernel never runs): host lengths give the
-    host schedule's real item count, device-only tables the cap slots + B, CUDA graphs the buffers' max_items; the
+    host schedule's real item count, device-only tables the cap slots + B, CUDA graphs slots + max_batch; the
     schedule is the request-aligned one where it fits (H128 B64 L8k: 64 whole requests on 66 slots, no partial)."""
     calls = []
     monkeypatch.setattr(k, "launch_heads_on_m", lambda *a, **kw: calls.append((a, kw)))
@@ -144,7 +144,7 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     g.run(q, q[..., :64], ckv, ckv[..., :64], torch.ones(2), None, q, torch.zeros(8, 64), False)
     (args, kw), = calls
     assert args[0] is g.build and args[1:3] == ("kv", "kpe") and args[6] is g.t
-    assert (kw["n_items"], kw["num_heads"]) == (148, 64)
+    assert (kw["n_items"], kw["num_heads"]) == (148, 64) and g.n_items <= g.t["item_req"].numel()
     with pytest.raises(ValueError, match="ckv_scale_arr"):   # per-tensor scales only
         g.run(q, q[..., :64], ckv, ckv[..., :64], torch.ones(2), torch.ones(80, 64, 4), q, torch.zeros(8, 64), False)
 

@@ -4,7 +4,8 @@
 #   2. the wide-heads GPU tests of tests/test_decode_sm90.py at page 64 (H 20, 32: the wide build; 64, 100, 128:
 #      now heads-on-M; the 4-stage refusal that must stay)                                                 ~1 min
 #   3. the A/B: fp8mla bench decode at H64/H128, page 64, FP8 e4m3, the heads-on-M build ("fp8mla gluon[mh]")
-#      beside the wide build ("fp8mla gluon[wide]", heads_on_m=False), fp8_math and FlashInfer           ~2-3 min
+#      beside the wide build ("fp8mla gluon[wide]", heads_on_m=False), the heads-on-M build in a CUDA-graph
+#      wrapper ("[mh,graph]": the grid of 256 requests' capacity, empty CTAs exit), fp8_math and FlashInfer ~2-3 min
 # Usage (repo root; FlashInfer importable for the fa2/fa3 rows):  bash lab/scripts/heads_on_m_device.sh OUT
 set -u
 out=${1:?OUT}
@@ -32,7 +33,7 @@ echo "exit $?" >> "$out/tests_wide.txt"
 say "wide-heads tests done"; tail -n 10 "$out/tests_wide.txt"
 
 timeout -s INT -k 5 "$(budget 250)" python3 -m fp8mla bench decode --heads 64 128 --pages 64 --kv fp8_e4m3 \
-    --compare flashinfer wide_heads fp8_math --reps 20 --out "$out/bench" > "$out/bench.txt" 2>&1
+    --compare flashinfer wide_heads mh_graph fp8_math --reps 20 --out "$out/bench" > "$out/bench.txt" 2>&1
 echo "exit $?" >> "$out/bench.txt"
 say "bench done"
 # summary: ms per kernel and shape, and the heads-on-M build over the wide one

@@ -191,7 +191,8 @@ class GluonPlan:
 
     max_rows: int = 0   # max_qo x num_heads (0: num_heads)
     slots: int = 0      # the schedule's CTAs
-    n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: CTAs past the count exit)
+    n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: slots + batch, CUDA graphs
+    #                     slots + max_batch; CTAs past the real count exit)
 
     def __post_init__(self):
         if not self.max_rows:
@@ -275,7 +276,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
             return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                             buf.max_items if mh else 0)
+                             slots + buf.max_batch if mh else 0)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
@@ -296,8 +297,10 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                          n_items if mh else 0)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
     k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack)
+    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
+    # max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                     buf.max_items if mh else 0)
+                     slots + buf.max_batch if mh else 0)
 
 
 def aligned_slack(build) -> int:

@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("--compare", nargs="*", default=[],
                    help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (the gluon kernel's wide build, "
-                        "heads_on_m=False, beside the heads-on-M build the selector picks)")
+                        "heads_on_m=False, beside the heads-on-M build the selector picks), mh_graph (the "
+                        "heads-on-M build in a CUDA-graph wrapper: its grid is the wrapper's capacity, 256 requests)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -146,6 +147,11 @@ def main(args) -> int:
                             built = attn._plan.impl.build
                             runners[f"fp8mla gluon[{build_label(built)}]"] = (
                                 lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            if "mh_graph" in args.compare and built.heads_on_m:   # an engine's launch: the cap
+                                attn = MLAPagedAttention(backend="gluon", use_cuda_graph=True)
+                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                runners["fp8mla gluon[mh,graph]"] = (
+                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                             if "wide_heads" in args.compare and built.heads_on_m:   # the A/B in one process
                                 attn = MLAPagedAttention(backend="gluon", heads_on_m=False)
                                 attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
