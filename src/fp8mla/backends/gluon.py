@@ -24,16 +24,16 @@ import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
 from ._graph import GraphBuffers
+from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 # (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
 # or the FP8-scores variant's Q terms, where 4 do not fit: sm90.ring_depth)
-DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
+DEFAULTS = dict(num_stages=DEFAULT_STAGES, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 # fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
 # L2 <= 2e-2; the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
-PAGE_MULTIPLE = 64
 # Per-token group scales (fp8_e4m3_group): the group build has 16 rows per consumer at any head count (H > 32:
 # ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it spills 1.4 KB). Its scale array must be rows
 # of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
@@ -111,30 +111,6 @@ def _build_for(spec, options: dict, max_qo: int):
                 f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages need "
                 f"{b.smem()} B of shared memory, above {k.SMEM_LIMIT}")
     return b
-
-
-def heads_on_m_refusal(spec, options: dict, max_qo: int) -> str:
-    """Why the heads-on-M build (``sm90.heads_on_m``) does not take a plan the Gluon kernel accepts ("" when it
-    does): it is built for FP8 e4m3 with per-tensor scales, the default numerics (not fp8_math), one query per
-    request, pages of a multiple of 64, 33..128 heads and its own 2-stage ring (a ``num_stages`` other than the
-    default asks for the wide build's ring)."""
-    from ..kernels import sm90 as k
-    ns = options.get("num_stages")
-    checks = (
-        (spec.kv_format.scale_kind == "tensor", lambda: f"kv format {spec.kv_format.name}: it takes per-tensor "
-                                                        "scales (fp8_e4m3), not group scales"),
-        (not options.get("fp8_math"), lambda: "fp8_math: it runs the default 16-bit MMAs"),
-        (max_qo == 1, lambda: f"max qo_len {max_qo}: it takes one query per request"),
-        (spec.page_size % PAGE_MULTIPLE == 0, lambda: f"page_size {spec.page_size}: it takes a multiple of 64"),
-        (k.MH_MIN_HEADS <= spec.num_heads <= k.MAX_WIDE_HEADS,
-         lambda: f"num_heads {spec.num_heads}: it takes {k.MH_MIN_HEADS}..{k.MAX_WIDE_HEADS}"),
-        (ns is None or ns == DEFAULTS["num_stages"],
-         lambda: f"num_stages {ns}: its ring is {k.MH_STAGES} stages (num_stages sets the wide build's ring)"),
-    )
-    for ok, why in checks:
-        if not ok:
-            return why()
-    return ""
 
 
 def _choose(spec, options: dict, max_qo: int):
@@ -301,13 +277,6 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     # max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
                      slots + buf.max_batch if mh else 0)
-
-
-def aligned_slack(build) -> int:
-    """The request-aligned schedule's slack of a build: the persistent builds' ``ALIGNED_SLACK``, or (heads-on-M,
-    one CTA per item) any, the aligned cut whenever it fits the CTAs (``sm90.UNBOUNDED_SLACK``)."""
-    from ..kernels import sm90 as k
-    return k.UNBOUNDED_SLACK if build.heads_on_m else k.ALIGNED_SLACK
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
