@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The heads-on-M build's GPU check (issue 27) on one H200, in one device call of ~5 min (limits sum to < 10 min):
-#   1. tests/test_decode_sm90_heads_on_m.py (float64 checks of the build through MLAPagedAttention)      ~1.5-2 min
+#   1. tests/test_decode_sm90_heads_on_m.py (float64 checks of the build through MLAPagedAttention; its two
+#      compile-only tests, checked on the CPU under triton 3.6 and 3.9, left out)                        ~1.5-2 min
 #   2. the wide-heads GPU tests of tests/test_decode_sm90.py at page 64 (H 20, 32: the wide build; 64, 100, 128:
 #      now heads-on-M; the 4-stage refusal that must stay)                                                 ~1 min
 #   3. the A/B: fp8mla bench decode at H64/H128, page 64, FP8 e4m3, the heads-on-M build ("fp8mla gluon[mh]")
@@ -22,7 +23,7 @@ budget() { local left=$(( ${TOTAL_S:-570} - ($(date +%s) - t0) )); [ "$left" -lt
   git log --oneline -1 2>/dev/null || true; date -u; } | tee "$out/environment.txt"
 
 timeout -s INT -k 5 "$(budget 220)" python3 -m pytest -x -q -p no:cacheprovider -rfEs --tb=short \
-    tests/test_decode_sm90_heads_on_m.py > "$out/tests_heads_on_m.txt" 2>&1
+    tests/test_decode_sm90_heads_on_m.py -k "not compiles" > "$out/tests_heads_on_m.txt" 2>&1
 echo "exit $?" >> "$out/tests_heads_on_m.txt"
 say "heads-on-M tests done"; tail -n 15 "$out/tests_heads_on_m.txt"
 
