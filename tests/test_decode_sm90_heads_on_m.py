@@ -225,6 +225,23 @@ def test_fp16_scales_forced_splits_and_bit_identical_reruns(min_chunk):
 
 
 @gpu
+@pytest.mark.parametrize("H,qmag", [(128, 300.0), (64, 1e-3)])
+def test_query_magnitudes_and_an_all_empty_batch(H, qmag):
+    """The per-head power of two keeps fp16 Q in range for large and tiny queries; a batch of empty requests is
+    all 0 / -inf."""
+    b = make_paged_batch([777, 64], [1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=int(H + qmag), ckv_scale=0.05,
+                         kpe_scale=0.02)
+    for key in ("q_nope", "q_pe"):
+        b.run_args[key] = (b.run_args[key].float() * qmag).to(b.run_args[key].dtype)
+    attn, out, lse = run_case(b)
+    assert _is_mh(attn)
+    check(b, out, lse, lse_tol=2e-4)
+    e = make_paged_batch([0, 0, 0], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=3, extra_pages=1)
+    _, out, lse = run_case(e)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+@gpu
 def test_host_lengths_schedule_on_the_host():
     b = make_paged_batch(LENS, [1] * len(LENS), 128, 64, "fp8_e4m3", device=DEVICE, seed=21)
     attn = fp8mla.MLAPagedAttention(backend="gluon", min_chunk=64)
