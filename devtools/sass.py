@@ -10,6 +10,7 @@ the builds ``REGISTER_RENUMBERING`` names: where this triton's ptxas numbers the
 compile of the same PTX to the next.
 
     python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
+    python -m devtools.sass record --only mh64_p64   # (re-)record these builds only, every other entry kept as is
     python -m devtools.sass check             # compare them with the golden file of this triton
     python -m devtools.sass show h16_p64      # one build's summary (and --sass FILE: its SASS)
 
@@ -272,6 +273,19 @@ KERNEL_SIGNATURE = {
     "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
 
 
+# The heads-on-M kernel's (``heads_on_m_kernel``): 64 x 64-byte boxes for both pools
+MH_KERNEL_SIGNATURE = {
+    "kv_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "kpe_desc": "tensordesc<fp8e4nv[64, 64],NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)>",
+    "q_nope": "*bf16", "q_pe": "*bf16", "scales": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+    "kv_indices": "*i32", "kv_len": "*i32", "m_ptr": "*i32", "batch_size": "*i32", "item_req": "*i32",
+    "item_t0": "*i32", "item_t1": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "OUT": "*bf16", "LSE_OUT": "*fp32",
+    "sm_scale_log2": "fp32", "H": "i32",
+    "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
+    "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
+    "stride_lse_t": "i32", "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "NHG": "constexpr"}
+
+
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
 # H % 16 == 0 (triton specializes such ints): the strides and H itself.
 _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
@@ -280,12 +294,17 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
 
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
-                   group: bool = False, fp8_math: bool = False) -> dict:
-    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``): ``heads`` picks the
+                   group: bool = False, fp8_math: bool = False, heads_on_m: bool = False) -> dict:
+    """``compile_build`` of the build a plan of these sizes gets (``Sm90Build.for_plan``; ``heads_on_m``: the
+    heads-on-M build of ``heads`` and ``page``, ``Sm90Build.for_heads_on_m``, its own stages and registers, ``ns``
+    and ``regs`` not applied): ``heads`` picks the
     variant (16 -> the H16 kernel, 32 -> wide HPW 16, 128 -> wide HPW 32; with ``group``, HPW 16 at every H);
     ``max_qo`` >= 2: the multi-token variant, causal or not; ``group``: per-token group scales; ``fp8_math``: the
     e4m3 build."""
     from fp8mla.kernels import sm90
+    if heads_on_m:
+        return compile_build(sm90.Sm90Build.for_heads_on_m(heads, page), q_dtype=q_dtype, aligned_ints=aligned_ints,
+                             sass_path=sass_path)
     b = sm90.Sm90Build.for_plan(heads, page, max_qo, causal, group, fp8_math, ns)
     if regs != b.regs:
         import dataclasses
@@ -302,6 +321,8 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
     from fp8mla.kernels import sm90
     if sm90.gluon is None:
         raise RuntimeError(f"gluon is not importable: {sm90.GLUON_IMPORT_ERROR}")
+    if getattr(build, "heads_on_m", False):
+        return _compile_heads_on_m(build, q_dtype, aligned_ints, sass_path)
     fn = sm90.mla_decode_sm90_kernel
     names = fn.arg_names
     sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
@@ -319,6 +340,20 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                                 if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
                                 or n in ("stride_kv_row", "stride_kpe_row")})
+    return sass_report(src, sass_path)
+
+
+def _compile_heads_on_m(build, q_dtype: str, aligned_ints: bool, sass_path) -> dict:
+    """``compile_build`` of a heads-on-M build (``heads_on_m_kernel``, its own signature)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels import sm90
+    fn = sm90.heads_on_m_kernel
+    names = fn.arg_names
+    sig = dict(MH_KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
+    src = GluonASTSource(fn=fn, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in build.constexprs().items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
     return sass_report(src, sass_path)
 
 
@@ -473,6 +508,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     rec = sub.add_parser("record", help="compile every named sm_90 build and write the golden file")
     rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
+    rec.add_argument("--only", nargs="+", default=None, choices=sorted(sm90_builds()),
+                     help="compile and (re-)record these builds only; the file's other entries and its commit stay")
     sub.add_parser("check", help="compare every named build with the golden file of this triton")
     show = sub.add_parser("show", help="one build's summary")
     show.add_argument("name", choices=sorted(sm90_builds()))
@@ -496,7 +533,8 @@ def main(argv=None):
             with open(a.sass, "w") as f:
                 f.write(sass)
         return 0
-    res = compile_many(sorted(sm90_builds()))
+    only = getattr(a, "only", None)
+    res = compile_many(sorted(only or sm90_builds()))
     bad = {n: r["error"] for n, r in res.items() if "error" in r}
     if bad:
         for n, e in bad.items():
@@ -506,6 +544,10 @@ def main(argv=None):
         path = a.out or golden_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         doc = {"triton": triton_version(), "commit": _commit(), "arch": "sm_90a", "builds": res}
+        if only:   # the other builds' entries (and the commit they were recorded at) stay as they are
+            with open(golden_path()) as f:
+                doc = json.load(f)
+            doc["builds"].update(res)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.write("\n")

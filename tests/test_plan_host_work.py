@@ -406,7 +406,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         t = attn._plan.impl.t
         L = gb._device_kv_len(attn.layout)
         assert L.tolist() == [p + 1 for p in prefix]
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
         n = int(want["m_ptr"][-1])
         for key in ("cta_ptr", "m_ptr"):
             assert torch.equal(t[key][: want[key].numel()], want[key]), (step, key)
@@ -424,7 +424,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         st = r.begin_step(ids, prefix)
         assert attn._plan.impl is impl
         t, L = impl.t, torch.tensor([p + 1 for p in prefix], dtype=torch.int32)  # the true lengths
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE)
+        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
         n = int(want["m_ptr"][-1])
         assert torch.equal(t["cta_ptr"][: want["cta_ptr"].numel()], want["cta_ptr"]), step
         for key in ("item_req", "item_t0", "item_t1"):

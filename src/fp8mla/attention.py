@@ -27,7 +27,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 STRATEGIES = ("native", "gather_cast")
 CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices")  # CUDA-graph buffer sizes
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64", "v_convert", "fp8_math") + CAPACITY_OPTIONS
+                  "index64", "v_convert", "fp8_math", "heads_on_m") + CAPACITY_OPTIONS
 FLASHINFER_BACKENDS = ("fa2", "fa3")
 # Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
 MAX_SM_SCALE = 1e6
@@ -63,7 +63,10 @@ class MLAPagedAttention:
             ``min_chunk``, ``evict_first``, ``index64``, ``v_convert`` = "plain" | "asm"; ``fp8_math``: opt-in FP8
             tensor-core math on the gluon kernel (Q as e4m3 hi + lo terms, P x 2^8 as e4m3, both products e4m3 x
             e4m3 wgmma, no K/V conversion; error budget rel L2 <= 2e-2 instead of the default 3e-3; per-tensor
-            e4m3 only; a plan that would run elsewhere raises) and the CUDA-graph
+            e4m3 only; a plan that would run elsewhere raises); ``heads_on_m``: the gluon kernel's heads-on-M build
+            (64 heads on the MMA's M side; 33..128 heads, one query per request, per-tensor e4m3, pages of a
+            multiple of 64): None = the selector's choice (it where it takes the plan), False = the wide build,
+            True = required (a plan it cannot take raises with the reason); and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20).
 
@@ -107,6 +110,9 @@ class MLAPagedAttention:
             # never the default numerics under a flag that promises FP8 tensor-core math
             raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only (sm_90; backend 'gluon' "
                              f"or 'auto', strategy 'native'); got backend {backend!r}, strategy {strategy!r}")
+        if kernel_options.get("heads_on_m") and (backend in ("torch", "triton") or strategy != "native"):
+            raise ValueError(f"heads_on_m: the heads-on-M build is a gluon kernel (sm_90; backend 'gluon' or 'auto', "
+                             f"strategy 'native'); got backend {backend!r}, strategy {strategy!r}")
         # FlashInfer's graph buffers: they size fp8mla's, and (int32 ones) are the very tensors the kernels read,
         # as in FlashInfer: plan() copies into them and a captured run() reads their live contents (vLLM writes
         # page ids into the kv_indices buffer inside its captured forward).
@@ -302,12 +308,15 @@ class MLAPagedAttention:
             name = kept[1]
         else:
             name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
-            if not (opts.get("fp8_math") and name != "gluon"):   # a refusal is not kept: a later plan may fit
+            required = opts.get("fp8_math") or opts.get("heads_on_m")
+            if not (required and name != "gluon"):   # a refusal is not kept: a later plan may fit
                 self._choice = (key, name)
-        if opts.get("fp8_math") and name != "gluon":
-            why = verdict[-1][1] if verdict and not verdict[-1][0] else f"no sm_90 GPU with Gluon for {spec.device}"
-            raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only, and this plan would "
-                             f"run on {name!r}: {why}")
+        for flag, what in (("fp8_math", "FP8 tensor-core math runs"), ("heads_on_m", "the heads-on-M build runs")):
+            if opts.get(flag) and name != "gluon":
+                why = (verdict[-1][1] if verdict and not verdict[-1][0]
+                       else f"no sm_90 GPU with Gluon for {spec.device}")
+                raise ValueError(f"{flag}: {what} on the gluon kernel only, and this plan would run on {name!r}: "
+                                 f"{why}")
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"
@@ -487,7 +496,7 @@ def _check_kernel_options(opts: dict) -> None:
         raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
     if opts.get("v_convert") is not None and opts["v_convert"] not in ("plain", "asm"):
         raise ValueError(f"v_convert: expected 'plain' or 'asm', got {opts['v_convert']!r}")
-    for name in ("evict_first", "index64", "fp8_math"):
+    for name in ("evict_first", "index64", "fp8_math", "heads_on_m"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
 

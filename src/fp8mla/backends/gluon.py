@@ -24,16 +24,16 @@ import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
 from ._graph import GraphBuffers
+from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
 # (num_stages 3 is the wide variant's; the alternating-tile kernel at <= 16 heads takes 4, or 3 with group scales
 # or the FP8-scores variant's Q terms, where 4 do not fit: sm90.ring_depth)
-DEFAULTS = dict(num_stages=3, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
+DEFAULTS = dict(num_stages=DEFAULT_STAGES, min_chunk=256, max_batch_size=256, max_kv_indices=1 << 20)
 # fp8_math (opt-in, MLAPagedAttention(fp8_math=True)): Q as 2 e4m3 terms (hi + lo) against K straight from the ring,
 # P x 2^8 in e4m3 against V^T's bytes: e4m3 x e4m3 wgmma for both products, no K or V conversion. Error budget rel
 # L2 <= 2e-2; the default numerics stay exact FP8 -> fp16 with 16-bit MMAs.
-PAGE_MULTIPLE = 64
 # Per-token group scales (fp8_e4m3_group): the group build has 16 rows per consumer at any head count (H > 32:
 # ceil(H / 32) head-group CTAs per schedule slot; at 32 per consumer it spills 1.4 KB). Its scale array must be rows
 # of one pool with 16-byte aligned strides (the cache's own is); another layout is refused by name at run().
@@ -113,14 +113,30 @@ def _build_for(spec, options: dict, max_qo: int):
     return b
 
 
+def _choose(spec, options: dict, max_qo: int):
+    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: the choice, True:
+    required, False: never), else the ``_build_for`` build."""
+    from ..kernels import sm90 as k
+    want = options.get("heads_on_m")
+    if want is not False:
+        why = heads_on_m_refusal(spec, options, max_qo)
+        if not why:
+            return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
+        if want:
+            return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
+    return _build_for(spec, options, max_qo)
+
+
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
     """The named build (``sm90.Sm90Build``) that computes this plan, or the reason (a str) the Gluon kernel refuses
     it: ``backend="auto"`` then falls back to the Triton kernel, ``backend="gluon"`` raises the reason. ``max_qo``:
-    the build's query tokens per request (default: the layout's longest)."""
+    the build's query tokens per request (default: the layout's longest). The heads-on-M build where it takes the
+    plan (``heads_on_m_refusal``; measured faster than the wide build on the H200 at 64 and 128 heads, pages of
+    64), unless ``options["heads_on_m"]`` is False; True requires it."""
     why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
     if why:
         return why
-    return _build_for(spec, options, max_qo or max(1, layout.max_qo_len or 1))
+    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1))
 
 
 @dataclass
@@ -150,6 +166,9 @@ class GluonPlan:
         return self.build.fp8_math
 
     max_rows: int = 0   # max_qo x num_heads (0: num_heads)
+    slots: int = 0      # the schedule's CTAs
+    n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: slots + batch, CUDA graphs
+    #                     slots + max_batch; CTAs past the real count exit)
 
     def __post_init__(self):
         if not self.max_rows:
@@ -177,6 +196,15 @@ class GluonPlan:
                     or c.data_ptr() % 16:
                 raise ValueError(f"{name}: the gluon backend reads pages with TMA and needs rows of one pool "
                                  f"with 16-byte aligned strides; got strides {tuple(c.stride())}")
+        if self.build.heads_on_m:   # (no group scales: refused above)
+            kv_desc, kpe_desc = k.mh_kv_descriptors(ckv_cache, kpe_cache)
+            k.launch_heads_on_m(self.build, kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse,
+                                n_items=self.n_items, grid_batch=self.grid_batch,
+                                num_heads=self.spec.num_heads, sm_scale=self.spec.sm_scale, merge_p=self.merge_p,
+                                merge_c=self.merge_c)
+            if base_e:
+                lse.mul_(LN2)
+            return
         kv_desc, kpe_desc = k.kv_descriptors(ckv_cache, kpe_cache)
         k.launch(self.build, kv_desc, kpe_desc, q_nope, q_pe, scales, self.t, out, lse, grid=self.grid,
                  grid_batch=self.grid_batch, max_rows=self.max_rows, num_heads=self.spec.num_heads,
@@ -204,11 +232,13 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     max_hpw = k.GROUP_MAX_HPW if group else 32   # the group build: 16 rows per consumer, more head-group CTAs
     # H > 16: nhg head-group CTAs per schedule slot (adjacent in the grid, so they read the same tiles together)
     slots = max(1, n_sm // nhg)
-    rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)
+    rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)   # (heads-on-M: 64 x nhg, the same)
+    mh = b.heads_on_m
+    slack = aligned_slack(b)
     h = None
     if layout.host is not None:
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                          num_ctas=slots, min_tiles=min_tiles)
+                          num_ctas=slots, min_tiles=min_tiles, slack=slack)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
         parts = None
@@ -221,20 +251,32 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         buf.check(B, layout.kv_indices.numel(), rows)
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
             t = buf.load_host(h, layout.kv_indices)
-            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
+            return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
+                             slots + buf.max_batch if mh else 0)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
-        t = k.schedule_device(kv_len, slots, min_tiles)
+        if h is not None and mh:   # host lengths (no graph): the host schedule's items, its real count
+            t = {key: torch.tensor(h[key], dtype=torch.int32).to(device, non_blocking=True)
+                 for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr")}
+            t["m_list"] = torch.arange(max(1, len(h["item_req"])), dtype=torch.int32, device=device)
+            n_items = len(h["item_req"])
+        else:
+            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack)
+            n_items = slots + B
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
                  part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
-        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads)
+        return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
+                         n_items if mh else 0)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t)
-    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack)
+    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
+    # max_items; CTAs past a plan's real count exit at once)
+    return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
+                     slots + buf.max_batch if mh else 0)
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -252,7 +294,8 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
         return None
     nhg = plan.build.nhg
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                      num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE))
+                      num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
+                      slack=aligned_slack(plan.build))
     last = state.get("rows_items")
     if last is not None and last[0] is plan and (fixed or last[1] is h["item_req"]):
         buf.load_host(h, layout.kv_indices)
@@ -315,7 +358,7 @@ def _select_cached(spec, layout, options: dict, state: dict):
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
         return memo[1]
-    b = _build_for(spec, options, max_qo)
+    b = _choose(spec, options, max_qo)
     state["build_memo"] = (key, b)
     return b
 
@@ -329,13 +372,14 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                  aligned: bool = True) -> dict:
+                  aligned: bool = True, slack: int | None = None) -> dict:
     """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
     ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
     global _LAST_ITEMS
-    from ..kernels.sm90 import TILE, aligned_lists, aligned_pieces
+    from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
+    slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
@@ -348,12 +392,12 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
     # (shared with that call's result: read only)
     last = _LAST_ITEMS
-    if last is not None and last[0] == (num_ctas, min_tiles, aligned) and last[1] == ntiles:
+    if last is not None and last[0] == (num_ctas, min_tiles, aligned, slack) and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
-    ks = aligned_pieces(ntiles, num_ctas, min_tiles) if aligned else None
+    ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
     if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]
-        _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)
+        _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
@@ -390,7 +434,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
         s = e
     ptr[G:] = [n] * (num_ctas + 1 - G)
     items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
-    _LAST_ITEMS = ((num_ctas, min_tiles, aligned), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
+    _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
 
 

@@ -34,7 +34,9 @@ def add_arguments(p):
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[],
                    help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
-                        "kernel's opt-in FP8 tensor-core math)")
+                        "kernel's opt-in FP8 tensor-core math), wide_heads (the gluon kernel's wide build, "
+                        "heads_on_m=False, beside the heads-on-M build the selector picks), mh_graph (the "
+                        "heads-on-M build in a CUDA-graph wrapper: its grid is the wrapper's capacity, 256 requests)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -103,6 +105,11 @@ VARIANTS = {
 }
 
 
+def build_label(build) -> str:
+    """A gluon plan's build in a row name: mh (heads-on-M), wide (the wide-heads build), h16 (<= 16 heads)."""
+    return "mh" if build.heads_on_m else ("wide" if build.wide else "h16")
+
+
 def main(args) -> int:
     if getattr(args, "sparse", False):
         from .sparse import main as sparse_main
@@ -143,11 +150,22 @@ def main(args) -> int:
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                     if "gluon" in fp8mla_backends(device):  # the Hopper kernel, where its supports() takes the plan
-                        try:
+                        try:   # the row names the build the selector picked ([mh] heads-on-M, [wide], [h16])
                             attn = MLAPagedAttention(backend="gluon")
                             attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
-                            runners["fp8mla gluon"] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out,
-                                                                             lse=lse, **sk))
+                            built = attn._plan.impl.build
+                            runners[f"fp8mla gluon[{build_label(built)}]"] = (
+                                lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            if "mh_graph" in args.compare and built.heads_on_m:   # an engine's launch: the cap
+                                attn = MLAPagedAttention(backend="gluon", use_cuda_graph=True)
+                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                runners["fp8mla gluon[mh,graph]"] = (
+                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            if "wide_heads" in args.compare and built.heads_on_m:   # the A/B in one process
+                                attn = MLAPagedAttention(backend="gluon", heads_on_m=False)
+                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                runners[f"fp8mla gluon[{build_label(attn._plan.impl.build)}]"] = (
+                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                         except ValueError as e:
                             print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
                         if "fp8_math" in args.compare and fmt.is_fp8 and fmt.scale_kind == "tensor":

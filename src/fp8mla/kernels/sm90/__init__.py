@@ -74,6 +74,10 @@ Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 
 FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_pe 64. Anything else:
 ``supports`` says no and the caller falls back to the Triton kernel.
 
+Heads-on-M build (``heads_on_m``, 33..128 heads, one query per request, per-tensor e4m3, pages of a multiple of
+64; ``Sm90Build.for_heads_on_m``): 64 heads on the MMA's M side, the FP8 tile converted once into a 16-bit shared
+tile read by both products, one CTA per (work item, 64-head group) of the same schedule; ``heads_on_m.py``.
+
 Modules, by role: ``config`` (sizes, variant geometry, the Gluon API), ``ring`` (depth and ready-barrier rule),
 ``schedule`` (work items per CTA), ``fragments`` (operand helpers), ``producer``, ``consumer``, ``merge`` (partials
 and the split merge), ``kernel`` (allocation, barriers, warp_specialize, ``launch``).
@@ -81,21 +85,26 @@ and the split merge), ``kernel`` (allocation, barriers, warp_specialize, ``launc
 from __future__ import annotations
 
 from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, GROUPS, HP, KNOWN_BUILDS,
-                     MAX_MTP_QO, MAX_MTP_ROWS, MAX_WIDE_HEADS, P8_SCALE, ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE,
+                     MAX_MTP_QO, MAX_MTP_ROWS, MAX_WIDE_HEADS, MH_HEADS, MH_MIN_HEADS, MH_REGS, MH_STAGES, P8_SCALE, ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE,
                      Sm90Build, gluon,
-                     head_config, mtp_config, mtp_row, mtp_visible, padded_heads, row_config, smem_bytes)
+                     head_config, mh_smem_bytes, mtp_config, mtp_row, mtp_visible, padded_heads, row_config,
+                     smem_bytes)
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok
 from .merge import SEQ_PARTS, _merge_parts_kernel, launch_merge, merge_blocks, merge_tile
 from .ring import ready_barrier, ring_depth
-from .schedule import ALIGNED_SLACK, aligned_lists, aligned_pieces, schedule, schedule_device
+from .schedule import ALIGNED_SLACK, UNBOUNDED_SLACK, aligned_lists, aligned_pieces, schedule, schedule_device
+
+from .heads_on_m import launch_heads_on_m
 
 if gluon is not None:
+    from .heads_on_m import heads_on_m_kernel, mh_kv_descriptors
     from .kernel import mla_decode_sm90_kernel
 
-__all__ = ["ALIGNED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
+__all__ = ["ALIGNED_SLACK", "UNBOUNDED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
            "KNOWN_BUILDS", "Sm90Build",
-           "MAX_MTP_QO", "MAX_MTP_ROWS", "MAX_WIDE_HEADS", "P8_SCALE", "ROW_BYTES", "SEQ_PARTS", "SMEM_LIMIT",
+           "MAX_MTP_QO", "MAX_MTP_ROWS", "MAX_WIDE_HEADS", "MH_HEADS", "MH_MIN_HEADS", "MH_REGS", "MH_STAGES",
+           "P8_SCALE", "ROW_BYTES", "SEQ_PARTS", "SMEM_LIMIT",
            "STAGE_BYTES", "TILE", "aligned_lists", "aligned_pieces", "gluon", "head_config", "kv_descriptors",
-           "launch", "launch_merge", "merge_blocks", "merge_tile", "mtp_config", "mtp_row", "mtp_visible",
+           "launch", "launch_heads_on_m", "launch_merge", "merge_blocks", "mh_smem_bytes", "merge_tile", "mtp_config", "mtp_row", "mtp_visible",
            "padded_heads", "ready_barrier", "ring_depth", "row_config", "scale_descriptor", "scale_rows_ok",
            "schedule", "schedule_device", "smem_bytes"]

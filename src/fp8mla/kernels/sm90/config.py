@@ -42,6 +42,10 @@ FP8_MATH_TERMS = 2   # fp8_math: Q as hi + lo e4m3 terms (exact for bf16 queries
 MAX_WIDE_HEADS = 128
 MAX_MTP_QO = 8       # multi-token decode: query tokens per request
 MAX_MTP_ROWS = 512   # virtual heads max_qo * H (H16 up to qo 8, H128 up to qo 4)
+# The heads-on-M build (``heads_on_m``): 64 heads per CTA on the MMA's M side, 2 FP8 stages, 224 registers for the
+# consumers; it takes 33..128 heads
+MH_HEADS, MH_STAGES, MH_REGS = 64, 2, 224
+MH_MIN_HEADS = 33
 
 if gluon is not None:
     GROUPS_C = gl.constexpr(GROUPS)
@@ -57,6 +61,12 @@ def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
     q = 2 * hpw * (DC + DK) * 2 if not qk8 else 2 * hpw * (qk8 * (DC + DK) + (128 + DK) * 2)
     g = ns * TILE * GROUPS * 4 + 2 * (GROUPS - 1) * hpw * TILE * 2 if group else 0
     return ns * STAGE_BYTES + q + 2 * hpw * TILE * 2 + xr * hpw * 4 + 2 * hpw * 4 + 1024 + g
+
+
+def mh_smem_bytes(ns: int = MH_STAGES) -> int:
+    """Shared memory of the heads-on-M build: Q 72 KB, the fp16 tile 72 KB, ns FP8 stages of 36 KB, P 8 KB, the
+    consumers' exchange, barriers."""
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9)
 
 
 def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:
@@ -113,7 +123,9 @@ class Sm90Build:
     decode), ``nhg`` head-group CTAs per schedule slot, ``wide`` both consumers on every tile (H > 16 or MTP),
     ``mtp`` 0 one query per request / 1 multi-token causal / 2 not causal, ``group`` per-token group scales,
     ``fp8_math`` e4m3 x e4m3 wgmma for both products, ``stages`` the ring depth, ``regs`` the consumers'
-    setmaxnreg. ``for_plan`` derives one from a plan's sizes."""
+    setmaxnreg. ``for_plan`` derives one from a plan's sizes. ``heads_on_m``: the heads-on-M kernel
+    (``heads_on_m.py``; ``for_heads_on_m``): 64 heads per CTA (``hpw`` 64), ``nhg`` = ceil(H / 64) CTAs per work
+    item, 2 FP8 stages, 224 registers."""
     page_size: int
     hpw: int
     nhg: int
@@ -123,6 +135,7 @@ class Sm90Build:
     fp8_math: bool = False
     stages: int = 3
     regs: int = 240
+    heads_on_m: bool = False
 
     @classmethod
     def for_plan(cls, num_heads: int, page_size: int, max_qo: int = 1, causal: bool = True, group: bool = False,
@@ -130,16 +143,28 @@ class Sm90Build:
         hpw, nhg, wide = row_config(num_heads, max_qo, GROUP_MAX_HPW if group else 32)
         return cls(page_size, hpw, nhg, wide, 0 if max_qo <= 1 else (1 if causal else 2), group, fp8_math, stages)
 
+    @classmethod
+    def for_heads_on_m(cls, num_heads: int, page_size: int) -> "Sm90Build":
+        if not MH_MIN_HEADS <= num_heads <= MAX_WIDE_HEADS or page_size % TILE:
+            raise ValueError(f"num_heads, page_size: the heads-on-M build takes {MH_MIN_HEADS}..{MAX_WIDE_HEADS} "
+                             f"heads and pages of a multiple of {TILE}, got {num_heads}, {page_size}")
+        return cls(page_size, MH_HEADS, -(-num_heads // MH_HEADS), True, stages=MH_STAGES, regs=MH_REGS,
+                   heads_on_m=True)
+
     @property
     def q_terms(self) -> int:
         return FP8_MATH_TERMS if self.fp8_math else 0
 
     def smem(self) -> int:
+        if self.heads_on_m:
+            return mh_smem_bytes(self.stages)
         return smem_bytes(self.stages, self.hpw, self.wide, self.q_terms, self.group)
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (the ones a variant leaves at their defaults are left out: the JIT key
         and the SASS of the default builds are those of a launch that never names them)."""
+        if self.heads_on_m:   # heads_on_m_kernel's constexprs
+            return dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, NHG=self.nhg)
         c = dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, HPW=self.hpw, WIDE=self.wide, NHG=self.nhg)
         if self.mtp:
             c["MTP"] = self.mtp
@@ -161,4 +186,6 @@ KNOWN_BUILDS = {
     "group_h16": Sm90Build.for_plan(16, 64, group=True),
     "group_h128": Sm90Build.for_plan(128, 64, group=True),
     "fp8_math_h16": Sm90Build.for_plan(16, 64, fp8_math=True),
+    "mh128_p64": Sm90Build.for_heads_on_m(128, 64),
+    "mh64_p64": Sm90Build.for_heads_on_m(64, 64),
 }

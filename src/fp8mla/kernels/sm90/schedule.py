@@ -11,9 +11,14 @@ from .config import TILE
 # largest share: a CTA that runs two items (the contiguous cut splits requests at CTA boundaries) pays a second
 # Q prologue, first-load latency and partial write-out, about a tile's time.
 ALIGNED_SLACK = 1
+# The heads-on-M build runs one CTA per work item (not persistent): a request-aligned cut that fits the CTAs is one
+# wave of whole pieces, while the contiguous cut's items (a range split at request boundaries) become extra CTAs,
+# each with its own Q prologue, partial and merge, and a second wave. It takes the aligned cut whenever it fits
+# (H128 B64 L8k on 66 slots: 64 whole requests of 128 tiles, against the contiguous share of 125).
+UNBOUNDED_SLACK = 1 << 30
 
 
-def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int] | None:
+def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int = ALIGNED_SLACK) -> list[int] | None:
     """Pieces per request for the request-aligned schedule, or None where the contiguous cut is used.
 
     Request b gets ``k_b = max(1, min(n_b * num_ctas // T, n_b // min_tiles))`` CTAs (its share of the CTAs,
@@ -21,7 +26,7 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int]
     whatever its size; an empty request one CTA for its empty item), each piece ``[j * n_b // k_b, (j + 1) * n_b
     // k_b)`` its own CTA: one work item per CTA, and a request whose share is one CTA is not split at all (no
     partial, no merge). Taken when the pieces fit ``num_ctas`` and the largest piece is at most ``ALIGNED_SLACK``
-    tiles over the contiguous cut's share ``ceil(T / G)``, which splits requests wherever CTA boundaries fall
+    tiles (``slack``) over the contiguous cut's share ``ceil(T / G)``, which splits requests wherever CTA boundaries fall
     (CTAs then run two or more items). The equal-length shapes of the benchmarks fit (B8 L8k on 132 CTAs: 16 pieces
     of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request boundaries); equal
     lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
@@ -38,7 +43,7 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int) -> list[int]
         kb = max(1, min(n * num_ctas // T if T else 0, n // min_tiles))
         ks.append(kb)
         most = max(most, -(-n // kb))
-    if sum(kb for kb, n in zip(ks, tiles) if n) > num_ctas or most > share + ALIGNED_SLACK:
+    if sum(kb for kb, n in zip(ks, tiles) if n) > num_ctas or most > share + slack:
         return None
     return ks
 
@@ -73,7 +78,8 @@ def aligned_lists(tiles: list[int], ks: list[int], num_ctas: int) -> tuple[dict,
     return dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr), max(c, 1)
 
 
-def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True):
+def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True,
+             slack: int = ALIGNED_SLACK):
     """Cut the concatenated 64-token tiles of all requests into per-CTA ranges: request-aligned pieces, one item
     per CTA (``aligned_pieces``, when ``aligned`` and they fit), else contiguous per-CTA ranges.
 
@@ -84,7 +90,7 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
     gets one empty item, which writes 0 and lse = -inf.
     """
     tiles = [-(-L // TILE) for L in kv_lens]
-    ks = aligned_pieces(tiles, num_ctas, max(1, min_tiles_per_cta)) if aligned else None
+    ks = aligned_pieces(tiles, num_ctas, max(1, min_tiles_per_cta), slack) if aligned else None
     if ks is not None:
         a, grid = aligned_lists(tiles, ks, num_ctas)
         items = list(zip(a["item_req"], a["item_t0"], a["item_t1"]))
@@ -119,7 +125,7 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
 
 
 def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
-                    aligned: bool = True) -> dict:
+                    aligned: bool = True, slack: int = ALIGNED_SLACK) -> dict:
     """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
     Both cuts are CTA boundaries in the concatenated tiles, and one item generator turns either into work items:
     the contiguous cut's ``c * T // G``, or (``aligned``, where ``aligned_pieces`` takes it: chosen element-wise,
@@ -149,7 +155,7 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
         kc = torch.where(tiles > 0, kb, 0)        # CTAs a request takes (an empty one: none)
         pc = torch.cumsum(kc, 0)
         P = pc[-1:]
-        take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= (T + G - 1) // G + ALIGNED_SLACK)
+        take = (P <= num_ctas) & (((tiles + kb - 1) // kb).amax().reshape(1) <= (T + G - 1) // G + slack)
         ab = torch.clamp(torch.searchsorted(pc, c, right=True), max=B - 1)   # CTA c's piece: request, index
         aj = c - (pc - kc)[ab]
         al = torch.where(c < P, req_start[ab] + aj * tiles[ab] // torch.clamp(kc[ab], min=1), T)
