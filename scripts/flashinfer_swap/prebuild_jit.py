@@ -1,7 +1,8 @@
 """Build, in parallel, the FlashInfer batch-MLA JIT variants that the selected tests use (one ninja run), so
 the FlashInfer run does not compile them one by one inside the tests (18-27 s each on the H200).
 ``--bench``: only the two that ``fp8mla bench decode --kv fp8_e4m3 --compare flashinfer`` plans (bf16 queries
-over e4m3 KV, rope 64, fa3 and fa2), so a device call can build them while an earlier phase runs."""
+over e4m3 KV, rope 64, fa3 and fa2), so a device call can build them while an earlier phase runs; ``--bench-bf16``
+likewise for ``--kv bf16`` (bf16 queries and KV)."""
 import sys
 import time
 
@@ -18,6 +19,8 @@ variants = [("fa3", h, h, 64), ("fa3", b, b, 64), ("fa3", b, e4, 64),
             ("fa3", b, e4, 0), ("fa2", b, b, 64), ("fa2", b, e4, 64)]
 if "--bench" in sys.argv[1:]:
     variants = [("fa3", b, e4, 64), ("fa2", b, e4, 64)]
+if "--bench-bf16" in sys.argv[1:]:   # ... and the two of `--kv bf16 --compare flashinfer` (the BF16-pool baseline)
+    variants = [("fa3", b, b, 64), ("fa2", b, b, 64)]
 specs = [gen_batch_mla_module(be, q, kv, q, torch.int32, 512, kpe, False) for be, q, kv, kpe in variants]
 build_jit_specs(specs, verbose=False)
 print(f"prebuild_jit: {len(specs)} batch-MLA variants ready in {time.time() - t0:.0f} s")
