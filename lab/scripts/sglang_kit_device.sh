@@ -6,7 +6,8 @@
 # not fit one call: lab/scripts/sglang_kit_stub/ stands in for it at import (a call of it is printed as
 # "sgl_kernel stand-in called: NAME"). <= 3 min. OUT gets environment.txt, imports.txt, sglang.txt (the pytest
 # log), sglang.xml and pip.txt.
-# Usage (repo root; carry [".sgl_whl"]):  bash lab/scripts/sglang_kit_device.sh "$OUT"
+# Usage (repo root; .sgl_whl filled by lab/scripts/sglang_kit_wheels.sh; carry [".sgl_whl"]):
+#   bash lab/scripts/sglang_kit_device.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out"
