@@ -97,6 +97,16 @@ def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
                      (dict(fp8_math=True), "fp8_math"), (dict(num_stages=4), "num_stages 4")):
         why = case(heads_on_m=True, **kw)
         assert isinstance(why, str) and why.startswith("heads_on_m=True: ") and word in why, (kw, why)
+    # where auto keeps the wide build (measured slower there, gluon._auto_keeps_wide): CUDA-graph plans, and more
+    # requests than schedule slots (132 SMs / 2 head groups at H128); heads_on_m=True still takes them
+    graph = gb.select_build(_spec(128, graph=True), _layout(64, (1,)), {})
+    assert graph == k.KNOWN_BUILDS["h128_p64"], graph
+    assert gb.select_build(_spec(128, graph=True), _layout(64, (1,)), dict(heads_on_m=True)) == k.KNOWN_BUILDS["mh128_p64"]
+    assert case(qo_lens=(1,) * 66) == k.KNOWN_BUILDS["mh128_p64"]
+    assert case(qo_lens=(1,) * 67) == k.KNOWN_BUILDS["h128_p64"]
+    assert case(qo_lens=(1,) * 67, heads_on_m=True) == k.KNOWN_BUILDS["mh128_p64"]
+    assert case(H=64, qo_lens=(1,) * 132) == k.KNOWN_BUILDS["mh64_p64"]
+    assert case(H=64, qo_lens=(1,) * 133) == k.Sm90Build.for_plan(64, 64)
     # what the Gluon kernel refuses anyway is refused as before, whatever heads_on_m says
     assert "num_heads" in case(H=129, heads_on_m=True) and "kv format" in case(fmt="bf16", heads_on_m=None)
 
@@ -137,7 +147,7 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     h = gb.build(_layout(64, [1] * 8, lens), _spec(96), dict(min_chunk=64), {})
     assert h.n_items == len(h.t["item_req"]) == h.t["m_ptr"][8].item() and h.slots == 66
     assert max(b - a for a, b in zip(h.t["m_ptr"].tolist(), h.t["m_ptr"].tolist()[1:])) > 1   # splits: a merge
-    g = gb.build(_layout(64, [1] * 8, lens), _spec(64, graph=True), dict(max_batch_size=16), {})
+    g = gb.build(_layout(64, [1] * 8, lens), _spec(64, graph=True), dict(max_batch_size=16, heads_on_m=True), {})
     assert g.build == k.KNOWN_BUILDS["mh64_p64"] and g.slots == 132 and g.n_items == 132 + 16
     ckv = torch.zeros(80, 64, 512, dtype=torch.float8_e4m3fn)
     q = torch.zeros(8, 64, 512, dtype=torch.bfloat16)
@@ -235,7 +245,12 @@ def test_query_magnitudes_and_an_all_empty_batch(H, qmag):
         b.run_args[key] = (b.run_args[key].float() * qmag).to(b.run_args[key].dtype)
     attn, out, lse = run_case(b)
     assert _is_mh(attn)
-    check(b, out, lse, lse_tol=2e-4)
+    # x 300: scores span ~2,400 log2 units, and the per-tensor scale folded into Q before its fp16 rounding (every
+    # fp8mla fast kernel's scheme) moves them by up to ~0.7; where a head's top scores nearly tie that is the
+    # error: on this batch 3.8e-3 on the H200 (2026-12-02), 3.83e-3 in the float model of the roundings
+    # (lab/many_heads/check_device.py numerics_model), 4.7e-3 from the Triton kernel; 1.6e-3 from the torch
+    # backend's fp32 math. The point of this case is range (no overflow, no NaN), so its budget is 1e-2.
+    check(b, out, lse, tol=1e-2 if qmag > 1 else 3e-3, lse_tol=2e-4)
     e = make_paged_batch([0, 0, 0], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=3, extra_pages=1)
     _, out, lse = run_case(e)
     assert (out == 0).all() and (lse == float("-inf")).all()
@@ -269,7 +284,8 @@ def test_request_without_queries_is_refused_by_gluon_and_right_on_auto():
 @gpu
 @pytest.mark.parametrize("H", [64, 128])
 def test_cuda_graph_capture_then_replan(H):
-    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8)
+    # (heads_on_m=True: auto keeps the wide build for CUDA-graph plans, gluon._auto_keeps_wide)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, heads_on_m=True)
     b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=H, spare_pages=60)
     attn.plan(**b1.plan_args)
     assert _is_mh(attn)

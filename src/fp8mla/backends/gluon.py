@@ -113,18 +113,29 @@ def _build_for(spec, options: dict, max_qo: int):
     return b
 
 
-def _choose(spec, options: dict, max_qo: int):
-    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: the choice, True:
-    required, False: never), else the ``_build_for`` build."""
+def _choose(spec, options: dict, max_qo: int, batch_size: int = 1):
+    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: the choice where it
+    was measured faster, ``_auto_keeps_wide``; True: required; False: never), else the ``_build_for`` build."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
-        if not why:
+        if not why and (want or not _auto_keeps_wide(spec, batch_size)):
             return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
         if want:
             return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
     return _build_for(spec, options, max_qo)
+
+
+def _auto_keeps_wide(spec, batch_size: int) -> bool:
+    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes, as measured on the H200
+    (2026-12-02, docs/benchmarks.md): (1) CUDA-graph plans, whose launch covers the buffers' capacity of work items
+    (slots + max_batch_size CTAs, most exiting at once): 1.09-3.7x the wide build at B1-B8 (H128 B1 L32k 0.1997
+    against 0.0533 ms; the plain launch 0.0470), cause not yet found; (2) more requests than schedule slots (one CTA
+    per request cannot cover them in one wave: H128 B128 L2k 0.2854 against 0.2449)."""
+    if spec.use_cuda_graph:
+        return True
+    return batch_size > num_sms(spec.device) // -(-spec.num_heads // 64)
 
 
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
@@ -136,7 +147,7 @@ def select_build(spec, layout, options: dict, max_qo: int | None = None):
     why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
     if why:
         return why
-    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1))
+    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1), layout.batch_size)
 
 
 @dataclass
@@ -354,11 +365,12 @@ def _select_cached(spec, layout, options: dict, state: dict):
         if why:
             return why
     max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
-    key = (spec, max_qo, id(options))
+    # (the batch size only decides between builds through _auto_keeps_wide: the key holds the decision)
+    key = (spec, max_qo, id(options), _auto_keeps_wide(spec, layout.batch_size))
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
         return memo[1]
-    b = _choose(spec, options, max_qo)
+    b = _choose(spec, options, max_qo, layout.batch_size)
     state["build_memo"] = (key, b)
     return b
 
