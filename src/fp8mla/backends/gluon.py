@@ -128,11 +128,12 @@ def _choose(spec, options: dict, max_qo: int, batch_size: int = 1):
 
 
 def _auto_keeps_wide(spec, batch_size: int) -> bool:
-    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes, as measured on the H200
-    (2026-12-02, docs/benchmarks.md): (1) CUDA-graph plans, whose launch covers the buffers' capacity of work items
-    (slots + max_batch_size CTAs, most exiting at once): 1.09-3.7x the wide build at B1-B8 (H128 B1 L32k 0.1997
-    against 0.0533 ms; the plain launch 0.0470), cause not yet found; (2) more requests than schedule slots (one CTA
-    per request cannot cover them in one wave: H128 B128 L2k 0.2854 against 0.2449)."""
+    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes (the H200's A/B of
+    2026-12-02, docs/benchmarks.md, compared plain plans only): (1) CUDA-graph plans: the heads-on-M build's graph
+    launch was timed, the wide build's was not, so the measured, previously verified build stays (what the graph
+    wrapper adds there is mostly the split merge's grid over max_batch_size requests, the same for both builds);
+    (2) more requests than schedule slots (one CTA per request cannot cover them in one wave: H128 B128 L2k 0.2854
+    against 0.2449 ms)."""
     if spec.use_cuda_graph:
         return True
     return batch_size > num_sms(spec.device) // -(-spec.num_heads // 64)

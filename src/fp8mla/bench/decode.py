@@ -157,7 +157,8 @@ def main(args) -> int:
                             runners[f"fp8mla gluon[{build_label(built)}]"] = (
                                 lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                             if "mh_graph" in args.compare and built.heads_on_m:   # an engine's launch: the cap
-                                attn = MLAPagedAttention(backend="gluon", use_cuda_graph=True)
+                                # (heads_on_m=True: the default keeps the wide build for CUDA-graph plans)
+                                attn = MLAPagedAttention(backend="gluon", use_cuda_graph=True, heads_on_m=True)
                                 attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                                 runners["fp8mla gluon[mh,graph]"] = (
                                     lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
