@@ -79,7 +79,7 @@ def test_device_schedule_matches_host_schedule_both_cuts():
     """schedule_device (torch ops, no host read) gives schedule's items for either cut, on random lengths. (The
     contiguous cuts differ in one thing, both valid: where an empty request's item goes at a CTA boundary, the
     CTA before it in ``schedule``, the one of the next tile on the device; so they are compared without empty
-    requests. gluon.schedule_host follows the device: test_host_schedule_matches_device_schedule.)"""
+    requests. The gluon backend's schedule_host follows the device: test_host_schedule_matches_device_schedule.)"""
     g = torch.Generator().manual_seed(5)
     seen = set()
     for trial in range(150):
@@ -364,7 +364,8 @@ def test_host_schedule_matches_device_schedule():
     """The gluon plan's O(batch) host schedule (host lengths, CUDA-graph buffers: the decode runner's path) gives
     the device schedule's lengths and work items: random lengths, rows without queries, empty rows, lengths past
     their pages, a last row that lost pages, everything in one CTA, more CTAs than tiles, B = 1."""
-    from fp8mla.backends.gluon import _device_kv_len, schedule_host
+    from fp8mla.backends._gluon_host_schedule import schedule_host
+    from fp8mla.backends.gluon import _device_kv_len
     from fp8mla.layout import PagedLayout
     g = torch.Generator().manual_seed(13)
     for trial in range(120):
@@ -887,11 +888,11 @@ def test_merge_sequential_and_chunked_paths_match_float64(seq, rows, bc, min_par
 
 def test_device_only_merge_sizes_cover_a_balanced_batch():
     """Plans whose lengths live only on the device size the split merge for a balanced batch (about slots / B + 1
-    partials per request, ``gluon.merge_sizes``) instead of a fixed 64 (which cost ~85 us of H128 B64 L8k on the
-    H200). Any size is correct (the merge loops: tested above for BLOCK_P 2..64); this checks the size is not
-    below the real longest list of the schedule for batches of equal lengths, and equals the host-known sizing when
-    the guess is the real count."""
-    from fp8mla.backends.gluon import merge_sizes, schedule_host
+    partials per request, ``_gluon_host_schedule.merge_sizes``) instead of a fixed 64 (which cost ~85 us of H128
+    B64 L8k on the H200). Any size is correct (the merge loops: tested above for BLOCK_P 2..64); this checks the
+    size is not below the real longest list of the schedule for batches of equal lengths, and equals the host-known
+    sizing when the guess is the real count."""
+    from fp8mla.backends._gluon_host_schedule import merge_sizes, schedule_host
     for slots in (1, 7, 66, 132):
         for B in (1, 2, 3, 8, 31, 64, 65, 128, 300):
             for L in (1, 63, 64, 65, 1000, 8192, 32768):

@@ -329,7 +329,7 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
     """PagedLayout.decode_rows (the runner's device table + host lengths) hands the backends its arrays as checked
     lists (``host["lists"]``): the triton and gluon host schedules then skip their clamping pass, and give the
     same arrays as from the host tensors alone, and as the device schedules (empty rows, full rows, B = 1)."""
-    from fp8mla.backends import gluon as gb, triton as tb
+    from fp8mla.backends import _gluon_host_schedule as gs, gluon as gb, triton as tb
     from fp8mla.kernels import sm90 as k
     g = torch.Generator().manual_seed(17)
     for trial in range(40):
@@ -350,8 +350,8 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
         m = int(dev["num_items"])
         assert fast["item_end"] == dev["item_end"][:m].tolist() and fast["kv_len"] == dev["kv_len"].tolist()
         gk = dict(num_indices=n, num_ctas=[1, 5, 66][trial % 3], min_tiles=[1, 4][trial % 2])
-        fast = gb.schedule_host(lay.host, ps, **gk)
-        assert fast == gb.schedule_host(plain, ps, **gk), trial
+        fast = gs.schedule_host(lay.host, ps, **gk)
+        assert fast == gs.schedule_host(plain, ps, **gk), trial
         d = k.schedule_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"])
         m = int(d["m_ptr"][-1])
         assert fast["cta_ptr"] == d["cta_ptr"].tolist() and fast["item_t1"] == d["item_t1"][:m].tolist(), trial
@@ -438,7 +438,7 @@ def test_host_schedule_memos_match_fresh_schedules():
     """The host schedules keep their last result for the next decode step (gluon: the same tiles; triton: the same
     splits, each request's last end updated): over random sequences of steps (lengths + 0/1/2/50, rows joining
     and leaving, other CTA counts and targets) every memo answer equals a fresh schedule."""
-    from fp8mla.backends import gluon as gb, triton as tb
+    from fp8mla.backends import _gluon_host_schedule as gs, triton as tb
     g = torch.Generator().manual_seed(23)
     hits = {"triton": 0, "gluon": 0}
     for trial in range(60):
@@ -449,7 +449,7 @@ def test_host_schedule_memos_match_fresh_schedules():
         for step in range(12):
             W = max(L) // 16 + 2
             host = dict(lists=(list(range(B + 1)), list(range(0, (B + 1) * W, W)), list(L)))
-            for name, mod, kw, memo in (("triton", tb, tk, "_LAST_SPLIT"), ("gluon", gb, gk, "_LAST_ITEMS")):
+            for name, mod, kw, memo in (("triton", tb, tk, "_LAST_SPLIT"), ("gluon", gs, gk, "_LAST_ITEMS")):
                 before = getattr(mod, memo)
                 got = mod.schedule_host(host, 16, num_indices=B * W, **kw)
                 hits[name] += before is not None and getattr(mod, memo) is before

@@ -6,7 +6,7 @@ DeepSeek-V3 shape (128 heads), 2 layers, FP8 e4m3 cache filled with random laten
 - begin (runner): DecodeRunner.begin_step host ms, median of REPS (default 30) after warm-up (the first call
   captures the bucket's graph); each step is cancelled right after, untimed (as `fp8mla bench step --model`).
   The same step repeated: the host schedules' memo of the last step hits (a decode step within the same tiles /
-  splits, see backends.gluon / backends.triton schedule_host);
+  splits, see backends._gluon_host_schedule / backends.triton schedule_host);
 - cold: the same with those memos cleared before each call (a step where a request crosses a 64-token tile: ~2/3
   of B=64 steps with spread lengths on the gluon plan, ~1/4 on the triton plan; every 64th of a uniform batch);
 - begin (eager): model.begin_step host ms (the non-runner path), median;
@@ -45,8 +45,8 @@ KEY_FUNCS = ("reserve_slots", "_plan", "_replan_rows", "replan_rows", "build", "
 
 
 def clear_schedule_memos() -> None:
-    from fp8mla.backends import gluon, triton
-    triton._LAST_SPLIT = gluon._LAST_ITEMS = None
+    from fp8mla.backends import _gluon_host_schedule, triton
+    triton._LAST_SPLIT = _gluon_host_schedule._LAST_ITEMS = None
 
 
 def median_ms(fn, reps: int, cold: bool = False) -> float:

@@ -8,8 +8,8 @@ per request (multi-token decode: rows = (query token, head) pairs, max qo_len x 
 copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
 scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
 layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
-copy: the decode runner's path), else on the device from the layout (no host read, no sync); lengths are clamped
-to the pages each row lists either way.
+copy: the decode runner's path; it and the merge's block sizes live in ``_gluon_host_schedule``), else on the
+device from the layout (no host read, no sync); lengths are clamped to the pages each row lists either way.
 
 ``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
+from ._gluon_host_schedule import merge_sizes, schedule_host
 from ._graph import GraphBuffers
 from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
 
@@ -317,24 +318,6 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     return plan
 
 
-MERGE_GUESS_CAP = 128
-
-
-def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_C) of the split merge. ``parts``: a request's longest list of partials when the host
-    schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
-    request of a *balanced* batch gets from the contiguous schedule, about slots / batch + 1 partials (at most one
-    per CTA). Any value is correct for any batch (the merge loops over a request's real list); a size far above
-    the real count costs masked work and narrow column blocks: a fixed 64 for device-only plans took ~85 us of
-    H128 B64 L8k's .492 ms through the API on the H200 (kernel alone .407; the host-sized merge 15 us)."""
-    if parts is None:
-        # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
-        # .0258 ms); a longer list loops over 128-partial steps
-        parts = min(max(1, slots), MERGE_GUESS_CAP, -(-max(1, slots) // max(1, batch)) + 1)
-    from ..kernels import sm90 as k
-    return k.merge_blocks(max(1, parts), batch, rows, n_sm)
-
-
 def plan_max_qo(layout, spec, state: dict) -> int:
     """The kernel variant's query tokens per request: 1, or the layout's max qo_len (multi-token decode). With
     CUDA graphs the launch grid and the variant are captured, so the wrapper's first plan fixes them: a later plan
@@ -382,93 +365,6 @@ def _device_kv_len(layout) -> torch.Tensor:
     from .triton import safe_kv_len
     kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
     return torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
-
-
-def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                  aligned: bool = True, slack: int | None = None) -> dict:
-    """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
-    (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
-    work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
-    ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
-    global _LAST_ITEMS
-    from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
-    slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
-    fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
-    if fast is not None and fast[1][-1] <= num_indices:
-        qo, kvp, L = fast
-        B = len(L)
-        ntiles = [(n + TILE - 1) // TILE for n in L]
-    else:
-        qo, kvp, L, ntiles = _clamped(host, page_size, num_indices, TILE)
-        B = len(L)
-    # The items depend on the tiles only: a decode step whose requests all stay within their 64-token tiles (most
-    # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
-    # (shared with that call's result: read only)
-    last = _LAST_ITEMS
-    if last is not None and last[0] == (num_ctas, min_tiles, aligned, slack) and last[1] == ntiles:
-        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
-    ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
-    if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
-        items = aligned_lists(ntiles, ks, num_ctas)[0]
-        _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)
-        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
-    T = sum(ntiles)
-    G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
-    Gm = G - 1
-    # CTA c owns global tiles [lo[c], lo[c+1]), lo[c] = c*T//G (each owns one or more: G <= T). A request within
-    # one CTA is one item (tiles 0..n); one across CTAs is an item per CTA, cut at the CTA boundaries: walking the
-    # requests and the boundaries together, in order (no division per request; this loop runs every decode step
-    # that changes the tiles). An empty request's item lies in the CTA of the next tile (the last CTA at the end).
-    lo = [c * T // G for c in range(G + 1)]
-    req, t0s, t1s, m_ptr = [], [], [], [0]
-    ptr = [0] * (num_ctas + 1)   # cta_ptr: each CTA's first item; CTAs from G on: the end
-    c = n = s = 0                # the current CTA; items so far; tiles so far
-    nxt = lo[1]                  # the next CTA's first tile
-    for b, nt in enumerate(ntiles):
-        if s >= nxt and c < Gm:  # the request starts the next CTA
-            c += 1
-            nxt = lo[c + 1]
-            ptr[c] = n
-        e = s + nt
-        req.append(b)
-        t0s.append(0)
-        n += 1
-        while e > nxt:           # it runs into the next CTA: cut there
-            x = nxt - s
-            t1s.append(x)
-            req.append(b)
-            t0s.append(x)
-            c += 1
-            ptr[c] = n
-            n += 1
-            nxt = lo[c + 1]
-        t1s.append(nt)
-        m_ptr.append(n)
-        s = e
-    ptr[G:] = [n] * (num_ctas + 1 - G)
-    items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
-    _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
-    return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
-
-
-_LAST_ITEMS = None  # schedule_host's last (CTAs and tile quantum, tiles per request, items)
-
-
-def _clamped(host: dict, page_size: int, num_indices: int, tile: int):
-    """(qo_indptr, kv_indptr, lengths, tiles per request) as lists: ``safe_kv_len`` with rows without queries
-    zeroed, from the layout's host arrays."""
-    qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
-    L, ntiles = [], []
-    for b in range(len(lens)):
-        n = lens[b]
-        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
-        if n > cap:
-            n = cap
-        if n < 0 or qo[b + 1] <= qo[b]:
-            n = 0
-        L.append(n)
-        ntiles.append((n + tile - 1) // tile)
-    return qo, kvp, L, ntiles
 
 
 class _GraphBuffers(GraphBuffers):

@@ -32,7 +32,7 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int =
     lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
     17), nor do more non-empty requests than CTAs. An empty request (a padding row of a CUDA-graph bucket) takes
     no CTA: its empty item runs in the CTA of the next piece (the last CTA after the last piece; ``aligned_lists``).
-    ``schedule_device`` computes the same on the device, ``gluon.schedule_host`` on the host."""
+    ``schedule_device`` computes the same on the device, ``backends._gluon_host_schedule.schedule_host`` on the host."""
     B, T = len(tiles), sum(tiles)
     if B == 0 or sum(1 for n in tiles if n) > num_ctas:
         return None
@@ -49,10 +49,10 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int =
 
 
 def aligned_lists(tiles: list[int], ks: list[int], num_ctas: int) -> tuple[dict, int]:
-    """The request-aligned cut's work items as lists (``gluon.schedule_host``'s arrays) and its grid: request b's
-    ``ks[b]`` pieces in order, each its own CTA; an empty request's one empty item in the CTA of the next piece
-    (the last piece's CTA at the end, CTA 0 when every request is empty). ``cta_ptr`` has ``num_ctas + 1``
-    entries (CTAs past the grid: empty ranges)."""
+    """The request-aligned cut's work items as lists (``_gluon_host_schedule.schedule_host``'s arrays) and its
+    grid: request b's ``ks[b]`` pieces in order, each its own CTA; an empty request's one empty item in the CTA of
+    the next piece (the last piece's CTA at the end, CTA 0 when every request is empty). ``cta_ptr`` has
+    ``num_ctas + 1`` entries (CTAs past the grid: empty ranges)."""
     req, t0s, t1s, m_ptr, cta = [], [], [], [0], []
     c = 0   # pieces placed so far = the next piece's CTA
     for b, (n, kb) in enumerate(zip(tiles, ks)):
