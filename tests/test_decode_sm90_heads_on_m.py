@@ -107,6 +107,13 @@ def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
     assert case(qo_lens=(1,) * 67, heads_on_m=True) == k.KNOWN_BUILDS["mh128_p64"]
     assert case(H=64, qo_lens=(1,) * 132) == k.KNOWN_BUILDS["mh64_p64"]
     assert case(H=64, qo_lens=(1,) * 133) == k.Sm90Build.for_plan(64, 64)
+    # unbalanced request-aligned pieces (spread lengths, not measured): the wide build; device-only lengths too
+    spread = [64 * (1 + (i * 37) % 128) for i in range(64)]
+    assert case(qo_lens=(1,) * 64) == k.KNOWN_BUILDS["mh128_p64"]
+    assert gb.select_build(_spec(128), _layout(64, (1,) * 64, [8192] * 64), {}) == k.KNOWN_BUILDS["mh128_p64"]
+    assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread), {}) == k.KNOWN_BUILDS["h128_p64"]
+    assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread), dict(heads_on_m=True)) == k.KNOWN_BUILDS["mh128_p64"]
+    assert gb.select_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=False), {}) == k.KNOWN_BUILDS["h128_p64"]
     # what the Gluon kernel refuses anyway is refused as before, whatever heads_on_m says
     assert "num_heads" in case(H=129, heads_on_m=True) and "kv format" in case(fmt="bf16", heads_on_m=None)
 
@@ -139,7 +146,8 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     assert p.build == k.KNOWN_BUILDS["mh128_p64"] and p.slots == 66 and p.n_items == 64
     assert p.t["cta_ptr"][66].item() == 64 and p.t["item_t1"][:64].tolist() == [128] * 64
     assert p.t["m_ptr"].tolist() == list(range(65)) and p.t["part_o"].shape[1:] == (128, 512)
-    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {})
+    assert gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {}).build == k.KNOWN_BUILDS["h128_p64"]
+    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, dict(heads_on_m=True), {})
     assert d.n_items == 66 + 64 and d.t["cta_ptr"][66].item() == d.t["m_ptr"][64].item() == 64
     for key in ("item_req", "item_t0", "item_t1"):
         assert torch.equal(d.t[key][:64], p.t[key][:64]), key
@@ -175,6 +183,10 @@ def test_aligned_slack_is_a_parameter():
 
 # -- GPU --------------------------------------------------------------------------------------------------------
 def run_case(batch, backend="gluon", **opts):
+    # (these batches' lengths are device tensors: auto keeps the wide build where it cannot see the balance on the
+    # host, gluon._auto_keeps_wide, so the build under test is asked for; test_host_lengths_... checks auto's pick)
+    if backend == "gluon":
+        opts.setdefault("heads_on_m", True)
     attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
     attn.plan(**batch.plan_args)
     n, H, Dc = batch.run_args["q_nope"].shape

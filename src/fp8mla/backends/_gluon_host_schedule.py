@@ -6,6 +6,16 @@ backend's own host schedule is ``triton.schedule_host``.)"""
 from __future__ import annotations
 
 
+def host_tiles(host: dict, page_size: int, num_indices: int) -> list[int]:
+    """The 64-token tiles of each request as ``schedule_host`` counts them (lengths clamped to each row's pages, 0
+    for rows without queries), from the layout's host arrays."""
+    from ..kernels.sm90 import TILE
+    fast = host.get("lists")
+    if fast is not None and fast[1][-1] <= num_indices:
+        return [(n + TILE - 1) // TILE for n in fast[2]]
+    return _clamped(host, page_size, num_indices, TILE)[3]
+
+
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
                   aligned: bool = True, slack: int | None = None) -> dict:
     """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays

@@ -114,30 +114,46 @@ def _build_for(spec, options: dict, max_qo: int):
     return b
 
 
-def _choose(spec, options: dict, max_qo: int, batch_size: int = 1):
-    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: the choice where it
-    was measured faster, ``_auto_keeps_wide``; True: required; False: never), else the ``_build_for`` build."""
+def _choose(spec, options: dict, max_qo: int, layout=None):
+    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: only where it was
+    measured faster, ``_auto_keeps_wide``; True: required; False: never), else the ``_build_for`` build."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
-        if not why and (want or not _auto_keeps_wide(spec, batch_size)):
+        if not why and (want or not _auto_keeps_wide(spec, layout, options)):
             return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
         if want:
             return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
     return _build_for(spec, options, max_qo)
 
 
-def _auto_keeps_wide(spec, batch_size: int) -> bool:
-    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes (the H200's A/B of
-    2026-12-02, docs/benchmarks.md, compared plain plans only): (1) CUDA-graph plans: the heads-on-M build's graph
-    launch was timed, the wide build's was not, so the measured, previously verified build stays (what the graph
-    wrapper adds there is mostly the split merge's grid over max_batch_size requests, the same for both builds);
-    (2) more requests than schedule slots (one CTA per request cannot cover them in one wave: H128 B128 L2k 0.2854
-    against 0.2449 ms)."""
-    if spec.use_cuda_graph:
+# The heads-on-M build's aligned cut (one CTA per request piece) may exceed the contiguous cut's share by share /
+# BALANCE tiles (~3%) for auto to take it: H128 B64 L8k's 128-tile pieces against a share of 125 (measured 0.92x the
+# wide build); spread lengths give pieces 1.6-1.9x the share (not measured: the wide build stays).
+BALANCE = 32
+
+
+def _auto_keeps_wide(spec, layout, options: dict) -> bool:
+    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes. The H200's A/B
+    (2026-12-02, docs/benchmarks.md) timed plain plans of equal lengths at 64 and 128 heads, pages of 64: the
+    heads-on-M build was 0.86-0.96x the wide build wherever its schedule is one balanced wave of request pieces, and
+    1.17x where it is not (H128 B128 L2k: more requests than schedule slots). So auto takes it only for a plan whose
+    host lengths show that wave: request-aligned pieces that fit the slots with the longest within ~3% of the
+    contiguous share (``BALANCE``). It keeps the wide build for CUDA-graph plans (the heads-on-M graph launch was
+    timed, the wide build's was not; what a graph wrapper adds is mostly the split merge's grid over max_batch_size,
+    inferred from the launch sizes, the same for both builds), device-only lengths (the balance is unknown on the
+    host) and unbalanced or over-full batches."""
+    if spec.use_cuda_graph or layout is None or layout.host is None:
         return True
-    return batch_size > num_sms(spec.device) // -(-spec.num_heads // 64)
+    from ..kernels import sm90 as k
+    from ._gluon_host_schedule import host_tiles
+    slots = max(1, num_sms(spec.device) // -(-spec.num_heads // k.MH_HEADS))
+    tiles = host_tiles(layout.host, layout.page_size, layout.kv_indices.numel())
+    min_tiles = max(1, int(options.get("min_chunk") or DEFAULTS["min_chunk"]) // k.TILE)
+    T = sum(tiles)
+    share = -(-T // min(max(-(-T // min_tiles), 1), slots))
+    return k.aligned_pieces(tiles, slots, min_tiles, max(k.ALIGNED_SLACK, share // BALANCE)) is None
 
 
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
@@ -149,7 +165,7 @@ def select_build(spec, layout, options: dict, max_qo: int | None = None):
     why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
     if why:
         return why
-    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1), layout.batch_size)
+    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1), layout)
 
 
 @dataclass
@@ -349,12 +365,14 @@ def _select_cached(spec, layout, options: dict, state: dict):
         if why:
             return why
     max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
-    # (the batch size only decides between builds through _auto_keeps_wide: the key holds the decision)
-    key = (spec, max_qo, id(options), _auto_keeps_wide(spec, layout.batch_size))
+    # (the lengths decide between builds only through _auto_keeps_wide, asked only where heads-on-M could take the
+    # plan: the key holds the decision)
+    auto = options.get("heads_on_m") is None and not heads_on_m_refusal(spec, options, max_qo)
+    key = (spec, max_qo, id(options), auto and _auto_keeps_wide(spec, layout, options))
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
         return memo[1]
-    b = _choose(spec, options, max_qo, layout.batch_size)
+    b = _choose(spec, options, max_qo, layout)
     state["build_memo"] = (key, b)
     return b
 

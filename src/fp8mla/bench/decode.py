@@ -34,9 +34,9 @@ def add_arguments(p):
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[],
                    help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
-                        "kernel's opt-in FP8 tensor-core math), wide_heads (the gluon kernel's wide build, "
-                        "heads_on_m=False, beside the heads-on-M build the selector picks), mh_graph (the "
-                        "heads-on-M build in a CUDA-graph wrapper: its grid is the wrapper's capacity, 256 requests)")
+                        "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
+                        "heads, heads-on-M and wide, whichever the default picked), mh_graph (the heads-on-M build "
+                        "in a CUDA-graph wrapper: its merge's grid is the wrapper's capacity, 256 requests)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -70,6 +70,13 @@ def reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, nreq):
     ref, _ = mla_reference(q_nope[:n], q_pe[:n], ckv, kpe, a["qo_indptr"][: n + 1], a["kv_indptr"][: n + 1],
                            a["kv_indices"], a["kv_len_arr"][:n], sm_scale=a["sm_scale"], causal=True)
     return compare(out[:n], ref).rel_l2
+
+
+def _mh_takes(attn) -> bool:
+    """Whether the gluon kernel's heads-on-M build takes this wrapper's plan (whatever the default picked)."""
+    from ..backends._heads_on_m import heads_on_m_refusal
+    p = attn._plan
+    return not heads_on_m_refusal(p.spec, {}, max(1, p.layout.max_qo_len or 1))
 
 
 def _why(e: Exception, head: int = 200, tail: int = 400) -> str:
@@ -156,17 +163,20 @@ def main(args) -> int:
                             built = attn._plan.impl.build
                             runners[f"fp8mla gluon[{build_label(built)}]"] = (
                                 lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
-                            if "mh_graph" in args.compare and built.heads_on_m:   # an engine's launch: the cap
-                                # (heads_on_m=True: the default keeps the wide build for CUDA-graph plans)
-                                attn = MLAPagedAttention(backend="gluon", use_cuda_graph=True, heads_on_m=True)
-                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                            # the Hopper kernel's other build beside the default's pick (heads-on-M where it takes
+                            # the plan, else nothing), and the heads-on-M build in a CUDA-graph wrapper
+                            both = [] if "wide_heads" not in args.compare else (
+                                [False] if built.heads_on_m else [True] if _mh_takes(attn) else [])
+                            for want in both:
+                                a2 = MLAPagedAttention(backend="gluon", heads_on_m=want)
+                                a2.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                runners[f"fp8mla gluon[{build_label(a2._plan.impl.build)}]"] = (
+                                    lambda a=a2: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            if "mh_graph" in args.compare and (built.heads_on_m or _mh_takes(attn)):
+                                a2 = MLAPagedAttention(backend="gluon", use_cuda_graph=True, heads_on_m=True)
+                                a2.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                                 runners["fp8mla gluon[mh,graph]"] = (
-                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
-                            if "wide_heads" in args.compare and built.heads_on_m:   # the A/B in one process
-                                attn = MLAPagedAttention(backend="gluon", heads_on_m=False)
-                                attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
-                                runners[f"fp8mla gluon[{build_label(attn._plan.impl.build)}]"] = (
-                                    lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                                    lambda a=a2: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                         except ValueError as e:
                             print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
                         if "fp8_math" in args.compare and fmt.is_fp8 and fmt.scale_kind == "tensor":
