@@ -1,6 +1,6 @@
 """Bit-identity of lab/merge_grid's merge launches with the product's ``launch_merge`` (not collected by CI).
 
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD/src python lab/merge_grid/check.py --cpu       # the interpreter, ~min
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD/src python lab/merge_grid/check.py --cpu       # interpreter ~10 min
     PYTHONPATH=$PWD/src python lab/merge_grid/check.py --compile                       # sm_90a compile, registers
     PYTHONPATH=$PWD/src python lab/merge_grid/check.py --gpu                           # the same cases on a GPU
 
@@ -67,7 +67,8 @@ def make_case(seed: int, *, n_req: int, H: int, max_qo: int, max_parts: int, gri
 
 
 def cases(gpu: bool):
-    """(name, make_case kwargs, [(merge_p, merge_c)]): merge_blocks' sizes and others (any is correct)."""
+    """(name, make_case kwargs, [(merge_p, merge_c)]): merge_blocks' sizes and others (any is correct). The
+    interpreter runs the first sizes of each case and the smaller batches (~10 min on 2 cores)."""
     big = 4 if gpu else 1
     return [
         ("rows16 B300 p<=20", dict(n_req=300, H=16, max_qo=1, max_parts=20, grid_batch=300,
@@ -75,20 +76,20 @@ def cases(gpu: bool):
          [pm.merge_blocks(20), (32, 512)]),
         ("rows16 B40 p<=8 grid256", dict(n_req=40, H=16, max_qo=1, max_parts=8, grid_batch=256),
          [pm.merge_blocks(8), pm.merge_blocks(8, 40, 16)]),
-        ("rows64 B6 p<=130", dict(n_req=6 * big, H=64, max_qo=1, max_parts=130, grid_batch=16),
-         [pm.merge_blocks(130), (128, 64)]),
-        ("rows64 B9 p<=16 grid64", dict(n_req=9 * big, H=64, max_qo=1, max_parts=16, grid_batch=64),
+        ("rows64 p<=130", dict(n_req=3 * big, H=64, max_qo=1, max_parts=130, grid_batch=16),
+         [(128, 64), pm.merge_blocks(130)]),
+        ("rows64 p<=16 grid64", dict(n_req=9 * big, H=64, max_qo=1, max_parts=16, grid_batch=64),
          [pm.merge_blocks(16), (16, 128)]),
-        ("rows128 B3 p<=130", dict(n_req=3 * big, H=128, max_qo=1, max_parts=130, grid_batch=8),
-         [pm.merge_blocks(130), (128, 64)]),
-        ("rows128 B5 p<=4", dict(n_req=5 * big, H=128, max_qo=1, max_parts=4, grid_batch=12),
+        ("rows128 p<=130", dict(n_req=2 * big, H=128, max_qo=1, max_parts=130, grid_batch=8),
+         [(128, 64), pm.merge_blocks(130)]),
+        ("rows128 p<=4", dict(n_req=5 * big, H=128, max_qo=1, max_parts=4, grid_batch=12),
          [pm.merge_blocks(4), (4, 256)]),
         ("MTP rows 16x1..3 B30 p<=24", dict(n_req=30, H=16, max_qo=3, max_parts=24, grid_batch=40),
          [pm.merge_blocks(24), pm.merge_blocks(9)]),
-        ("MTP rows 32x1..4 B7 p<=12", dict(n_req=7 * big, H=32, max_qo=4, max_parts=12, grid_batch=7 * big),
+        ("MTP rows 32x1..4 p<=12", dict(n_req=7 * big, H=32, max_qo=4, max_parts=12, grid_batch=7 * big),
          [pm.merge_blocks(12), (16, 512)]),
         ("B1 p130 rows128 grid256", dict(n_req=1, H=128, max_qo=1, max_parts=130, grid_batch=256),
-         [pm.merge_blocks(130)]),
+         [(128, 64)]),   # (B1 L32k's merge sizes at 128 heads)
     ]
 
 

@@ -191,12 +191,18 @@ def resident_per_sm(kern, args: tuple, kwargs: dict) -> int:
     dev = args[0].device
     key = (kern.__name__, dev.index, str(args[0].dtype), tuple(sorted(kwargs.items())))
     if key not in _RESIDENT:
-        ck = kern.warmup(*args, grid=(1,), **kwargs)
-        ck._init_handles()
+        try:
+            ck = kern.warmup(*args, grid=(1,), **kwargs)
+            ck._init_handles()
+            regs, smem = ck.n_regs, ck.metadata.shared
+        except Exception as e:  # noqa: BLE001 - a triton without these internals: say so, take WAVES
+            print(f"resident_per_sm: {kern.__name__} {kwargs}: no register count ({type(e).__name__}: {e}); "
+                  f"taking WAVES = {WAVES}", flush=True)
+            _RESIDENT[key] = WAVES
+            return WAVES
         props = torch.cuda.get_device_properties(dev)
         threads = 32 * kwargs["num_warps"]
-        regs = -(-max(1, ck.n_regs) // 8) * 8
-        smem = ck.metadata.shared
+        regs = -(-max(1, regs) // 8) * 8
         fits = [getattr(props, "regs_per_multiprocessor", 65536) // (regs * threads),
                 getattr(props, "max_threads_per_multi_processor", 2048) // threads, 32]
         if smem:
