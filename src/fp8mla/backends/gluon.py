@@ -114,14 +114,16 @@ def _build_for(spec, options: dict, max_qo: int):
     return b
 
 
-def _choose(spec, options: dict, max_qo: int, layout=None):
+def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | None = None):
     """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: only where it was
-    measured faster, ``_auto_keeps_wide``; True: required; False: never), else the ``_build_for`` build."""
+    measured faster, ``_auto_keeps_wide``, or ``keeps_wide`` when the caller already asked it; True: required;
+    False: never), else the ``_build_for`` build."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
-        if not why and (want or not _auto_keeps_wide(spec, layout, options)):
+        if not why and (want or not (_auto_keeps_wide(spec, layout, options) if keeps_wide is None
+                                     else keeps_wide)):
             return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
         if want:
             return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
@@ -287,9 +289,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
                 kv_len=kv_len)
     if not spec.use_cuda_graph:
         if h is not None and mh:   # host lengths (no graph): the host schedule's items, its real count
-            t = {key: torch.tensor(h[key], dtype=torch.int32).to(device, non_blocking=True)
-                 for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr")}
-            t["m_list"] = torch.arange(max(1, len(h["item_req"])), dtype=torch.int32, device=device)
+            t = _stage_items(h, device)
             n_items = len(h["item_req"])
         else:
             t = k.schedule_device(kv_len, slots, min_tiles, slack=slack)
@@ -368,13 +368,29 @@ def _select_cached(spec, layout, options: dict, state: dict):
     # (the lengths decide between builds only through _auto_keeps_wide, asked only where heads-on-M could take the
     # plan: the key holds the decision)
     auto = options.get("heads_on_m") is None and not heads_on_m_refusal(spec, options, max_qo)
-    key = (spec, max_qo, id(options), auto and _auto_keeps_wide(spec, layout, options))
+    keeps_wide = auto and _auto_keeps_wide(spec, layout, options)   # (O(batch): asked once per plan)
+    key = (spec, max_qo, id(options), keeps_wide)
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
         return memo[1]
-    b = _choose(spec, options, max_qo, layout)
+    b = _choose(spec, options, max_qo, layout, keeps_wide)
     state["build_memo"] = (key, b)
     return b
+
+
+def _stage_items(h: dict, device) -> dict:
+    """A host schedule's work-item arrays and ``m_list`` (the identity) as int32 device views of one buffer, each
+    16-byte aligned as the graph buffers' are, filled by one pinned host -> device copy (``layout.stage_ints``)."""
+    from ..layout import stage_ints, to_device
+    arrays = {key: h[key] for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr")}
+    arrays["m_list"] = list(range(max(1, len(h["item_req"]))))
+    caps = [-(-len(v) // 4) * 4 for v in arrays.values()]
+    flat = to_device(stage_ints(list(zip(arrays.values(), caps))), device)
+    views, o = {}, 0
+    for (key, v), cap in zip(arrays.items(), caps):
+        views[key] = flat[o: o + len(v)]
+        o += cap
+    return views
 
 
 def _device_kv_len(layout) -> torch.Tensor:
