@@ -32,6 +32,8 @@ DC = 512
 def make_case(seed: int, *, n_req: int, H: int, max_qo: int, max_parts: int, grid_batch: int, device: str,
               p_empty_part: float = 0.1, p_empty_req: float = 0.05, p_single: float = 0.1):
     """(out, lse, t, launch kwargs) of one random merge problem (module docstring)."""
+    if grid_batch < n_req:   # (no plan launches fewer request slots than requests: the product would skip some)
+        raise ValueError(f"grid_batch: expected >= n_req = {n_req}, got {grid_batch}")
     g = torch.Generator().manual_seed(seed)
     qo = torch.randint(1, max_qo + 1, (n_req,), generator=g)
     qo[torch.rand(n_req, generator=g) < 0.03] = 0                      # requests without query tokens
@@ -82,7 +84,7 @@ def cases(gpu: bool):
          [pm.merge_blocks(16), (16, 128)]),
         ("rows128 p<=130", dict(n_req=2 * big, H=128, max_qo=1, max_parts=130, grid_batch=8),
          [(128, 64), pm.merge_blocks(130)]),
-        ("rows128 p<=4", dict(n_req=5 * big, H=128, max_qo=1, max_parts=4, grid_batch=12),
+        ("rows128 p<=4", dict(n_req=5 * big, H=128, max_qo=1, max_parts=4, grid_batch=12 * big),
          [pm.merge_blocks(4), (4, 256)]),
         ("MTP rows 16x1..3 B30 p<=24", dict(n_req=30, H=16, max_qo=3, max_parts=24, grid_batch=40),
          [pm.merge_blocks(24), pm.merge_blocks(9)]),

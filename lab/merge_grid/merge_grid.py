@@ -1,4 +1,5 @@
-"""The split merge on a grid that does not grow with ``max_batch_size`` (lab: an A/B candidate, not the product).
+"""The split merge on a grid that does not grow with ``max_batch_size`` (lab: the A/B that made ``strided`` the
+product's merge grid on 2026-12-02; the product's ``_merge_block`` is now the unit both variants here walk).
 
 The product's ``launch_merge`` (``fp8mla.kernels.sm90.merge``) launches one program per (request slot, row block,
 column block) over ``grid_batch`` request slots: a CUDA-graph plan passes the wrapper's ``max_batch_size`` (256),
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fp8mla.kernels.sm90.config import DC
-from fp8mla.kernels.sm90.merge import SEQ_PARTS, _merge_load_tl, _merge_step_tl, merge_tile
+from fp8mla.kernels.sm90.merge import SEQ_PARTS, _merge_block, merge_tile
 
 # Programs per SM the variants launch: on a GPU, by default, as many of the compiled kernel as an SM holds at once
 # (registers, threads, shared memory: ``resident_per_sm``), so the launch is one resident wave and every program
@@ -34,96 +35,6 @@ from fp8mla.kernels.sm90.merge import SEQ_PARTS, _merge_load_tl, _merge_step_tl,
 # program counts), the resident count of the (128, 64) merge (165 registers).
 WAVES = 3
 SCHEMES = ("strided", "flat")
-
-
-@triton.jit
-def _merge_block(out, lse_out, part_o, part_lse, qo_indptr, m_ptr, m_list, b, rblk, cblk, H,
-                 stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r, stride_pl_i,
-                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, min_parts, SEQ: tl.constexpr):
-    # Rows rblk * ROWS + [0, ROWS), columns of block cblk of request b (< batch_size): the product kernel's body
-    # (_merge_parts_kernel after its batch check), its returns "rows past the request" and "fewer than min_parts
-    # partials" folded into one guard (no return inside the callers' loops). Keep in step with the product.
-    q0 = tl.load(qo_indptr + b)
-    nrows = (tl.load(qo_indptr + b + 1) - q0) * H
-    r0 = rblk * ROWS
-    i0 = tl.load(m_ptr + b)
-    i1 = tl.load(m_ptr + b + 1)
-    if (r0 < nrows) & (i1 - i0 >= tl.maximum(min_parts, 2)):
-        r = r0 + tl.arange(0, ROWS)
-        rok = r < nrows
-        offs_c = cblk * BLOCK_C + tl.arange(0, BLOCK_C)
-        if i1 - i0 <= SEQ:
-            pa = tl.load(m_list + i0).to(tl.int64)
-            pb = tl.load(m_list + tl.minimum(i0 + 1, i1 - 1)).to(tl.int64)
-            pc = tl.load(m_list + tl.minimum(i0 + 2, i1 - 1)).to(tl.int64)
-            pd = tl.load(m_list + tl.minimum(i0 + 3, i1 - 1)).to(tl.int64)
-            m = tl.full([ROWS], float("-inf"), tl.float32)
-            for i in range(i0, i1, BLOCK_P):
-                idx = i + tl.arange(0, BLOCK_P)
-                ok = idx < i1
-                p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
-                lse2 = tl.load(part_lse + p[:, None] * stride_pl_i + r[None, :], mask=ok[:, None] & rok[None, :],
-                               other=float("-inf"))
-                m = tl.maximum(m, tl.max(lse2, axis=0))
-            m_use = tl.where(m == float("-inf"), 0.0, m)
-            acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
-            wsum = tl.zeros([ROWS], tl.float32)
-            for i in range(i0, i1, 4):
-                na = tl.load(m_list + tl.minimum(i + 4, i1 - 1)).to(tl.int64)
-                nb = tl.load(m_list + tl.minimum(i + 5, i1 - 1)).to(tl.int64)
-                nc = tl.load(m_list + tl.minimum(i + 6, i1 - 1)).to(tl.int64)
-                nd = tl.load(m_list + tl.minimum(i + 7, i1 - 1)).to(tl.int64)
-                rz = r * 0
-                v0 = (rz + i) < i1
-                v1 = (rz + i + 1) < i1
-                v2 = (rz + i + 2) < i1
-                v3 = (rz + i + 3) < i1
-                w0, o0 = _merge_load_tl(part_o, part_lse, pa, v0, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
-                                        stride_pl_i)
-                w1, o1 = _merge_load_tl(part_o, part_lse, pb, v1, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
-                                        stride_pl_i)
-                w2, o2 = _merge_load_tl(part_o, part_lse, pc, v2, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
-                                        stride_pl_i)
-                w3, o3 = _merge_load_tl(part_o, part_lse, pd, v3, r, rok, offs_c, m_use, stride_po_i, stride_po_r,
-                                        stride_pl_i)
-                acc, wsum = _merge_step_tl(acc, wsum, w0, o0, v0)
-                acc, wsum = _merge_step_tl(acc, wsum, w1, o1, v1)
-                acc, wsum = _merge_step_tl(acc, wsum, w2, o2, v2)
-                acc, wsum = _merge_step_tl(acc, wsum, w3, o3, v3)
-                pa = na
-                pb = nb
-                pc = nc
-                pd = nd
-        else:
-            m_use = tl.full([ROWS], float("-inf"), tl.float32)
-            m_run = tl.full([ROWS], float("-inf"), tl.float32)
-            acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
-            wsum = tl.zeros([ROWS], tl.float32)
-            for i in range(i0, i1, BLOCK_P):
-                idx = i + tl.arange(0, BLOCK_P)
-                ok = idx < i1
-                p = tl.load(m_list + idx, mask=ok, other=0).to(tl.int64)
-                lse_i = tl.load(part_lse + p[:, None] * stride_pl_i + r[None, :], mask=ok[:, None] & rok[None, :],
-                                other=float("-inf"))
-                m_new = tl.maximum(m_run, tl.max(lse_i, axis=0))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                keep = tl.exp2(m_run - m_use)
-                w = tl.exp2(lse_i - m_use[None, :])
-                o = tl.load(part_o + p[:, None, None] * stride_po_i + r[None, :, None] * stride_po_r
-                            + offs_c[None, None, :], mask=(ok[:, None] & rok[None, :])[:, :, None], other=0.0)
-                acc = acc * keep[:, None] + tl.sum(w[:, :, None] * o, axis=0)
-                wsum = wsum * keep + tl.sum(w, axis=0)
-                m_run = m_new
-        seen = wsum > 0
-        den = tl.where(seen, wsum, 1.0)
-        o = acc / den[:, None]
-        tok = (q0 + r // H).to(tl.int64)
-        head = r % H
-        tl.store(out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_c[None, :],
-                 o.to(out.dtype.element_ty), mask=rok[:, None] & (offs_c >= 0)[None, :])
-        if cblk == 0:
-            tl.store(lse_out + tok * stride_lse_t + head, tl.where(seen, m_use + tl.log2(den), float("-inf")),
-                     mask=rok)
 
 
 @triton.jit
