@@ -42,7 +42,7 @@ pack
 # --- ab ---
 if [ "$trc" != 124 ]; then
   timeout -k 10 "$(cap 130 190)" python3 -m fp8mla bench decode --heads 64 128 --pages 64 --kv fp8_e4m3 \
-      --compare wide_heads mh_graph --reps 10 --out "$work/ab" > "$work/ab.txt" 2>&1
+      --compare wide_heads graph --reps 10 --out "$work/ab" > "$work/ab.txt" 2>&1
   say "ab rc $?"
   grep -E "ceiling|gluon|not taken|failed" "$work/ab.txt" | tee -a "$out/summary.txt"
   cp "$work/ab/decode.csv" "$out/ab.csv" 2>/dev/null

@@ -32,11 +32,13 @@ def add_arguments(p):
     p.add_argument("--pages", type=int, nargs="+", default=[64, 1])
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
-    p.add_argument("--compare", nargs="*", default=[],
+    p.add_argument("--compare", nargs="*", default=[], metavar="NAME",
+                   choices=["flashinfer", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
                    help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
-                        "heads, heads-on-M and wide, whichever the default picked), mh_graph (the heads-on-M build "
-                        "in a CUDA-graph wrapper: its merge's grid is the wrapper's capacity, 256 requests)")
+                        "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
+                        "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
+                        "plan)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -172,11 +174,16 @@ def main(args) -> int:
                                 a2.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                                 runners[f"fp8mla gluon[{build_label(a2._plan.impl.build)}]"] = (
                                     lambda a=a2: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
-                            if "mh_graph" in args.compare and (built.heads_on_m or _mh_takes(attn)):
-                                a2 = MLAPagedAttention(backend="gluon", use_cuda_graph=True, heads_on_m=True)
-                                a2.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
-                                runners["fp8mla gluon[mh,graph]"] = (
-                                    lambda a=a2: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                            if "graph" in args.compare:   # what the default picks there, and heads-on-M
+                                takes = built.heads_on_m or _mh_takes(attn)
+                                for want in (None, True) if takes else (None,):
+                                    a2 = MLAPagedAttention(backend="gluon", use_cuda_graph=True, heads_on_m=want)
+                                    a2.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+                                    label = build_label(a2._plan.impl.build)
+                                    if f"fp8mla gluon[{label},graph]" in runners:
+                                        continue
+                                    runners[f"fp8mla gluon[{label},graph]"] = (
+                                        lambda a=a2: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                         except ValueError as e:
                             print(f"  fp8mla gluon {fmt_name} H{H} B{B} L{L} page{page}: not taken ({e})")
                         if "fp8_math" in args.compare and fmt.is_fp8 and fmt.scale_kind == "tensor":
