@@ -42,9 +42,9 @@ FP8_MATH_TERMS = 2   # fp8_math: Q as hi + lo e4m3 terms (exact for bf16 queries
 MAX_WIDE_HEADS = 128
 MAX_MTP_QO = 8       # multi-token decode: query tokens per request
 MAX_MTP_ROWS = 512   # virtual heads max_qo * H (H16 up to qo 8, H128 up to qo 4)
-# The heads-on-M build (``heads_on_m``): 64 heads per CTA on the MMA's M side, 2 FP8 stages, 224 registers for the
-# consumers; it takes 33..128 heads
-MH_HEADS, MH_STAGES, MH_REGS = 64, 2, 224
+# The heads-on-M build (``heads_on_m``): 64 heads per CTA on the MMA's M side, 2 FP8 stages, 208 registers for the
+# two consumers (16 warps: 48 for each of the two converters); it takes 33..128 heads
+MH_HEADS, MH_STAGES, MH_REGS = 64, 2, 208
 MH_MIN_HEADS = 33
 
 if gluon is not None:
@@ -65,8 +65,8 @@ def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
 
 def mh_smem_bytes(ns: int = MH_STAGES) -> int:
     """Shared memory of the heads-on-M build: Q 72 KB, the fp16 tile 72 KB, ns FP8 stages of 36 KB, P 8 KB, the
-    consumers' exchange, barriers."""
-    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9)
+    consumers' exchange, barriers (ready and stage-free per stage, ready and free per chunk, five others)."""
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9 + ns)
 
 
 def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:
@@ -125,7 +125,7 @@ class Sm90Build:
     ``fp8_math`` e4m3 x e4m3 wgmma for both products, ``stages`` the ring depth, ``regs`` the consumers'
     setmaxnreg. ``for_plan`` derives one from a plan's sizes. ``heads_on_m``: the heads-on-M kernel
     (``heads_on_m.py``; ``for_heads_on_m``): 64 heads per CTA (``hpw`` 64), ``nhg`` = ceil(H / 64) CTAs per work
-    item, 2 FP8 stages, 224 registers."""
+    item, 2 FP8 stages, 208 registers for the consumers."""
     page_size: int
     hpw: int
     nhg: int

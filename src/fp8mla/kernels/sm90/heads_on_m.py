@@ -1,33 +1,38 @@
 """The heads-on-M Hopper decode build (33..128 heads, one query per request, FP8 e4m3 per-tensor scales, pages of
 a multiple of 64): 64 heads on the MMA's M side, the FP8 tile converted ONCE per tile into a 16-bit shared-memory
-operand that both products read (design and measurements: lab/many_heads/design.md, its "run 2" section).
+operand that both products read (design and measurements: lab/many_heads/design.md, "run 2", "conv2: prediction"
+and "run 3").
 
 One CTA per (work item, 64-head group), not persistent: the items are the product's schedule (``schedule``), CTA
 ``pid`` runs item ``pid // NHG`` for heads ``64 (pid % NHG) + [0, 64)`` (the head groups of an item adjacent in
 the grid, as the wide build's, so a tile's second read should hit L2); CTAs past the schedule's item count
-(``m_ptr[batch_size]``: CUDA graphs launch the buffers' fixed capacity) exit at once. 12 warps in three roles:
+(``m_ptr[batch_size]``: CUDA graphs launch the buffers' fixed capacity) exit at once. 16 warps in four roles:
 
-- converter (default partition, 4 warps): issues the TMA boxes of each FP8 tile (eight 64 x 64-byte boxes of c_kv,
-  one of k_pe) into a 2-stage ring and converts each landed tile into the fp16 tile ``k16`` [64 tokens, 576] (nine
-  [64, 64] chunks), rows past kv_len written as 0 (an unused slot may hold NaN, and 0 x NaN in P.V would poison the
-  output). Chunk by chunk in rounds (8), (0, 4), (1, 5), (2, 6), (3, 7), each chunk after its own free barrier, one
-  fence + barrier + arrive per round.
+- two converter warpgroups, A (the default partition) and B, convert each landed FP8 tile into the fp16 tile
+  ``k16`` [64 tokens, 576] (nine [64, 64] chunks), rows past kv_len written as 0 (an unused slot may hold NaN, and
+  0 x NaN in P.V would poison the output). A also issues the TMA boxes of each tile (eight 64 x 64-byte boxes of
+  c_kv, one of k_pe) into a 2-stage ring. The chunks are split by who releases them: A converts chunk 8 (k_pe, freed
+  by the owner's scores), then (0, 1), (2, 3) (freed by consumer 0's P.V); B converts (4, 5), (6, 7) (consumer 1's),
+  each chunk after its own free barrier, each round with its own fence + partition barrier + arrive. Two converters
+  because one converter's rounds are a latency chain (load, convert, store, fence, barrier) that the next tile's
+  scores wait on; split in two, the rounds of A and B overlap. B then hands the FP8 stage back on ``stage_free``
+  (its last round's barrier follows all its loads), and A waits on that before the TMA refills the stage.
 - two consumer warpgroups, cid 0 / 1, alternating owners: consumer i % 2 computes tile i's whole score tile
-  S [64 heads, 64 tokens] = Q . K^T (chunks in the converter's order), the softmax, writes P (fp16) and the new row
-  maximum to shared memory; both then accumulate O [64 heads, 256 dims of cid] += P . V, releasing each V chunk to
-  the converter as its MMA completes (chunk 8, k_pe, is released by the owner after its scores).
+  S [64 heads, 64 tokens] = Q . K^T (chunks in the order 8, 0, 4, 1, 5, 2, 6, 3, 7), the softmax, writes P (fp16)
+  and the new row maximum to shared memory; both then accumulate O [64 heads, 256 dims of cid] += P . V, releasing
+  each V chunk to its converter as its MMA completes (chunk 8, k_pe, is released by the owner after its scores).
 
 Numerics (the product's default): FP8 e4m3 -> fp16 is exact; Q x (per-tensor scale) x f (f a power of two per head,
 the largest |q x scale| near 2^14) rounded once to fp16; fp16 MMAs accumulate in fp32; P in fp16; exp2 softmax with
 the scores scaled by sm_scale x log2(e) / f per row, the output by ckv_scale. The protocol (barrier order, chunk
-order, releases) is the prototype's, checked by lab/many_heads/protocol_model.py.
+order, releases, ``stage_free``) is the prototype's ``conv2`` build's, checked by lab/many_heads/protocol_model.py.
 """
 from __future__ import annotations
 
 from .config import DC, DK, LOG2E, MH_HEADS, SMEM_LIMIT, TILE, gluon, mh_smem_bytes
 from .merge import launch_merge
 
-HEADS_PER_CTA = MH_HEADS   # (the consumers' setmaxnreg, MH_REGS = 224, leaves the converter 56 registers: no spills)
+HEADS_PER_CTA = MH_HEADS   # (the consumers' setmaxnreg, MH_REGS = 208, leaves each converter 48 registers)
 NCHUNKS = 9                # 64-column chunks of a 576-wide row (8 c_kv + 1 k_pe)
 
 
@@ -46,7 +51,8 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_order(c: gl.constexpr):
-        # the c-th chunk of a tile in the converter's (and the owner's score) order: 8, 0, 4, 1, 5, 2, 6, 3, 7
+        # the c-th chunk of a tile in the owner's score order: 8, 0, 4, 1, 5, 2, 6, 3, 7 (chunk 8 is converted first; A's
+        # 0, 1 and B's 4, 5 land at about the same time)
         return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
 
     @gluon.jit
@@ -83,8 +89,19 @@ if gluon is not None:
         _tma_load(kpe_desc, [row, 0], bar, stage.index(s * NCH + NCH - 1))
 
     @gluon.jit
+    def _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST: gl.constexpr, C0: gl.constexpr,
+                      MASK: gl.constexpr, cl: gl.constexpr):
+        # one converter's share of a tile: chunk FIRST alone (A: 8, the first the owner's scores need; B: none, -1),
+        # then the pairs (C0, C0 + 1), (C0 + 2, C0 + 3) in the order one consumer's P.V releases them
+        if FIRST >= 0:
+            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST, -1, MASK, cl)
+        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0, C0 + 1, MASK, cl)
+        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0 + 2, C0 + 3, MASK, cl)
+
+    @gluon.jit
     def _converter(kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready, k16_free,
-                   b, t0, n, NS: gl.constexpr, PAGE: gl.constexpr):
+                   stage_free, b, t0, n, NS: gl.constexpr, PAGE: gl.constexpr):
+        # converter A: the TMA of every tile, and its chunks 8, 0-3 (the ones the owner and consumer 0 release)
         # one thread's 16 contiguous bytes per load (LDS.128 over the 64-byte swizzled box)
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, TILE_C, layout=gl.SliceLayout(1, cl))
@@ -100,18 +117,32 @@ if gluon is not None:
             keep = (rows < valid)[:, None]
             mbarrier.wait(ready8.index(s), (i // NS) & 1)
             z = _opaque_zero(i)   # the store addresses stay in the loop
-            # chunk 8 first (free once the owner's scores of tile i - 1 are done), then the pairs (0, 4), (1, 5),
-            # (2, 6), (3, 7) as the two consumers' P.V MMAs release them
             if valid < TILE_C:
-                _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, True, cl)
-                for r in gl.static_range(4):
-                    _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, True, cl)
+                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, True, cl)
             else:   # a full tile: no select per element
-                _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, -1, False, cl)
-                for r in gl.static_range(4):
-                    _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, r, r + 4, False, cl)
-            if i + NS < n:         # the stage is free again: the tile NS ahead goes into it
+                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, False, cl)
+            if i + NS < n:   # the tile NS ahead goes into stage s once converter B has read its chunks of it too
+                mbarrier.wait(stage_free.index(s), (i // NS) & 1)
                 _load_tile(kv_desc, kpe_desc, kv_indices, pbase, t0 + i + NS, ready8.index(s), stage, s, PAGE)
+
+    @gluon.jit
+    def _converter_b(kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS: gl.constexpr):
+        # converter B: chunks 4-7 (the ones consumer 1 releases), beside converter A; then stage s back to A, which
+        # alone refills it. Its last round's partition barrier follows every B warp's loads of the stage.
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, TILE_C, layout=gl.SliceLayout(1, cl))
+        L = gl.load(kv_len + b)
+        for i in range(n):
+            s = i % NS
+            valid = gl.minimum(L - (t0 + i) * TILE_C, TILE_C)
+            keep = (rows < valid)[:, None]
+            mbarrier.wait(ready8.index(s), (i // NS) & 1)
+            z = _opaque_zero(i)
+            if valid < TILE_C:
+                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, True, cl)
+            else:
+                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, False, cl)
+            mbarrier.arrive(stage_free.index(s), count=1)
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16,
@@ -172,7 +203,7 @@ if gluon is not None:
             # it hands P and the new maximum over --
             if (i % 2) == cid:
                 sc = gl.zeros([HG, 64], gl.float32, o_l)
-                for c in gl.static_range(NCH):   # in the converter's order 8, 0, 4, 1, 5, ...
+                for c in gl.static_range(NCH):   # in the order 8, 0, 4, 1, 5, ... (both converters' first chunks)
                     cc = _chunk_order(c)
                     mbarrier.wait(k16_ready.index(cc), ph)
                     sc = warpgroup_mma(q_smem.index(z + cc), k16.index(z + cc).permute((1, 0)), sc, is_async=True)
@@ -198,7 +229,7 @@ if gluon is not None:
                 l_i = l_i * alpha
             m_i = m_new
             # -- O [64 heads, 256 dims of this consumer] += P [64, 64 tokens] . V [64 tokens, 256]; each chunk back
-            # to the converter as its MMA completes (wait depth 3, 2, 1, 0) --
+            # to its converter as its MMA completes (wait depth 3, 2, 1, 0) --
             a2 = gl.convert_layout(alpha, row_o)[:, None]
             o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
             o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
@@ -310,7 +341,7 @@ if gluon is not None:
         for i in gl.static_range(NS):
             mbarrier.init(ready8.index(i), count=1)
         for c in gl.static_range(NCH):
-            mbarrier.init(k16_ready.index(c), count=1)   # the converter, once per tile
+            mbarrier.init(k16_ready.index(c), count=1)   # its converter, once per tile
         mbarrier.init(bars.index(1), count=2)   # (unused: the prototype's tile-wide free barrier, kept as measured)
         mbarrier.init(bars.index(2), count=2)   # x_bar: the row sums at the end
         mbarrier.init(bars.index(3), count=1)   # p_bar: P complete (its owner)
@@ -319,10 +350,16 @@ if gluon is not None:
         k16_free = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(NCH):
             mbarrier.init(k16_free.index(c), count=1)
+        # converter B's "done reading FP8 stage s" (converter A waits on it before the TMA refills stage s)
+        stage_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NS):
+            mbarrier.init(stage_free.index(i), count=1)
         fence_async_shared()
+        # 16 warps: 2 x 128 x REGS (consumers) + 2 x 128 x (256 - REGS) (converters) = 64K registers; the default
+        # partition (converter A) gets what the workers leave, the same 256 - REGS
         gl.warp_specialize([
             (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
-                          k16_free, b, t0, n, NS, PAGE)),
+                          k16_free, stage_free, b, t0, n, NS, PAGE)),
             (_consumer0, (q_nope, q_pe, scales, kv_len, OUT, LSE_OUT, part_o, part_lse, q_smem, k16, p_smem, xm,
                           k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, it, qtok, has_q,
                           whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
@@ -331,12 +368,13 @@ if gluon is not None:
                           k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, it, qtok, has_q,
                           whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)),
-        ], [4, 4], [REGS, REGS])
+            (_converter_b, (kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS)),
+        ], [4, 4, 4], [REGS, REGS, 256 - REGS])
 
 
 def mh_kv_descriptors(ckv_cache, kpe_cache):
     """TMA descriptors of the heads-on-M build over the pool rows: boxes of 64 rows x 64 bytes (eight per c_kv
-    row, one for k_pe), 64-byte swizzle (the converter's 16-byte loads)."""
+    row, one for k_pe), 64-byte swizzle (the converters' 16-byte loads)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     P, page, _ = ckv_cache.shape
     lay = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
