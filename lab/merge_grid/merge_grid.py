@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fp8mla.kernels.sm90.config import DC
 from fp8mla.kernels.sm90.merge import SEQ_PARTS, _merge_block, merge_tile
+from fp8mla.kernels.sm90.merge import resident_per_sm as pm_resident
 
 # Programs per SM the variants launch: on a GPU, by default, as many of the compiled kernel as an SM holds at once
 # (registers, threads, shared memory: ``resident_per_sm``), so the launch is one resident wave and every program
@@ -92,34 +93,9 @@ def programs(grid: tuple[int, ...]) -> int:
     return n
 
 
-_RESIDENT: dict = {}
-
-
 def resident_per_sm(kern, args: tuple, kwargs: dict) -> int:
-    """Programs of ``kern`` (compiled for these arguments) one SM holds at once: the fewest of what its registers
-    (rounded up to 8 per thread), threads and shared memory allow. Cached per configuration."""
-    import torch
-    dev = args[0].device
-    key = (kern.__name__, dev.index, str(args[0].dtype), tuple(sorted(kwargs.items())))
-    if key not in _RESIDENT:
-        try:
-            ck = kern.warmup(*args, grid=(1,), **kwargs)
-            ck._init_handles()
-            regs, smem = ck.n_regs, ck.metadata.shared
-        except Exception as e:  # noqa: BLE001 - a triton without these internals: say so, take WAVES
-            print(f"resident_per_sm: {kern.__name__} {kwargs}: no register count ({type(e).__name__}: {e}); "
-                  f"taking WAVES = {WAVES}", flush=True)
-            _RESIDENT[key] = WAVES
-            return WAVES
-        props = torch.cuda.get_device_properties(dev)
-        threads = 32 * kwargs["num_warps"]
-        regs = -(-max(1, regs) // 8) * 8
-        fits = [getattr(props, "regs_per_multiprocessor", 65536) // (regs * threads),
-                getattr(props, "max_threads_per_multi_processor", 2048) // threads, 32]
-        if smem:
-            fits.append(getattr(props, "shared_memory_per_multiprocessor", 233472) // smem)
-        _RESIDENT[key] = max(1, min(fits))
-    return _RESIDENT[key]
+    """Programs of ``kern`` one SM holds at once for these arguments: the product's count (its launch_merge's wave)."""
+    return pm_resident(kern, args, kwargs)[1]
 
 
 def compile_sm90(kern, *, merge_p: int, merge_c: int, max_rows: int) -> dict:
