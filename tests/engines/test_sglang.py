@@ -88,6 +88,13 @@ def _pools(fixture):
     return list(fixture.runner.token_to_kv_pool.kv_buffer)
 
 
+def _e4m3(t, scale):
+    """``t / scale`` saturated to e4m3, the pool's rule: an IEEE fp32 division by an fp32 tensor (a Python-number
+    divisor is a multiply by its reciprocal on CUDA, which moves the last bit and now and then an e4m3 value)."""
+    q = torch.div(t.float(), torch.tensor(float(scale), dtype=torch.float32, device=t.device))
+    return q.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 def _expected(fixture, rounded=None):
     """The kit's reference; with ``rounded`` ("all" or "prefix"), on the latents an e4m3 pool holds (``k /
     k_scale`` rounded to e4m3, times ``k_scale``) for every token or for the cached prefix only: the reference on
@@ -100,7 +107,7 @@ def _expected(fixture, rounded=None):
     project = ref.project_latent_qk
 
     def rq(t):
-        return ((t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(t.dtype)
+        return (_e4m3(t, scale).float() * scale).to(t.dtype)
 
     def project_rounded(hidden):
         q, k, q_rope, k_rope = project(hidden)
@@ -184,8 +191,7 @@ def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale, backend
             if prefix.shape[0]:
                 _, k_nope, _, k_rope = mod.forward_absorb_prepare(prefix)
                 locs = fixture.runner.req_to_token_pool.req_to_token[b, : prefix.shape[0]].long()
-                stored = torch.cat([k_nope, k_rope], -1).float() / k_scale
-                pool.kv_buffer[0][locs] = stored.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+                pool.kv_buffer[0][locs] = _e4m3(torch.cat([k_nope, k_rope], -1), k_scale).view(torch.uint8)
     STATS.reset()
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)), \
             forbid_pool_casts(*_pools(fixture)):
@@ -210,7 +216,7 @@ def test_extend_with_fresh_latents_and_cached_prefix(page_size, k_scale, backend
     # the fresh tokens went into the pool as k / k_scale
     locs = fb.out_cache_loc.long()
     stored = pool.kv_buffer[0][locs].view(torch.float8_e4m3fn).float()
-    want = (torch.cat([k_nope, k_rope], -1).float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    want = _e4m3(torch.cat([k_nope, k_rope], -1), k_scale).float()
     assert torch.equal(stored, want)
     print(f"fresh latents, page {page_size}, k_scale {k_scale}, {backend}: max |err| vs stored values, vs unquantized: {err}")
 
