@@ -16,12 +16,21 @@ def host_tiles(host: dict, page_size: int, num_indices: int) -> list[int]:
     return _clamped(host, page_size, num_indices, TILE)[3]
 
 
+# One CTA per item (``longest_first``): the request-aligned cut is kept where its longest piece is within share /
+# BALANCE tiles (~3%) of the contiguous cut's share; otherwise the contiguous cut, whose pieces are at most a share.
+BALANCE = 32
+
+
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                  aligned: bool = True, slack: int | None = None) -> dict:
+                  aligned: bool = True, slack: int | None = None, longest_first: bool = False) -> dict:
     """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
-    work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further;
-    ``m_list`` is the identity, kept in the buffers). The plan stages them in one host -> device copy."""
+    work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further; ``m_list``
+    the identity). The plan stages them in one host -> device copy.
+
+    ``longest_first`` (a build that launches one CTA per item, heads-on-M, outside CUDA graphs): the aligned cut
+    only where it is balanced (``BALANCE``; ``slack`` is then ignored), else the contiguous cut, and the items
+    reordered longest first (``_longest_first``), with ``m_list`` the merge's map to their new places."""
     global _LAST_ITEMS
     from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
     slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
@@ -36,16 +45,20 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     # The items depend on the tiles only: a decode step whose requests all stay within their 64-token tiles (most
     # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
     # (shared with that call's result: read only)
+    key = (num_ctas, min_tiles, aligned, slack, longest_first)
     last = _LAST_ITEMS
-    if last is not None and last[0] == (num_ctas, min_tiles, aligned, slack) and last[1] == ntiles:
+    if last is not None and last[0] == key and last[1] == ntiles:
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
+    T = sum(ntiles)
+    G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
+    if longest_first:
+        slack = max(ALIGNED_SLACK, (T + G - 1) // G // BALANCE)
     ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
     if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]
-        _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)
+        items = _longest_first(items) if longest_first else dict(items, m_list=list(range(len(items["item_req"]))))
+        _LAST_ITEMS = (key, ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
-    T = sum(ntiles)
-    G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     Gm = G - 1
     # CTA c owns global tiles [lo[c], lo[c+1]), lo[c] = c*T//G (each owns one or more: G <= T). A request within
     # one CTA is one item (tiles 0..n); one across CTAs is an item per CTA, cut at the CTA boundaries: walking the
@@ -79,8 +92,24 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
         s = e
     ptr[G:] = [n] * (num_ctas + 1 - G)
     items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
-    _LAST_ITEMS = ((num_ctas, min_tiles, aligned, slack), ntiles, items)  # (one tuple: a concurrent reader sees all or none)
+    items = _longest_first(items) if longest_first else dict(items, m_list=list(range(n)))
+    _LAST_ITEMS = (key, ntiles, items)  # (one tuple: a concurrent reader sees all or none)
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
+
+
+def _longest_first(items: dict) -> dict:
+    """The items reordered longest first (a stable sort: equal pieces keep their order), for a build that launches
+    one CTA per item: the GPU starts CTAs in grid order as SMs free up, so the long pieces run in the first wave and
+    the short ones fill in behind them (list scheduling, longest first). ``m_list`` maps request b's partials
+    ``m_ptr[b]:m_ptr[b+1]`` (in its tile order) to their new places, which the merge reads them through; the
+    kernel writes an item's partial at its place. ``cta_ptr`` is kept (a one-CTA-per-item build does not read it)."""
+    req, t0, t1 = items["item_req"], items["item_t0"], items["item_t1"]
+    order = sorted(range(len(req)), key=lambda i: t0[i] - t1[i])
+    place = [0] * len(req)
+    for new, old in enumerate(order):
+        place[old] = new
+    return dict(cta_ptr=items["cta_ptr"], item_req=[req[i] for i in order], item_t0=[t0[i] for i in order],
+                item_t1=[t1[i] for i in order], m_ptr=items["m_ptr"], m_list=place)
 
 
 _LAST_ITEMS = None  # schedule_host's last (CTAs and tile quantum, tiles per request, items)

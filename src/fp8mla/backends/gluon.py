@@ -268,8 +268,11 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     slack = aligned_slack(b)
     h = None
     if layout.host is not None:
+        # heads-on-M outside CUDA graphs: one CTA per item, launched longest first (a graph wrapper's merge list
+        # is fixed in its buffers)
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                          num_ctas=slots, min_tiles=min_tiles, slack=slack)
+                          num_ctas=slots, min_tiles=min_tiles, slack=slack,
+                          longest_first=mh and not spec.use_cuda_graph)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
         parts = None
@@ -379,11 +382,11 @@ def _select_cached(spec, layout, options: dict, state: dict):
 
 
 def _stage_items(h: dict, device) -> dict:
-    """A host schedule's work-item arrays and ``m_list`` (the identity) as int32 device views of one buffer, each
+    """A host schedule's work-item arrays and ``m_list`` (the merge's map to the partials) as int32 device views of one buffer, each
     16-byte aligned as the graph buffers' are, filled by one pinned host -> device copy (``layout.stage_ints``)."""
     from ..layout import stage_ints, to_device
-    arrays = {key: h[key] for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr")}
-    arrays["m_list"] = list(range(max(1, len(h["item_req"]))))
+    arrays = {key: h[key] for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr", "m_list")}
+    arrays["m_list"] = arrays["m_list"] or [0]
     caps = [-(-len(v) // 4) * 4 for v in arrays.values()]
     flat = to_device(stage_ints(list(zip(arrays.values(), caps))), device)
     views, o = {}, 0

@@ -1,0 +1,117 @@
+"""The heads-on-M build's host schedule outside CUDA graphs (``schedule_host(longest_first=True)``): one CTA per
+work item, the items launched longest first, the request-aligned cut only where it is balanced (else the
+contiguous cut), and ``m_list`` mapping each request's partials to the items' new places (the split merge reads
+them through it; the merge itself takes any ``m_list``: tests/test_sm90_merge_grid.py). Pure Python on the CPU:
+the schedule's lists, and the plan arrays ``gluon.build`` stages (the kernel is never launched)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8mla.backends import _gluon_host_schedule as hs
+from fp8mla.kernels import sm90 as k
+
+
+def host_of(lens):
+    B = len(lens)
+    tiles = [-(-n // k.TILE) for n in lens]
+    kvp = [0]
+    for t in tiles:
+        kvp.append(kvp[-1] + t)
+    return dict(lists=(list(range(B + 1)), kvp, list(lens))), tiles
+
+
+def cases():
+    g = torch.Generator().manual_seed(11)
+    out = [([8192] * 64, 66), ([2048] * 128, 66), ([32768], 132), ([0, 0, 5], 7), ([1], 1), ([8192] * 5 + [0] * 3, 132)]
+    for trial in range(60):
+        B = int(torch.randint(1, [8, 64, 150][trial % 3], (1,), generator=g))
+        lens = torch.randint(0, [700, 16384, 40000][trial % 3], (B,), generator=g)
+        lens[torch.rand(B, generator=g) < 0.1] = 0
+        out.append((lens.tolist(), [132, 66, 7, 1][trial % 4]))
+    return out
+
+
+@pytest.mark.parametrize("min_tiles", [1, 8])
+def test_longest_first_is_a_reordered_real_schedule(min_tiles):
+    for lens, ctas in cases():
+        host, tiles = host_of(lens)
+        hs._LAST_ITEMS = None
+        h = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
+                             longest_first=True)
+        req, t0, t1, m_ptr, m_list = (h[key] for key in ("item_req", "item_t0", "item_t1", "m_ptr", "m_list"))
+        n = len(req)
+        sizes = [b - a for a, b in zip(t0, t1)]
+        assert n == m_ptr[-1] and sorted(m_list) == list(range(n)), (lens, ctas)
+        assert all(x >= y for x, y in zip(sizes, sizes[1:])), (lens, ctas, sizes)   # longest first
+        for b in range(len(lens)):   # through m_list: request b's items, contiguous, in order, all its tiles
+            spans = [(t0[p], t1[p]) for p in m_list[m_ptr[b]: m_ptr[b + 1]]]
+            assert all(req[p] == b for p in m_list[m_ptr[b]: m_ptr[b + 1]]), (lens, b)
+            assert spans and spans[0][0] == 0 and spans[-1][1] == tiles[b], (lens, ctas, b, spans)
+            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), (lens, b, spans)
+        # the pieces are at most the contiguous cut's share, or the balanced aligned cut's
+        T = sum(tiles)
+        G = min(max(-(-T // min_tiles), 1), ctas)
+        share = -(-T // G)
+        assert max(sizes, default=0) <= share + max(k.ALIGNED_SLACK, share // hs.BALANCE), (lens, ctas)
+        # and the same items as the unordered schedule of the same cut
+        hs._LAST_ITEMS = None
+        slack = max(k.ALIGNED_SLACK, share // hs.BALANCE)
+        plain = hs.schedule_host(host, k.TILE, num_indices=T, num_ctas=ctas, min_tiles=min_tiles, slack=slack)
+        assert sorted(zip(req, t0, t1)) == sorted(zip(plain["item_req"], plain["item_t0"], plain["item_t1"]))
+        assert plain["m_list"] == list(range(len(plain["item_req"])))
+
+
+def test_spread_lengths_leave_the_unbalanced_aligned_cut():
+    """The measured case (H128 slots, 64 requests of 512..16k tokens): the unbounded aligned cut's longest piece is
+    ~1.5x the share (1.21x the wide build's time on the H200, 2026-12-02); the longest-first schedule's pieces are
+    at most a share, and equal lengths keep their one-piece-per-request aligned cut (no partials)."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(512, 16385, (64,), generator=g).tolist()
+    host, tiles = host_of(lens)
+    share = -(-sum(tiles) // 66)
+    hs._LAST_ITEMS = None
+    old = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, slack=k.UNBOUNDED_SLACK)
+    hs._LAST_ITEMS = None
+    new = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
+    longest = lambda h: max(b - a for a, b in zip(h["item_t0"], h["item_t1"]))  # noqa: E731
+    assert longest(new) <= share < longest(old)
+    host, tiles = host_of([8192] * 64)
+    hs._LAST_ITEMS = None
+    eq = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
+    assert eq["item_req"] == list(range(64)) and eq["m_list"] == list(range(64))
+    assert all(a == 0 and b == 128 for a, b in zip(eq["item_t0"], eq["item_t1"]))   # whole requests
+
+
+def test_plain_heads_on_m_plan_stages_the_longest_first_items(monkeypatch):
+    """gluon.build for a plain heads-on-M plan with host lengths (on CPU tensors, never launched) stages the
+    longest-first items and their m_list; a CUDA-graph plan keeps the request-order schedule (its m_list is fixed
+    in the wrapper's buffers)."""
+    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(gb, "num_sms", lambda device: 132)
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(512, 16385, (64,), generator=g).to(torch.int32)
+    W = -(-int(lens.max()) // 64)
+    bt = torch.randint(0, 20000, (64, W), generator=g, dtype=torch.int32)
+    lay = PagedLayout.from_block_table(bt, lens, 64)
+    for graph in (False, True):
+        spec = AttentionSpec(128, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
+                             torch.device("cpu"), graph)
+        opts = dict(heads_on_m=True, **(dict(max_batch_size=64, max_kv_indices=bt.numel()) if graph else {}))
+        hs._LAST_ITEMS = None
+        p = gb.build(lay, spec, opts, {})
+        assert p.build.heads_on_m
+        n = int(p.t["m_ptr"][64])
+        sizes = (p.t["item_t1"][:n] - p.t["item_t0"][:n]).tolist()
+        m_list = p.t["m_list"][:n].tolist()
+        if graph:
+            assert m_list == list(range(n))
+        else:
+            assert sizes == sorted(sizes, reverse=True) and sorted(m_list) == list(range(n)) and m_list != list(range(n))
+            assert p.n_items == n
+            req = p.t["item_req"][:n].tolist()
+            m_ptr = p.t["m_ptr"].tolist()
+            assert all(req[m_list[j]] == b for b in range(64) for j in range(m_ptr[b], m_ptr[b + 1]))
