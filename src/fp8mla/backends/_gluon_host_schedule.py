@@ -16,9 +16,13 @@ def host_tiles(host: dict, page_size: int, num_indices: int) -> list[int]:
     return _clamped(host, page_size, num_indices, TILE)[3]
 
 
-# One CTA per item (``longest_first``): the request-aligned cut is kept where its longest piece is within share /
-# BALANCE tiles (~3%) of the contiguous cut's share; otherwise the contiguous cut, whose pieces are at most a share.
+# One CTA per item (``longest_first``): the request-aligned cut (one wave, whole requests unmerged) is kept where
+# its longest piece is within max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise
+# the contiguous cut, whose pieces are at most a share but which splits more requests (partials and their merge:
+# ~16 us more, about 6 tiles of the heads-on-M build, in the H200 A/B of 2026-12-02 at B8-B16, where the aligned
+# cut's longest piece was 1.4-1.7x a share of 6-13 tiles and still faster; at 2x and beyond the contiguous cut won).
 BALANCE = 32
+ONE_WAVE_SLACK = 6
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
@@ -29,7 +33,8 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     the identity). The plan stages them in one host -> device copy.
 
     ``longest_first`` (a build that launches one CTA per item, heads-on-M, outside CUDA graphs): the aligned cut
-    only where it is balanced (``BALANCE``; ``slack`` is then ignored), else the contiguous cut, and the items
+    only where it is nearly balanced (``BALANCE``, ``ONE_WAVE_SLACK``; ``slack`` is then ignored), else the
+    contiguous cut, and the items
     reordered longest first (``_longest_first``), with ``m_list`` the merge's map to their new places."""
     global _LAST_ITEMS
     from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
@@ -52,7 +57,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     if longest_first:
-        slack = max(ALIGNED_SLACK, (T + G - 1) // G // BALANCE)
+        slack = max(ALIGNED_SLACK, ONE_WAVE_SLACK, (T + G - 1) // G // BALANCE)
     ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
     if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]

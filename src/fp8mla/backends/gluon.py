@@ -130,32 +130,15 @@ def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | No
     return _build_for(spec, options, max_qo)
 
 
-# The heads-on-M build's aligned cut (one CTA per request piece) may exceed the contiguous cut's share by share /
-# BALANCE tiles (~3%) for auto to take it: H128 B64 L8k's 128-tile pieces against a share of 125 (measured 0.92x the
-# wide build); spread lengths give pieces 1.6-1.9x the share (not measured: the wide build stays).
-BALANCE = 32
-
-
 def _auto_keeps_wide(spec, layout, options: dict) -> bool:
-    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes. The H200's A/B
-    (2026-12-02, docs/benchmarks.md) timed plain plans of equal lengths at 64 and 128 heads, pages of 64: the
-    heads-on-M build was 0.86-0.96x the wide build wherever its schedule is one balanced wave of request pieces, and
-    1.17x where it is not (H128 B128 L2k: more requests than schedule slots). So auto takes it only for a plan whose
-    host lengths show that wave: request-aligned pieces that fit the slots with the longest within ~3% of the
-    contiguous share (``BALANCE``). It keeps the wide build for CUDA-graph plans (the heads-on-M graph launch was
-    timed, the wide build's was not; what a graph wrapper adds is mostly the split merge's grid over max_batch_size,
-    inferred from the launch sizes, the same for both builds), device-only lengths (the balance is unknown on the
-    host) and unbalanced or over-full batches."""
-    if spec.use_cuda_graph or layout is None or layout.host is None:
-        return True
-    from ..kernels import sm90 as k
-    from ._gluon_host_schedule import host_tiles
-    slots = max(1, num_sms(spec.device) // -(-spec.num_heads // k.MH_HEADS))
-    tiles = host_tiles(layout.host, layout.page_size, layout.kv_indices.numel())
-    min_tiles = max(1, int(options.get("min_chunk") or DEFAULTS["min_chunk"]) // k.TILE)
-    T = sum(tiles)
-    share = -(-T // min(max(-(-T // min_tiles), 1), slots))
-    return k.aligned_pieces(tiles, slots, min_tiles, max(k.ALIGNED_SLACK, share // BALANCE)) is None
+    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes: CUDA-graph plans and
+    plans without host lengths. With host lengths a plain plan's heads-on-M schedule launches its items longest first
+    (``schedule_host(longest_first=True)``), which the H200 A/B of 2026-12-02 (docs/benchmarks.md, "Heads-on-M at
+    spread lengths") measured at 0.81-0.94x the wide build at all 18 shapes it timed at 64 and 128 heads: equal,
+    uniform, log-normal and one-long-request lengths, B8 to B128, more requests than schedule slots included.
+    Without host lengths the schedule is the device's request-order cut, 1.2-1.46x the wide build at spread lengths
+    of 64-128 requests (graph wrappers plan that way after their first plan, whose build they keep)."""
+    return spec.use_cuda_graph or layout is None or layout.host is None
 
 
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
