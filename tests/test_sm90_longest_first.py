@@ -1,4 +1,4 @@
-"""The heads-on-M build's host schedule outside CUDA graphs (``schedule_host(longest_first=True)``): one CTA per
+"""The heads-on-M build's host schedule (``schedule_host(longest_first=True)``): one CTA per
 work item, the items launched longest first, the request-aligned cut only where it is balanced (else the
 contiguous cut), and ``m_list`` mapping each request's partials to the items' new places (the split merge reads
 them through it; the merge itself takes any ``m_list``: tests/test_sm90_merge_grid.py). Pure Python on the CPU:
@@ -83,10 +83,10 @@ def test_spread_lengths_leave_the_unbalanced_aligned_cut():
     assert all(a == 0 and b == 128 for a, b in zip(eq["item_t0"], eq["item_t1"]))   # whole requests
 
 
-def test_plain_heads_on_m_plan_stages_the_longest_first_items(monkeypatch):
-    """gluon.build for a plain heads-on-M plan with host lengths (on CPU tensors, never launched) stages the
-    longest-first items and their m_list; a CUDA-graph plan keeps the request-order schedule (its m_list is fixed
-    in the wrapper's buffers)."""
+def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
+    """gluon.build for a heads-on-M plan with host lengths (on CPU tensors, never launched), plain and into a CUDA-
+    graph wrapper's buffers (m_list among the staged arrays), stages the longest-first items and their m_list; the
+    device-only-lengths plan of the same batch keeps the request-order cut with the identity m_list."""
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
@@ -96,22 +96,26 @@ def test_plain_heads_on_m_plan_stages_the_longest_first_items(monkeypatch):
     lens = torch.randint(512, 16385, (64,), generator=g).to(torch.int32)
     W = -(-int(lens.max()) // 64)
     bt = torch.randint(0, 20000, (64, W), generator=g, dtype=torch.int32)
-    lay = PagedLayout.from_block_table(bt, lens, 64)
+    host_lay = PagedLayout.from_block_table(bt, lens, 64)
+    dev_lay = PagedLayout(host_lay.qo_indptr, host_lay.kv_indptr, host_lay.kv_indices, host_lay.kv_len, 64,
+                          torch.device("cpu"), host_lay.qo_lens)
     for graph in (False, True):
         spec = AttentionSpec(128, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
                              torch.device("cpu"), graph)
         opts = dict(heads_on_m=True, **(dict(max_batch_size=64, max_kv_indices=bt.numel()) if graph else {}))
-        hs._LAST_ITEMS = None
-        p = gb.build(lay, spec, opts, {})
-        assert p.build.heads_on_m
-        n = int(p.t["m_ptr"][64])
-        sizes = (p.t["item_t1"][:n] - p.t["item_t0"][:n]).tolist()
-        m_list = p.t["m_list"][:n].tolist()
-        if graph:
-            assert m_list == list(range(n))
-        else:
-            assert sizes == sorted(sizes, reverse=True) and sorted(m_list) == list(range(n)) and m_list != list(range(n))
-            assert p.n_items == n
+        for lay in (host_lay, dev_lay):
+            hs._LAST_ITEMS = None
+            p = gb.build(lay, spec, opts, {})
+            assert p.build.heads_on_m
+            n = int(p.t["m_ptr"][64])
+            sizes = (p.t["item_t1"][:n] - p.t["item_t0"][:n]).tolist()
+            m_list = p.t["m_list"][:n].tolist()
+            if lay is dev_lay:
+                assert m_list == list(range(n)), graph
+                continue
+            assert sizes == sorted(sizes, reverse=True) and sorted(m_list) == list(range(n)), graph
+            assert m_list != list(range(n)), graph   # spread lengths: the order did change
             req = p.t["item_req"][:n].tolist()
             m_ptr = p.t["m_ptr"].tolist()
-            assert all(req[m_list[j]] == b for b in range(64) for j in range(m_ptr[b], m_ptr[b + 1]))
+            assert all(req[m_list[j]] == b for b in range(64) for j in range(m_ptr[b], m_ptr[b + 1])), graph
+            assert p.n_items == (n if not graph else 66 + 64)

@@ -1,4 +1,5 @@
-"""A/B (one H200): the heads-on-M build's longest-first host schedule (plain plans with host lengths) against its
+"""A/B (one H200): the heads-on-M build's longest-first host schedule (plans with host lengths, plain and in a
+256-slot CUDA-graph wrapper) against its
 request-order cut (the same build planned with device-only lengths: ``schedule_device``, the old cut) and the wide
 build, at equal and spread lengths, 64 and 128 heads.
 
@@ -48,9 +49,10 @@ def main():
             T = sum(lens)
             res = dict(H=H, kind=kind, B=B, max_len=max(lens), floor_ms=ceil.floor_ms(T * 576, 2 * H * T * 1088))
             for name, mh, pa in (("wide", False, pa_host), ("mh_lpt", True, pa_host), ("mh_old", True, pa_dev),
-                                 ("auto", None, pa_host)):
+                                 ("auto", None, pa_host), ("wide_graph", False, pa_host), ("mh_graph", True, pa_host)):
                 try:
-                    a = MLAPagedAttention(backend="gluon", heads_on_m=mh)
+                    graph = dict(use_cuda_graph=True, max_batch_size=256) if name.endswith("_graph") else {}
+                    a = MLAPagedAttention(backend="gluon", heads_on_m=mh, **graph)
                     a.plan(**pa, num_heads=H, kv_data_type="fp8_e4m3")
                     if name == "auto":
                         res["auto_build"] = "mh" if a._plan.impl.build.heads_on_m else "wide"
@@ -68,7 +70,8 @@ def main():
             cell = lambda n: (f"{res[n]:.4f} ({res[n] / w:.3f}x)" if res.get(n) and w else "-")  # noqa: E731
             errs = [v for key, v in res.items() if key.endswith(":err")]
             print(f"H{H:<3} {kind:<9} B{B:<3} max {max(lens):>5}  wide {cell('wide')}  mh_lpt {cell('mh_lpt')}  "
-                  f"mh_old {cell('mh_old')}  auto[{res.get('auto_build')}] {cell('auto')}  floor {res['floor_ms']:.4f}  "
+                  f"mh_old {cell('mh_old')}  auto[{res.get('auto_build')}] {cell('auto')}  graph: wide {cell('wide_graph')} "
+                  f"mh {cell('mh_graph')}  floor {res['floor_ms']:.4f}  "
                   f"err {max(errs) if errs else float('nan'):.2e}", flush=True)
             for key, v in res.items():
                 if key.endswith(":why"):

@@ -251,11 +251,9 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     slack = aligned_slack(b)
     h = None
     if layout.host is not None:
-        # heads-on-M outside CUDA graphs: one CTA per item, launched longest first (a graph wrapper's merge list
-        # is fixed in its buffers)
+        # heads-on-M: one CTA per item, launched longest first (m_list, staged with the items, maps the partials)
         h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                          num_ctas=slots, min_tiles=min_tiles, slack=slack,
-                          longest_first=mh and not spec.use_cuda_graph)
+                          num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
         parts = None
@@ -310,7 +308,7 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     nhg = plan.build.nhg
     h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
-                      slack=aligned_slack(plan.build))
+                      slack=aligned_slack(plan.build), longest_first=plan.build.heads_on_m)
     last = state.get("rows_items")
     if last is not None and last[0] is plan and (fixed or last[1] is h["item_req"]):
         buf.load_host(h, layout.kv_indices)
@@ -399,14 +397,15 @@ class _GraphBuffers(GraphBuffers):
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        # the arrays schedule_host fills (m_list, the identity, stays outside: written once), the one that changes
-        # every decode step first (a caller staging them through ``sink`` copies only up to the last one changed).
+        # the arrays schedule_host fills, the one that changes every decode step first (a caller staging them
+        # through ``sink`` copies only up to the last one changed); m_list last (the identity but for a heads-on-M
+        # plan's longest-first items).
         # FlashInfer's constructor kv_indices (int32) is the live tensor the kernel reads, at any size, as in
         # FlashInfer: vLLM writes page ids into its kv_indices buffer after plan(), inside the captured forward.
         super().__init__(
             dict(kv_len=mb, qo_indptr=mb + 1, kv_indptr=mb + 1, cta_ptr=n_sm + 1, item_req=mi, item_t0=mi,
-                 item_t1=mi, m_ptr=mb + 1, batch_size=1),
-            dict(kv_indices=torch.zeros(int(opts["max_kv_indices"]), **i32), m_list=torch.arange(mi, **i32),
+                 item_t1=mi, m_ptr=mb + 1, batch_size=1, m_list=mi),
+            dict(kv_indices=torch.zeros(int(opts["max_kv_indices"]), **i32),
                  part_o=torch.empty(mi, rows, k.DC, dtype=torch.float32, device=device),
                  part_lse=torch.empty(mi, rows, dtype=torch.float32, device=device)),
             device, {key: t for key, t in external.items() if key == "kv_indices"}, align=4, any_size=("kv_indices",))
