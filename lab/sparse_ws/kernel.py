@@ -138,31 +138,36 @@ if gluon is not None:
             return t, s2 * it, s3 * it
 
     @gluon.jit
-    def _conv_ckv(raw_c, k16, z, C: gl.constexpr, r16, cl: gl.constexpr):
-        # e4m3 -> fp16 (exact) x fp16(s_g / T_t) -> slab C of the 16-bit tile
+    def _conv_ckv(raw_c, k16, z, C: gl.constexpr, r16, cl: gl.constexpr, PROBE: gl.constexpr = 0):
+        # e4m3 -> fp16 (exact) x fp16(s_g / T_t) -> slab C of the 16-bit tile (PROBE 1, a timing probe with wrong
+        # results: no multiply)
         x = raw_c.index(C).load(cl).to(gl.float16)
-        k16.index(z + C).store(x * r16[:, None])
+        if PROBE % 2 == 1:
+            k16.index(z + C).store(x)
+        else:
+            k16.index(z + C).store(x * r16[:, None])
 
     @gluon.jit
     def _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r16,
-                   C: gl.constexpr, NG: gl.constexpr, cl: gl.constexpr):
+                   C: gl.constexpr, NG: gl.constexpr, cl: gl.constexpr, PROBE: gl.constexpr = 0):
         # one c_kv round: chunks C, C + 1 (one scale group) of tile i, then tile i + 1's copies of them
         mbarrier.wait(k16_free.index(C), (i & 1) ^ 1, pred=i > 0)
         mbarrier.wait(k16_free.index(C + 1), (i & 1) ^ 1, pred=i > 0)
         async_copy.wait_group(NG - 1)
-        _conv_ckv(raw_c, k16, z, C, r16, cl)
-        _conv_ckv(raw_c, k16, z, C + 1, r16, cl)
+        _conv_ckv(raw_c, k16, z, C, r16, cl, PROBE)
+        _conv_ckv(raw_c, k16, z, C + 1, r16, cl, PROBE)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(k16_ready.index(C), count=1)
         mbarrier.arrive(k16_ready.index(C + 1), count=1)
-        _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C, cl)
-        _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C + 1, cl)
-        async_copy.commit_group()
+        if PROBE < 2:   # PROBE 2 / 3 (timing probes, wrong results): no refill, the stage keeps tile 0
+            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C, cl)
+            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C + 1, cl)
+            async_copy.commit_group()
 
     @gluon.jit
     def _converter_a(ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_s, k16, kpe16, tv, k16_ready, k16_free,
-                     idx_row, j0, j1, n, num_slots):
+                     idx_row, j0, j1, n, num_slots, PROBE: gl.constexpr):
         # chunk 8 (k_pe) and c_kv chunks 0-3; T_t for the owner
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])   # 16 e4m3 bytes a thread, 2 rows
         kl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # 16 bf16 bytes, same rows as cl
@@ -198,21 +203,22 @@ if gluon is not None:
             fence_async_shared()
             _cta_barrier()   # also: every thread has read the scale region before it is refilled
             mbarrier.arrive(k16_ready.index(8), count=1)
-            _copy_kpe(raw_k, kpe_ptr, gl.convert_layout(idx_n, krl), num_slots, kl)
-            _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
-            async_copy.commit_group()
+            if PROBE < 2:
+                _copy_kpe(raw_k, kpe_ptr, gl.convert_layout(idx_n, krl), num_slots, kl)
+                _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                async_copy.commit_group()
             r0h = r0.to(gl.float16)
             r1h = r1.to(gl.float16)
             # -- rounds (0, 1) and (2, 3): scale groups 0 and 1 --
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r0h, 0, 3, cl)
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r1h, 2, 3, cl)
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r0h, 0, 3, cl, PROBE)
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r1h, 2, 3, cl, PROBE)
             idx_c = idx_n
             idx_n = idx_nn
         async_copy.wait_group(0)
 
     @gluon.jit
     def _converter_b(ckv_ptr, sa_ptr, indices, raw_c, raw_s, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                     num_slots):
+                     num_slots, PROBE: gl.constexpr):
         # c_kv chunks 4-7 (scale groups 2, 3), with its own copy of the scales
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -238,18 +244,19 @@ if gluon is not None:
             t, r2, r3 = _ratios(raw_s, 2, rl)
             r2h = r2.to(gl.float16)
             r3h = r3.to(gl.float16)
-            _conv_ckv(raw_c, k16, z, 4, r2h, cl)
-            _conv_ckv(raw_c, k16, z, 5, r2h, cl)
+            _conv_ckv(raw_c, k16, z, 4, r2h, cl, PROBE)
+            _conv_ckv(raw_c, k16, z, 5, r2h, cl, PROBE)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(k16_ready.index(4), count=1)
             mbarrier.arrive(k16_ready.index(5), count=1)
-            _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
-            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 4, cl)
-            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 5, cl)
-            async_copy.commit_group()
+            if PROBE < 2:
+                _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 4, cl)
+                _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 5, cl)
+                async_copy.commit_group()
             # -- round (6, 7): group 3 --
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r3h, 6, 2, cl)
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r3h, 6, 2, cl, PROBE)
             idx_c = idx_n
             idx_n = idx_nn
         async_copy.wait_group(0)
@@ -423,7 +430,7 @@ if gluon is not None:
         sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-        SPLIT: gl.constexpr, REGS: gl.constexpr,
+        SPLIT: gl.constexpr, REGS: gl.constexpr, PROBE: gl.constexpr = 0,
     ):
         t = gl.program_id(0) // num_groups
         h0 = (gl.program_id(0) % num_groups) * 64
@@ -460,7 +467,7 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_converter_a, (ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_sa, k16, kpe16, tv, k16_ready,
-                            k16_free, idx_row, j0, j1, n, num_slots)),
+                            k16_free, idx_row, j0, j1, n, num_slots, PROBE)),
             (_consumer0, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
                           tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
                           num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
@@ -472,7 +479,7 @@ if gluon is not None:
                           stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
                           stride_po_h, stride_pl_i, SPLIT)),
             (_converter_b, (ckv_ptr, sa_ptr, indices, raw_c, raw_sb, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                            num_slots)),
+                            num_slots, PROBE)),
         ], [4, 4, 4], [REGS, REGS, 256 - REGS])
 
 
@@ -484,11 +491,13 @@ def split_geometry(topk: int, num_splits: int) -> tuple[int, int]:
 
 
 def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, part_lse, *, sm_scale: float,
-               num_splits: int, lse_scale: float, gather: str = "ws", regs: int = REGS) -> None:
+               num_splits: int, lse_scale: float, gather: str = "ws", regs: int = REGS, probe: int = 0) -> None:
     """The prototype with the product's ``kernels/sm90/sparse.sparse_mla`` arguments (``gather`` accepted and
     ignored: this build has one gather). q_nope [n, H, 512] / q_pe [n, H, 64] bf16; ckv / kpe / scale_arr: the
     e4m3 [P, page, 512], bf16 [P, page, 64] and fp32 [P, page, 4] views of one contiguous record pool; indices
-    int32 [n, topk]; out [n, H, 512] bf16, lse [n, H] fp32; part_o / part_lse fp32 [>= n * splits, H(, 512)]."""
+    int32 [n, topk]; out [n, H, 512] bf16, lse [n, H] fp32; part_o / part_lse fp32 [>= n * splits, H(, 512)].
+    ``probe`` (timing probes only, WRONG results): 1 no multiply in the converters, 2 no gather after the first
+    tile, 3 both."""
     from fp8mla.kernels.sparse_decode import _merge_splits_kernel
     from fp8mla.kernels.decode import LOG2E
     if gluon is None:
@@ -516,7 +525,7 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         po.stride(0), po.stride(1), pl.stride(0),
-        SPLIT=split, REGS=regs, num_warps=4,
+        SPLIT=split, REGS=regs, num_warps=4, **({"PROBE": probe} if probe else {}),
     )
     if split:
         _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(DC, 64))](
@@ -534,7 +543,7 @@ _DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_
           "stride_o_h", "stride_po_i", "stride_po_h"}
 
 
-def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None = None) -> dict:
+def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None = None, probe: int = 0) -> dict:
     import collections
     import os
     import re
@@ -545,7 +554,7 @@ def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None =
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = sparse_ws_kernel
     names = fn.arg_names
-    const = dict(SPLIT=split, REGS=regs, stride_lse_h=1)
+    const = dict(SPLIT=split, REGS=regs, stride_lse_h=1, PROBE=probe)
     sig = {k: "constexpr" if k in const else _PTR.get(k, "fp32" if k in ("sm_scale_log2", "lse_scale") else "i32")
            for k in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k in _DIV16}
