@@ -167,7 +167,7 @@ if gluon is not None:
 
     @gluon.jit
     def _converter_a(ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_s, k16, kpe16, tv, k16_ready, k16_free,
-                     idx_row, j0, j1, n, num_slots, PROBE: gl.constexpr):
+                     idx_row, j0, j1, n, num_slots, PROBE: gl.constexpr, SIDX: gl.constexpr):
         # chunk 8 (k_pe) and c_kv chunks 0-3; T_t for the owner
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])   # 16 e4m3 bytes a thread, 2 rows
         kl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # 16 bf16 bytes, same rows as cl
@@ -186,10 +186,13 @@ if gluon is not None:
         _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 3, cl)
         async_copy.commit_group()
         idx_n = _idx(indices, idx_row, j0 + 64, j1, rl)
+        idx_sn = _idx(indices, idx_row, j0 + 64, j1, sl)
         for i in range(n):
             j = j0 + i * 64
             z = _opaque_zero(i)
             idx_nn = _idx(indices, idx_row, j + 128, j1, rl)   # two tiles ahead: its latency under this tile
+            if SIDX:   # the scale copies' indices too (run 1 loaded them where the copy is issued: exposed)
+                idx_snn = _idx(indices, idx_row, j + 128, j1, sl)
             # -- round (8): scales -> T_t, k_pe / T_t (bf16, exact), tv for the owner --
             mbarrier.wait(k16_free.index(8), (i & 1) ^ 1, pred=i > 0)
             async_copy.wait_group(2)
@@ -205,7 +208,10 @@ if gluon is not None:
             mbarrier.arrive(k16_ready.index(8), count=1)
             if PROBE < 2:
                 _copy_kpe(raw_k, kpe_ptr, gl.convert_layout(idx_n, krl), num_slots, kl)
-                _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                if SIDX:
+                    _copy_scales(raw_s, sa_ptr, idx_sn, num_slots, sl)
+                else:
+                    _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
                 async_copy.commit_group()
             r0h = r0.to(gl.float16)
             r1h = r1.to(gl.float16)
@@ -214,11 +220,13 @@ if gluon is not None:
             _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r1h, 2, 3, cl, PROBE)
             idx_c = idx_n
             idx_n = idx_nn
+            if SIDX:
+                idx_sn = idx_snn
         async_copy.wait_group(0)
 
     @gluon.jit
     def _converter_b(ckv_ptr, sa_ptr, indices, raw_c, raw_s, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                     num_slots, PROBE: gl.constexpr):
+                     num_slots, PROBE: gl.constexpr, SIDX: gl.constexpr):
         # c_kv chunks 4-7 (scale groups 2, 3), with its own copy of the scales
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -232,10 +240,13 @@ if gluon is not None:
         _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 7, cl)
         async_copy.commit_group()
         idx_n = _idx(indices, idx_row, j0 + 64, j1, rl)
+        idx_sn = _idx(indices, idx_row, j0 + 64, j1, sl)
         for i in range(n):
             j = j0 + i * 64
             z = _opaque_zero(i)
             idx_nn = _idx(indices, idx_row, j + 128, j1, rl)
+            if SIDX:
+                idx_snn = _idx(indices, idx_row, j + 128, j1, sl)
             # -- round (4, 5) with the scales (group 2), then the next tile's scales --
             mbarrier.wait(k16_free.index(4), (i & 1) ^ 1, pred=i > 0)
             mbarrier.wait(k16_free.index(5), (i & 1) ^ 1, pred=i > 0)
@@ -251,7 +262,10 @@ if gluon is not None:
             mbarrier.arrive(k16_ready.index(4), count=1)
             mbarrier.arrive(k16_ready.index(5), count=1)
             if PROBE < 2:
-                _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                if SIDX:
+                    _copy_scales(raw_s, sa_ptr, idx_sn, num_slots, sl)
+                else:
+                    _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
                 _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 4, cl)
                 _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 5, cl)
                 async_copy.commit_group()
@@ -259,6 +273,8 @@ if gluon is not None:
             _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r3h, 6, 2, cl, PROBE)
             idx_c = idx_n
             idx_n = idx_nn
+            if SIDX:
+                idx_sn = idx_snn
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -430,7 +446,7 @@ if gluon is not None:
         sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-        SPLIT: gl.constexpr, REGS: gl.constexpr, PROBE: gl.constexpr = 0,
+        SPLIT: gl.constexpr, REGS: gl.constexpr, PROBE: gl.constexpr = 0, SIDX: gl.constexpr = True,
     ):
         t = gl.program_id(0) // num_groups
         h0 = (gl.program_id(0) % num_groups) * 64
@@ -467,7 +483,7 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_converter_a, (ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_sa, k16, kpe16, tv, k16_ready,
-                            k16_free, idx_row, j0, j1, n, num_slots, PROBE)),
+                            k16_free, idx_row, j0, j1, n, num_slots, PROBE, SIDX)),
             (_consumer0, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
                           tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
                           num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
@@ -479,7 +495,7 @@ if gluon is not None:
                           stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
                           stride_po_h, stride_pl_i, SPLIT)),
             (_converter_b, (ckv_ptr, sa_ptr, indices, raw_c, raw_sb, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                            num_slots, PROBE)),
+                            num_slots, PROBE, SIDX)),
         ], [4, 4, 4], [REGS, REGS, 256 - REGS])
 
 
@@ -491,13 +507,14 @@ def split_geometry(topk: int, num_splits: int) -> tuple[int, int]:
 
 
 def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, part_lse, *, sm_scale: float,
-               num_splits: int, lse_scale: float, gather: str = "ws", regs: int = REGS, probe: int = 0) -> None:
+               num_splits: int, lse_scale: float, gather: str = "ws", regs: int = REGS, probe: int = 0,
+               sidx: bool = True) -> None:
     """The prototype with the product's ``kernels/sm90/sparse.sparse_mla`` arguments (``gather`` accepted and
     ignored: this build has one gather). q_nope [n, H, 512] / q_pe [n, H, 64] bf16; ckv / kpe / scale_arr: the
     e4m3 [P, page, 512], bf16 [P, page, 64] and fp32 [P, page, 4] views of one contiguous record pool; indices
     int32 [n, topk]; out [n, H, 512] bf16, lse [n, H] fp32; part_o / part_lse fp32 [>= n * splits, H(, 512)].
     ``probe`` (timing probes only, WRONG results): 1 no multiply in the converters, 2 no gather after the first
-    tile, 3 both."""
+    tile, 3 both. ``sidx=False``: run 1's build (the scale copies' indices loaded where the copies are issued)."""
     from fp8mla.kernels.sparse_decode import _merge_splits_kernel
     from fp8mla.kernels.decode import LOG2E
     if gluon is None:
@@ -526,6 +543,7 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         po.stride(0), po.stride(1), pl.stride(0),
         SPLIT=split, REGS=regs, num_warps=4, **({"PROBE": probe} if probe else {}),
+        **({} if sidx else {"SIDX": False}),
     )
     if split:
         _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(DC, 64))](
@@ -543,7 +561,8 @@ _DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_
           "stride_o_h", "stride_po_i", "stride_po_h"}
 
 
-def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None = None, probe: int = 0) -> dict:
+def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None = None, probe: int = 0,
+                   sidx: bool = True) -> dict:
     import collections
     import os
     import re
@@ -554,7 +573,7 @@ def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None =
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = sparse_ws_kernel
     names = fn.arg_names
-    const = dict(SPLIT=split, REGS=regs, stride_lse_h=1, PROBE=probe)
+    const = dict(SPLIT=split, REGS=regs, stride_lse_h=1, PROBE=probe, SIDX=sidx)
     sig = {k: "constexpr" if k in const else _PTR.get(k, "fp32" if k in ("sm_scale_log2", "lse_scale") else "i32")
            for k in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k in _DIV16}

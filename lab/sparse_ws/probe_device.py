@@ -1,5 +1,6 @@
 """Timing probes of the prototype (kernel.py ``probe``; WRONG results, timing only): where the ~6,500 cycles a tile
-go. 0 the build; 1 no HMUL2 in the converters; 2 no gather after the first tile (the stage keeps tile 0); 3 both.
+go. 0 the build; 1 no HMUL2 in the converters; 2 no gather after the first tile (the stage keeps tile 0); 3 both;
+and the build with ``sidx=False`` (run 1's: the scale copies' indices loaded where the copies are issued).
 H128 topk 2048 B64 (1 split) and H16 (2 splits), CUDA graph, L2 flushed, median; JSON to --out.
 
     PYTHONPATH=$PWD/src:$PWD python3 lab/sparse_ws/probe_device.py --out $OUT/sparse_ws_probe.json
@@ -35,12 +36,12 @@ def main():
         lse = torch.empty(B, H, device="cuda")
         po = torch.empty(B * s_eff, H, 512, device="cuda")
         pl = torch.empty(B * s_eff, H, device="cuda")
-        for probe in (0, 1, 2, 3):
-            rec = dict(H=H, splits=s_eff, probe=probe)
+        for probe, sidx in ((0, True), (0, False), (1, True), (2, True), (3, True)):
+            rec = dict(H=H, splits=s_eff, probe=probe, sidx=sidx)
             try:
-                fn = lambda p=probe: ws.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, po, pl,  # noqa
-                                                   sm_scale=1 / math.sqrt(576), num_splits=splits, lse_scale=1.0,
-                                                   probe=p)
+                fn = lambda p=probe, si=sidx: ws.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, po, pl,  # noqa
+                                                            sm_scale=1 / math.sqrt(576), num_splits=splits,
+                                                            lse_scale=1.0, probe=p, sidx=si)
                 fn()
                 torch.cuda.synchronize()
                 rec["ms"] = time_ms(fn, reps=args.reps)
