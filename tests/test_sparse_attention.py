@@ -131,6 +131,36 @@ def test_gluon_plan_refusals_and_splits(monkeypatch):
     assert g.splits_for(64) == 5
 
 
+def test_auto_picks_gluon_only_on_hopper(monkeypatch):
+    """backend="auto": the Gluon sparse build on an sm_90 GPU for a plan it takes (AUTO_SELECT is on), the Triton
+    kernel on another GPU or for a plan gluon refuses, torch on the CPU."""
+    import fp8mla.runtime as rt
+    import fp8mla.sparse as sparse_mod
+    from fp8mla.formats import get_format
+    from fp8mla.kernels.sm90 import sparse as sm90_sparse
+    assert sm90_sparse.AUTO_SELECT is True
+    rec, e4m3 = get_format("fp8_ds_mla", sparse_ok=True), get_format("fp8_e4m3", sparse_ok=True)
+    ok = sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)
+    assert ok() == (True, "")
+    monkeypatch.setattr(rt, "triton_usable", lambda device: True)
+    monkeypatch.setattr(rt, "gluon_usable", lambda device: True)     # an H200
+    assert rt.choose_backend("auto", "cuda", ok) == "gluon"
+    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, e4m3, torch.bfloat16,
+                                                                       2048)) == "triton"
+    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, rec, torch.float16,
+                                                                       2048)) == "triton"
+    assert rt.choose_backend("auto", "cpu", ok) == "torch"
+    monkeypatch.setattr(rt, "gluon_usable", lambda device: False)    # another GPU (sm_80 / 89 / 100 / 120)
+    assert rt.choose_backend("auto", "cuda", ok) == "triton"
+    monkeypatch.setattr(sm90_sparse, "AUTO_SELECT", False)
+    assert sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)() == (
+        False, "the gluon sparse build is not auto-selected")
+    monkeypatch.undo()
+    a = fp8mla.MLASparseAttention()   # the real selection on this machine's CPU plan
+    a.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")
+    assert a.backend == "torch"
+
+
 def test_gluon_launcher_argument_checks():
     """The Hopper launcher's host checks (before any launch, so they run on the CPU): a pool whose records are not
     contiguous over pages, too many heads; no tokens launches nothing."""

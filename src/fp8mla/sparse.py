@@ -58,8 +58,7 @@ class MLASparseAttention:
     """Sparse MLA attention: each query token over its own ``topk`` selected cached tokens.
 
     Args:
-        backend: ``"auto"`` (gluon on Hopper for the plans it takes once ``kernels.sm90.sparse.AUTO_SELECT``
-            is on, else triton on CUDA, else torch),
+        backend: ``"auto"`` (gluon on Hopper for the plans it takes, else triton on CUDA, else torch),
             ``"torch"`` (fp32 torch code, any device), ``"triton"`` (the portable kernel,
             ``fp8mla.kernels.sparse_decode``; on the CPU under ``TRITON_INTERPRET=1``), ``"gluon"`` (the
             warp-specialized Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90, fp8_ds_mla records, bf16

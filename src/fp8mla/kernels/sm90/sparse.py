@@ -22,8 +22,9 @@ import triton
 
 from .sparse_partitions import GLUON_IMPORT_ERROR, NUM_WARPS, REGS, SMEM_LIMIT, TILE, gluon, smem_bytes
 
-# backend="auto" keeps the Triton kernel until this build's A/B is recorded in the product (the next change).
-AUTO_SELECT = False
+# backend="auto" picks this build on Hopper for every plan ``supports`` takes (H200, topk 2048, B64: 6.5x the
+# Triton sparse kernel at 128 heads, 2.4x at 16 and 8; docs/benchmarks.md).
+AUTO_SELECT = True
 
 REC_BYTES = 656        # fp8_ds_mla record: 512 e4m3 | 4 fp32 scales | 64 bf16 k_pe
 DC, DK = 512, 64
