@@ -78,6 +78,8 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_order(c: gl.constexpr):
+        # the owner's c-th score chunk: 8, 0, 4, 1, 5, 2, 6, 3, 7 (k_pe first, converted first by A; then A's and
+        # B's chunks in turn, the order the two converters' rounds finish in)
         return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
 
     @gluon.jit
