@@ -97,18 +97,16 @@ def test_bad_input_is_named():
         fp8mla.MLASparseAttention().run(**r)
 
 
-def test_gluon_plan_refusals_and_auto(monkeypatch):
+def test_gluon_plan_refusals_and_splits(monkeypatch):
     """backend="gluon" (as if on an sm_90 GPU): a plan outside the Hopper sparse build raises naming the argument;
-    one inside it plans 64-head tiles; "auto" does not pick it while AUTO_SELECT is off."""
+    one inside it (any topk) plans 64-head groups and one-wave splits."""
     import fp8mla.runtime as rt
     import fp8mla.sparse as sparse_mod
-    from fp8mla.kernels.sm90 import sparse as sm90_sparse
     monkeypatch.setattr(rt, "gluon_usable", lambda device: True)
     g = fp8mla.MLASparseAttention(backend="gluon")
     for kw, match in ((dict(kv_data_type="fp8_e4m3"), "kv_data_type: the gluon sparse build reads fp8_ds_mla"),
                       (dict(q_data_type=torch.float16), "q_data_type: the gluon sparse build takes bfloat16"),
-                      (dict(num_heads=129), "num_heads: the gluon sparse build takes 1..128"),
-                      (dict(topk=100), "topk: the gluon sparse build needs a multiple of 64")):
+                      (dict(num_heads=129), "num_heads: the gluon sparse build takes 1..128")):
         args = dict(num_heads=16, topk=2048, page_size=64, sm_scale=0.1, q_data_type=torch.bfloat16,
                     kv_data_type="fp8_ds_mla")
         args.update(kw)
@@ -116,52 +114,83 @@ def test_gluon_plan_refusals_and_auto(monkeypatch):
             g.plan(**args)
     with pytest.raises(TypeError, match="for the triton backend, not 'gluon'"):
         g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", block_h=32)
-    with pytest.raises(ValueError, match="gather: expected one of"):
-        g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="tma")
-    with pytest.raises(TypeError, match="'gather' is for the gluon backend"):
-        fp8mla.MLASparseAttention(backend="triton").plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla",
-                                                         gather="regs")
-    g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="regs")
-    assert g._plan.config["gather"] == "regs"
+    with pytest.raises(TypeError, match="unknown keyword"):   # the single-partition build's option is gone
+        g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="async")
+    g.plan(16, 37, 64, 0.1, torch.bfloat16, "fp8_ds_mla")     # odd topk: the last tile is masked per entry
+    assert g.backend == "gluon"
     g.plan(128, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
-    assert g.backend == "gluon" and g._plan.config["gather"] == sm90_sparse.DEFAULT_GATHER
-    # the split rule at a pinned SM count (the plan's device is CUDA on a GPU machine, the CPU here): splits fill
-    # twice the SMs, each split walking >= min_split (256) of the 2048 entries
-    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 4)
-    assert g.splits_for(1) == 4 and g.splits_for(64) == 1  # 1 token x 2 head groups x 4 splits = 2 x 4 "SMs"
+    assert g.backend == "gluon" and g._plan.config == {"block_h": 64}
+    # one wave of one CTA per SM: splits = SMs // (tokens x head groups), each split >= min_split (256) entries
     monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 132)
-    assert g.splits_for(1) == 8 and g.splits_for(2) == 8 and g.splits_for(33) == 4  # 2048 / 256 caps it at 8
-    assert sm90_sparse.AUTO_SELECT is False
-    assert sparse_mod._gluon_support("auto", 16, fp8mla.formats.get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16,
-                                     2048)() == (False, "the gluon sparse build is not auto-selected yet")
-    monkeypatch.setattr(sm90_sparse, "AUTO_SELECT", True)
-    assert sparse_mod._gluon_support("auto", 16, fp8mla.formats.get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16,
-                                     2048)() == (True, "")
+    assert g.splits_for(64) == 1 and g.splits_for(33) == 2 and g.splits_for(1) == 8 and g.splits_for(2) == 8
+    g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
+    assert g.splits_for(64) == 2 and g.splits_for(132) == 1 and g.splits_for(1) == 8
+    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 4)
+    assert g.splits_for(1) == 4 and g.splits_for(3) == 1 and g.splits_for(64) == 1
+    g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", num_splits=5)
+    assert g.splits_for(64) == 5
+
+
+def test_auto_picks_gluon_only_on_hopper(monkeypatch):
+    """backend="auto": the Gluon sparse build on an sm_90 GPU for a plan it takes (AUTO_SELECT is on), the Triton
+    kernel on another GPU or for a plan gluon refuses, torch on the CPU."""
+    import fp8mla.runtime as rt
+    import fp8mla.sparse as sparse_mod
+    from fp8mla.formats import get_format
+    from fp8mla.kernels.sm90 import sparse as sm90_sparse
+    assert sm90_sparse.AUTO_SELECT is True
+    rec, e4m3 = get_format("fp8_ds_mla", sparse_ok=True), get_format("fp8_e4m3", sparse_ok=True)
+    ok = sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)
+    assert ok() == (True, "")
+    monkeypatch.setattr(rt, "triton_usable", lambda device: True)
+    monkeypatch.setattr(rt, "gluon_usable", lambda device: True)     # an H200
+    assert rt.choose_backend("auto", "cuda", ok) == "gluon"
+    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, e4m3, torch.bfloat16,
+                                                                       2048)) == "triton"
+    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, rec, torch.float16,
+                                                                       2048)) == "triton"
+    assert rt.choose_backend("auto", "cpu", ok) == "torch"
+    monkeypatch.setattr(rt, "gluon_usable", lambda device: False)    # another GPU (sm_80 / 89 / 100 / 120)
+    assert rt.choose_backend("auto", "cuda", ok) == "triton"
+    monkeypatch.setattr(sm90_sparse, "AUTO_SELECT", False)
+    assert sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)() == (
+        False, "the gluon sparse build is not auto-selected")
+    monkeypatch.undo()
+    a = fp8mla.MLASparseAttention()   # the real selection on this machine's CPU plan
+    a.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")
+    assert a.backend == "torch"
 
 
 def test_gluon_launcher_argument_checks():
     """The Hopper launcher's host checks (before any launch, so they run on the CPU): a pool whose records are not
-    contiguous over pages, an unknown gather."""
+    contiguous over pages, too many heads; no tokens launches nothing."""
     from fp8mla.kernels.sm90 import sparse as sm90_sparse
     pool = torch.zeros(4, 32, 656, dtype=torch.uint8)
-    q = torch.zeros(0, 16, 512, dtype=torch.bfloat16)
-    qp = torch.zeros(0, 16, 64, dtype=torch.bfloat16)
-    idx = torch.zeros(0, 64, dtype=torch.int32)
-    out, lse = torch.zeros(0, 16, 512, dtype=torch.bfloat16), torch.zeros(0, 16)
+
+    def args(H):
+        return (torch.zeros(0, H, 512, dtype=torch.bfloat16), torch.zeros(0, H, 64, dtype=torch.bfloat16))
 
     def views(p):
         return (p[..., :512].view(torch.float8_e4m3fn), p.view(torch.bfloat16)[..., 264:328],
                 p.view(torch.float32)[..., 128:132])
+    idx = torch.zeros(0, 64, dtype=torch.int32)
+    out, lse = torch.zeros(0, 16, 512, dtype=torch.bfloat16), torch.zeros(0, 16)
     c, k, sa = views(pool)
-    sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1, lse_scale=1.0)
+    sm90_sparse.sparse_mla(*args(16), c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1, lse_scale=1.0)
     c, k, sa = views(pool[:, ::2])
     with pytest.raises(ValueError, match="kv_cache: the gluon sparse kernel reads a contiguous record pool"):
-        sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
+        sm90_sparse.sparse_mla(*args(16), c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
                                lse_scale=1.0)
     c, k, sa = views(pool)
-    with pytest.raises(ValueError, match="gather: expected one of"):
-        sm90_sparse.sparse_mla(q, qp, c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
-                               lse_scale=1.0, gather="tma")
+    with pytest.raises(ValueError, match="num_heads: the gluon sparse kernel takes 1..128"):
+        sm90_sparse.sparse_mla(*args(130), c, k, sa, idx, out, lse, None, None, sm_scale=0.1, num_splits=1,
+                               lse_scale=1.0)
+    # the split geometry: entries per split a multiple of the 64-entry tile, empty splits dropped
+    assert sm90_sparse.split_geometry(2048, 1) == (2048, 1)
+    assert sm90_sparse.split_geometry(2048, 3) == (704, 3)
+    assert sm90_sparse.split_geometry(129, 3) == (64, 3)
+    assert sm90_sparse.split_geometry(37, 7) == (64, 1)
+    assert sm90_sparse.split_geometry(1000, 8) == (128, 8)
 
 
 def test_out_of_pool_indices(monkeypatch):

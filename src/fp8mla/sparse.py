@@ -58,11 +58,11 @@ class MLASparseAttention:
     """Sparse MLA attention: each query token over its own ``topk`` selected cached tokens.
 
     Args:
-        backend: ``"auto"`` (triton on CUDA, else torch), ``"torch"`` (fp32 torch code, any device),
-            ``"triton"`` (the portable kernel, ``fp8mla.kernels.sparse_decode``; on the CPU under
-            ``TRITON_INTERPRET=1``), ``"gluon"`` (the Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90,
-            fp8_ds_mla records, bf16 queries; refused by name elsewhere). ``"auto"`` takes gluon only once
-            that module's ``AUTO_SELECT`` is on.
+        backend: ``"auto"`` (gluon on Hopper for the plans it takes, else triton on CUDA, else torch),
+            ``"torch"`` (fp32 torch code, any device), ``"triton"`` (the portable kernel,
+            ``fp8mla.kernels.sparse_decode``; on the CPU under ``TRITON_INTERPRET=1``), ``"gluon"`` (the
+            warp-specialized Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90, fp8_ds_mla records, bf16
+            queries, H <= 128; refused by name elsewhere).
 
     Example:
         >>> import torch, fp8mla
@@ -98,7 +98,7 @@ class MLASparseAttention:
         Args:
             num_heads: query heads per token (GLM-5: 64, or 8 per GPU at TP 8; V3.2: 128 or 16).
             topk: entries per index row (GLM-5 / V3.2: 2048); shorter selections are padded with -1. The
-                Triton kernel needs a multiple of 64.
+                Triton kernel needs a multiple of 64 (the gluon build and the torch code take any).
             page_size: tokens per page of the pool (slot = page * page_size + offset).
             sm_scale: softmax scale of the scores (``1 / sqrt(192)`` style; any positive finite float).
             q_data_type: ``torch.bfloat16`` or ``torch.float16``; out has this dtype.
@@ -110,11 +110,11 @@ class MLASparseAttention:
                 plan sees no tensor to take it from, unlike the dense ``plan()``: name it (``cache.device``)
                 whenever the pool may not be on the default device, e.g. a CPU pool on a GPU machine.
             num_splits: fix the number of programs an index row is split over (default: chosen per call
-                from the number of tokens, so that small batches still fill the GPU).
+                from the number of tokens, so that small batches still fill the GPU: twice the SM count for
+                triton, one wave of one CTA per SM for gluon).
             min_split: fewest index entries one split program walks (a multiple of 64).
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
-                ``v_convert``); for backend="gluon" only ``gather`` (``kernels.sm90.sparse.GATHERS``: how a
-                tile's records reach shared memory).
+                ``v_convert``); the gluon build has none.
         """
         check_positive_int("num_heads", num_heads)
         check_positive_int("topk", topk)
@@ -135,7 +135,7 @@ class MLASparseAttention:
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split <= 0 or \
                 min_split % INDEX_BLOCK:
             raise ValueError(f"min_split: expected a positive multiple of {INDEX_BLOCK}, got {min_split!r}")
-        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert", "gather"}
+        unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
         if device is None:
@@ -150,8 +150,6 @@ class MLASparseAttention:
         p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
                         num_pages, device, backend, num_splits, min_split)
         if backend == "triton":
-            if "gather" in kernel_options:
-                raise TypeError("plan: kernel option 'gather' is for the gluon backend, not 'triton'")
             from .kernels import sparse_decode
             p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
             cap = self._split_capacity(p)
@@ -160,13 +158,10 @@ class MLASparseAttention:
                 p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
         elif backend == "gluon":
             from .kernels.sm90 import sparse as sm90_sparse
-            gather = kernel_options.pop("gather", sm90_sparse.DEFAULT_GATHER)
             if kernel_options:
                 raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
                                 "'gluon'")
-            if gather not in sm90_sparse.GATHERS:
-                raise ValueError(f"gather: expected one of {sorted(sm90_sparse.GATHERS)}, got {gather!r}")
-            p.config = {"block_h": sm90_sparse.HEAD_GROUP, "gather": gather}
+            p.config = {"block_h": sm90_sparse.HEAD_GROUP}
             cap = self._split_capacity(p)
             if cap:
                 p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
@@ -356,8 +351,7 @@ class MLASparseAttention:
         if p.backend == "gluon":
             from .kernels.sm90 import sparse as sm90_sparse
             sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
-                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0,
-                                   gather=p.config["gather"])
+                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0)
             return
         sparse_decode.sparse_mla(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, part_o, part_lse,
                                  page_size=p.page_size, sm_scale=p.sm_scale, num_splits=splits,
@@ -366,12 +360,12 @@ class MLASparseAttention:
 
 def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int):
     """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
-    raises, naming why), for "auto" only while ``kernels.sm90.sparse.AUTO_SELECT`` is on (off until the H200 A/B
-    against the Triton kernel). Imported only when asked (a torch-only install has no triton)."""
+    raises, naming why), for "auto" while ``kernels.sm90.sparse.AUTO_SELECT`` is on (``choose_backend`` asks only
+    on an sm_90 GPU with Gluon). Imported only when asked (a torch-only install has no triton)."""
     def check():
         from .kernels.sm90 import sparse as sm90_sparse
         if requested == "auto" and not sm90_sparse.AUTO_SELECT:
-            return False, "the gluon sparse build is not auto-selected yet"
+            return False, "the gluon sparse build is not auto-selected"
         return sm90_sparse.supports(num_heads, fmt.name, str(q_dtype).removeprefix("torch."), topk)
     return check
 
@@ -381,12 +375,16 @@ def _target_programs(p: _SparsePlan) -> int:
 
 
 def _splits(p: _SparsePlan, n: int) -> int:
-    """Programs per index row: enough that ``n x head tiles x splits`` reaches twice the SM count, each walking
-    at least ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
+    """Programs per index row: triton, enough that ``n x head tiles x splits`` reaches twice the SM count; gluon,
+    one wave of its one-CTA-per-SM kernel (``kernels.sm90.sparse.wave_splits``); each split walking at least
+    ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
     if p.backend not in ("triton", "gluon"):
         return 1
     if p.num_splits is not None:
         return min(p.num_splits, -(-p.topk // INDEX_BLOCK))
+    if p.backend == "gluon":
+        from .kernels.sm90 import sparse as sm90_sparse
+        return sm90_sparse.wave_splits(num_sms(p.device), n, p.num_heads, p.topk, p.min_split)
     tiles = -(-p.num_heads // p.config["block_h"])
     want = -(-_target_programs(p) // max(1, n * tiles))
     most = max(1, p.topk // p.min_split)

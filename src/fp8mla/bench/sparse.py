@@ -3,8 +3,10 @@
 Each request holds ``L`` cached tokens (shuffled pages); its one decode token selects ``topk`` distinct ones at
 random (what an indexer hands over). The floor counts what the kernel must read and compute:
 bytes = n x topk x record bytes (656 for ``fp8_ds_mla``), FLOPs = 2 x n x H x topk x (576 + 512), floor =
-max(bytes / read BW, FLOPs / bf16 matmul peak). The dense decode over the same requests (all ``L`` tokens, in the
-same format where the dense kernel reads it, else per-tensor e4m3) is timed beside it for comparison.
+max(bytes / read BW, FLOPs / bf16 matmul peak). Timed: ``backend="auto"``'s pick (the Gluon build on Hopper) and
+the Triton kernel (rows ``fp8mla sparse [gluon]`` / ``[triton]``). The dense decode over the same requests (all
+``L`` tokens, in the same format where the dense kernel reads it, else per-tensor e4m3) is timed beside it for
+comparison.
 """
 from __future__ import annotations
 
@@ -46,9 +48,19 @@ def _pool(B, L, page, fmt, device, g):
     return kv, slots, perm, extra
 
 
+def _last_compiled(backend: str):
+    """The last launch's compiled kernel of the backend (registers / spills for the log); None for torch."""
+    if backend == "gluon":
+        from ..kernels.sm90 import sparse as mod
+    elif backend == "triton":
+        from ..kernels import sparse_decode as mod
+    else:
+        return None
+    return mod.LAST_COMPILED
+
+
 def main(args) -> int:
     from ..attention import MLAPagedAttention
-    from ..kernels import sparse_decode as _sd
     from ..reference import sparse_mla_reference
     from ..sparse import MLASparseAttention
     from ..testing import compare
@@ -77,30 +89,39 @@ def main(args) -> int:
                     q_pe = torch.randn(B, H, DK, device=device, dtype=torch.bfloat16)
                     out = torch.empty(B, H, DC, device=device, dtype=torch.bfloat16)
                     lse = torch.empty(B, H, device=device)
-                    attn = MLASparseAttention(backend="triton")
-                    attn.plan(H, args.topk, page, 1.0 / math.sqrt(576), torch.bfloat16, fmt.name,
-                              num_pages=kv.shape[0])
-                    run = lambda a=attn: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra)  # noqa: E731
-                    nbytes, flops = sparse_cost(B, H, args.topk, fmt)
-                    floor = ceil.floor_ms(nbytes, flops)
-                    out.fill_(float("nan"))
-                    run()
-                    torch.cuda.synchronize()
                     m = min(B, args.err_requests)
                     ref, _ = sparse_mla_reference(q_nope[:m], q_pe[:m], kv, indices[:m], sm_scale=1.0 / math.sqrt(576),
                                                   kv_format=fmt.name, page_size=page,
                                                   ckv_scale_arr=extra.get("ckv_scale_arr"))
-                    err = compare(out[:m], ref).rel_l2
-                    ms = time_ms(run, reps=args.reps)
-                    ck = _sd.LAST_COMPILED
-                    res = f"regs {ck.n_regs} spills {ck.n_spills}" if hasattr(ck, "n_regs") else ""
-                    row = dict(kernel="fp8mla sparse", kv=fmt.name, H=H, B=B, L=L, topk=args.topk, page=page,
-                               splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9,
-                               pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
-                    rows.append(row)
-                    print(f"fp8mla sparse  {fmt.name:10s} H{H:<3d} B{B:<3d} L{L:<6d} topk{args.topk:<5d} "
-                          f"page{page:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s "
-                          f"{row['pct_floor']:5.1f}% floor  err {err:.2e} {res}", flush=True)
+                    nbytes, flops = sparse_cost(B, H, args.topk, fmt)
+                    floor = ceil.floor_ms(nbytes, flops)
+                    # auto's pick (the Gluon build on Hopper for the plans it takes), then the portable Triton
+                    # kernel unless that was the pick
+                    attns = []
+                    for requested in ("auto", "triton"):
+                        attn = MLASparseAttention(backend=requested)
+                        attn.plan(H, args.topk, page, 1.0 / math.sqrt(576), torch.bfloat16, fmt.name,
+                                  num_pages=kv.shape[0])
+                        if attn.backend not in [a.backend for a in attns]:
+                            attns.append(attn)
+                    for attn in attns:
+                        run = lambda a=attn: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra)  # noqa: E731
+                        out.fill_(float("nan"))
+                        run()
+                        torch.cuda.synchronize()
+                        err = compare(out[:m], ref).rel_l2
+                        ms = time_ms(run, reps=args.reps)
+                        ck = _last_compiled(attn.backend)
+                        res = f"regs {ck.n_regs} spills {ck.n_spills}" if hasattr(ck, "n_regs") else ""
+                        name = f"fp8mla sparse [{attn.backend}]"
+                        row = dict(kernel=name, kv=fmt.name, H=H, B=B, L=L, topk=args.topk, page=page,
+                                   splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6,
+                                   tflops=flops / ms / 1e9, pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
+                        rows.append(row)
+                        print(f"{name:24s} {fmt.name:10s} H{H:<3d} B{B:<3d} L{L:<6d} topk{args.topk:<5d} "
+                              f"page{page:<3d} splits {row['splits']:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s "
+                              f"{row['tflops']:6.1f} TFLOP/s {row['pct_floor']:5.1f}% floor  err {err:.2e} {res}",
+                              flush=True)
                     rows.append(_dense_row(MLAPagedAttention, ceil, time_ms, kv, perm, fmt, B, L, H, page, q_nope,
                                            q_pe, out, lse, extra, args.reps))
                     del kv

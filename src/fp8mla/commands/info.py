@@ -50,5 +50,5 @@ def _sparse_info(device) -> None:
     print(f"  triton         kernels/sparse_decode.py, every format, topk a multiple of 64: {ok}")
     from ..runtime import gluon_usable
     ok = "available" if gluon_usable(device) else "not available here (needs an sm_90 GPU and Gluon)"
-    print(f"  gluon          kernels/sm90/sparse.py, fp8_ds_mla, bf16 queries, topk a multiple of 64 (not picked "
-          f"by auto yet): {ok}")
+    print(f"  gluon          kernels/sm90/sparse.py, fp8_ds_mla, bf16 queries, H <= 128, any topk (auto's pick on "
+          f"Hopper): {ok}")

@@ -1,0 +1,612 @@
+"""LAB prototype: the Hopper sparse (DSA) MLA decode over ``fp8_ds_mla`` records, warp-specialized with the dense
+heads-on-M consumer scheme (src/fp8mla/kernels/sm90/heads_on_m.py). Design, prediction and how to run: README.md.
+
+One CTA per (query token, 64-head group, split), grid axis 0 = token * groups + group (the two head groups of an
+H128 token adjacent, so the second gather of the same records should hit L2). 16 warps in four roles:
+
+- converter A (default partition) and converter B gather their own chunks of each 64-entry tile themselves
+  (no TMA: each record is its own address): cp.async of 16-byte pieces into a raw stage, in the SAME register
+  layout the converter later reads them with, so each thread reads back only its own copies (its wait_group is
+  enough; no barrier for the chunk bytes). A owns chunk 8 (k_pe, bf16) and c_kv chunks 0-3, B chunks 4-7; each
+  also copies the tile's 4 group scales of every record (4-byte cp.async, a [4, 64] fp32 region of its own, read
+  by every thread after a partition barrier). Rounds: A (8), (0, 1), (2, 3); B (4, 5), (6, 7) - one scale group
+  per c_kv round. A round waits for its chunks' free barriers, waits for its own copy group, converts, stores to
+  the 16-bit tile, fence + partition barrier + arrive ready, and only then issues the NEXT tile's copies into the
+  piece of the stage it has just read (one commit group per round: ``wait_group(rounds - 1)`` finds the group a
+  round needs complete; a whole tile of copies is in flight ahead of each round).
+- per-token scale: T_t = the power of two >= the token's largest group scale (exact bit arithmetic, no MUFU); the
+  K row is stored as fp16( e4m3 x fp16(s_g / T_t) ) (<= 448; one HMUL2 per pair on top of the dense build's
+  conversion), k_pe as bf16( k_pe / T_t ) (exact). A writes T_t (0 = entry not valid: -1, out of the pool, past
+  the split) into a 2-deep shared vector ``tv`` for the tile's owner.
+- two consumer warpgroups exactly as the dense build: consumer i % 2 owns tile i's scores S [64 heads, 64 tokens]
+  (chunks 8, 0, 4, 1, 5, 2, 6, 3, 7) and softmax; it scales score column t by T_t (T_t = 0: -inf), writes
+  P' = P x T_t / F (F the running largest T_t, the output's unit) in fp16 and the new row maximum and F to
+  shared memory; both accumulate half of O (256 dims) += P' . V and release each V chunk as its MMA completes.
+  Output = O x F / l.
+
+Rows not valid are zero in the stage (a masked cp.async zero-fills: src-size 0), so no select per element.
+Numerics: Q_nope x f in fp16 (f a power of two per head, largest |q| near 2^14), q_pe x f in bf16 (exact); fp32
+accumulation; exp2 softmax. Any topk >= 1 (the last tile of a split is masked per entry).
+"""
+from __future__ import annotations
+
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    GLUON_IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001
+    gluon = None
+    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+REC_BYTES = 656
+DC, DK = 512, 64
+HEAD_GROUP = 64
+TILE = 64
+NCH = 9
+REGS = 208          # consumers' setmaxnreg; converters get 256 - REGS (the dense build's split)
+LAST_COMPILED = None
+
+
+def smem_bytes() -> int:
+    """Q (8 fp16 + 1 bf16 slabs), the 16-bit tile (8 fp16 + 1 bf16), P, the raw stage (8 e4m3 pieces + k_pe),
+    two scale regions, tv [2, 64], xm [4, 64], 23 barriers."""
+    slab = 64 * 64 * 2
+    return 9 * slab + 9 * slab + slab + (8 * 64 * 64 + 64 * 128) + 2 * 4 * 64 * 4 + 2 * 64 * 4 + 4 * 64 * 4 + 23 * 8
+
+
+if gluon is not None:
+    TILE_C = gl.constexpr(TILE)
+    NCH = gl.constexpr(NCH)
+
+    @gluon.jit
+    def _opaque_zero(i):
+        # 0 the compiler cannot fold (keeps the MMAs' shared-memory descriptors in the loop; the dense build's trick)
+        return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $1, 0; mov.b32 $0, z; }", "=r,r", [i],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _chunk_order(c: gl.constexpr):
+        return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
+
+    @gluon.jit
+    def _idx(indices, idx_row, j, j1, rl: gl.constexpr):
+        """Entries j .. j + 63 of the index row (-1 past the split's end)."""
+        e = j + gl.arange(0, 64, layout=rl)
+        return gl.load(indices + idx_row + e, mask=e < j1, other=-1)
+
+    @gluon.jit
+    def _pow2_ceil(x):
+        # the power of two >= x > 0 (exact: exponent bits; x = 0 -> 1)
+        b = x.to(gl.int32, bitcast=True)
+        t = ((b + 0x007FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
+        return gl.where(x > 0, t, 1.0)
+
+    @gluon.jit
+    def _inv_pow2(t):
+        # 1 / t for a normal power of two t (exact)
+        return (0x7F000000 - t.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _m_eff(m, f):
+        # m + log2 F (F a power of two; F = 0: nothing valid yet, log2 taken as 0). A row that has seen nothing
+        # keeps m = -inf: its old value gives alpha = 0, and the new one is taken as 0 (no NaN from -inf - -inf)
+        fb = gl.where(f > 0, f, 1.0).to(gl.int32, bitcast=True)
+        return m + ((fb >> 23) - 127).to(gl.float32)
+
+    @gluon.jit
+    def _copy_scales(raw_s, sa_ptr, idx, num_slots, sl: gl.constexpr):
+        # the 4 group scales of each of the 64 records -> raw_s [4, 64] fp32 (4-byte copies; masked rows
+        # zero-filled; sl covers 64 rows with 128 threads, so two threads copy each value: the same bytes)
+        ok = (idx >= 0) & (idx < num_slots)
+        rec = gl.where(ok, idx, 0).to(gl.int64) * 164
+        for g in gl.static_range(4):
+            _cp_async(raw_s.index(g), sa_ptr + rec + g, mask=ok)
+
+    @gluon.jit
+    def _copy_ckv(raw_c, ckv_ptr, idx, num_slots, C: gl.constexpr, cl: gl.constexpr):
+        ok = (idx >= 0) & (idx < num_slots)
+        rec = gl.where(ok, idx, 0).to(gl.int64)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
+        _cp_async(raw_c.index(C), ckv_ptr + rec[:, None] * 656 + C * 64 + cols[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def _copy_kpe(raw_k, kpe_ptr, idx, num_slots, kl: gl.constexpr):
+        ok = (idx >= 0) & (idx < num_slots)
+        rec = gl.where(ok, idx, 0).to(gl.int64)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, kl))
+        _cp_async(raw_k, kpe_ptr + rec[:, None] * 328 + cols[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def _ratios(raw_s, G0: gl.constexpr, rl: gl.constexpr):
+        # (T_t, s_G0 / T_t, s_(G0+1) / T_t) of the 64 rows, in the row layout rl
+        s0 = raw_s.index(0).load(rl)
+        s1 = raw_s.index(1).load(rl)
+        s2 = raw_s.index(2).load(rl)
+        s3 = raw_s.index(3).load(rl)
+        t = _pow2_ceil(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)))
+        it = _inv_pow2(t)
+        if G0 == 0:
+            return t, s0 * it, s1 * it
+        else:
+            return t, s2 * it, s3 * it
+
+    @gluon.jit
+    def _conv_ckv(raw_c, k16, z, C: gl.constexpr, r16, cl: gl.constexpr, PROBE: gl.constexpr = 0):
+        # e4m3 -> fp16 (exact) x fp16(s_g / T_t) -> slab C of the 16-bit tile (PROBE 1, a timing probe with wrong
+        # results: no multiply)
+        x = raw_c.index(C).load(cl).to(gl.float16)
+        if PROBE % 2 == 1:
+            k16.index(z + C).store(x)
+        else:
+            k16.index(z + C).store(x * r16[:, None])
+
+    @gluon.jit
+    def _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r16,
+                   C: gl.constexpr, NG: gl.constexpr, cl: gl.constexpr, PROBE: gl.constexpr = 0):
+        # one c_kv round: chunks C, C + 1 (one scale group) of tile i, then tile i + 1's copies of them
+        mbarrier.wait(k16_free.index(C), (i & 1) ^ 1, pred=i > 0)
+        mbarrier.wait(k16_free.index(C + 1), (i & 1) ^ 1, pred=i > 0)
+        async_copy.wait_group(NG - 1)
+        _conv_ckv(raw_c, k16, z, C, r16, cl, PROBE)
+        _conv_ckv(raw_c, k16, z, C + 1, r16, cl, PROBE)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(k16_ready.index(C), count=1)
+        mbarrier.arrive(k16_ready.index(C + 1), count=1)
+        if PROBE < 2:   # PROBE 2 / 3 (timing probes, wrong results): no refill, the stage keeps tile 0
+            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C, cl)
+            _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, C + 1, cl)
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _converter_a(ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_s, k16, kpe16, tv, k16_ready, k16_free,
+                     idx_row, j0, j1, n, num_slots, PROBE: gl.constexpr, SIDX: gl.constexpr):
+        # chunk 8 (k_pe) and c_kv chunks 0-3; T_t for the owner
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])   # 16 e4m3 bytes a thread, 2 rows
+        kl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # 16 bf16 bytes, same rows as cl
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        rl: gl.constexpr = gl.SliceLayout(1, cl)
+        krl: gl.constexpr = gl.SliceLayout(1, kl)
+                # prologue: tile 0's copies, one group per round (8 + scales), (0, 1), (2, 3)
+        idx_c = _idx(indices, idx_row, j0, j1, rl)
+        _copy_kpe(raw_k, kpe_ptr, gl.convert_layout(idx_c, krl), num_slots, kl)
+        _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j0, j1, sl), num_slots, sl)
+        async_copy.commit_group()
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 0, cl)
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 1, cl)
+        async_copy.commit_group()
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 2, cl)
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 3, cl)
+        async_copy.commit_group()
+        idx_n = _idx(indices, idx_row, j0 + 64, j1, rl)
+        idx_sn = _idx(indices, idx_row, j0 + 64, j1, sl)
+        for i in range(n):
+            j = j0 + i * 64
+            z = _opaque_zero(i)
+            idx_nn = _idx(indices, idx_row, j + 128, j1, rl)   # two tiles ahead: its latency under this tile
+            if SIDX:   # the scale copies' indices too (run 1 loaded them where the copy is issued: exposed)
+                idx_snn = _idx(indices, idx_row, j + 128, j1, sl)
+            # -- round (8): scales -> T_t, k_pe / T_t (bf16, exact), tv for the owner --
+            mbarrier.wait(k16_free.index(8), (i & 1) ^ 1, pred=i > 0)
+            async_copy.wait_group(2)
+            _cta_barrier()   # the scale region was copied by other threads
+            t, r0, r1 = _ratios(raw_s, 0, rl)
+            ok_c = (idx_c >= 0) & (idx_c < num_slots)
+            tv.index(i % 2).store(gl.where(ok_c, t, 0.0))
+            it = gl.convert_layout(_inv_pow2(t), krl)
+            kp = raw_k.load(kl).to(gl.float32) * it[:, None]
+            kpe16.index(z).store(kp.to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()   # also: every thread has read the scale region before it is refilled
+            mbarrier.arrive(k16_ready.index(8), count=1)
+            if PROBE < 2:
+                _copy_kpe(raw_k, kpe_ptr, gl.convert_layout(idx_n, krl), num_slots, kl)
+                if SIDX:
+                    _copy_scales(raw_s, sa_ptr, idx_sn, num_slots, sl)
+                else:
+                    _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                async_copy.commit_group()
+            r0h = r0.to(gl.float16)
+            r1h = r1.to(gl.float16)
+            # -- rounds (0, 1) and (2, 3): scale groups 0 and 1 --
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r0h, 0, 3, cl, PROBE)
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r1h, 2, 3, cl, PROBE)
+            idx_c = idx_n
+            idx_n = idx_nn
+            if SIDX:
+                idx_sn = idx_snn
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _converter_b(ckv_ptr, sa_ptr, indices, raw_c, raw_s, k16, k16_ready, k16_free, idx_row, j0, j1, n,
+                     num_slots, PROBE: gl.constexpr, SIDX: gl.constexpr):
+        # c_kv chunks 4-7 (scale groups 2, 3), with its own copy of the scales
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        rl: gl.constexpr = gl.SliceLayout(1, cl)
+        idx_c = _idx(indices, idx_row, j0, j1, rl)
+        _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j0, j1, sl), num_slots, sl)
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 4, cl)
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 5, cl)
+        async_copy.commit_group()
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 6, cl)
+        _copy_ckv(raw_c, ckv_ptr, idx_c, num_slots, 7, cl)
+        async_copy.commit_group()
+        idx_n = _idx(indices, idx_row, j0 + 64, j1, rl)
+        idx_sn = _idx(indices, idx_row, j0 + 64, j1, sl)
+        for i in range(n):
+            j = j0 + i * 64
+            z = _opaque_zero(i)
+            idx_nn = _idx(indices, idx_row, j + 128, j1, rl)
+            if SIDX:
+                idx_snn = _idx(indices, idx_row, j + 128, j1, sl)
+            # -- round (4, 5) with the scales (group 2), then the next tile's scales --
+            mbarrier.wait(k16_free.index(4), (i & 1) ^ 1, pred=i > 0)
+            mbarrier.wait(k16_free.index(5), (i & 1) ^ 1, pred=i > 0)
+            async_copy.wait_group(1)
+            _cta_barrier()   # the scale region was copied by other threads
+            t, r2, r3 = _ratios(raw_s, 2, rl)
+            r2h = r2.to(gl.float16)
+            r3h = r3.to(gl.float16)
+            _conv_ckv(raw_c, k16, z, 4, r2h, cl, PROBE)
+            _conv_ckv(raw_c, k16, z, 5, r2h, cl, PROBE)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(k16_ready.index(4), count=1)
+            mbarrier.arrive(k16_ready.index(5), count=1)
+            if PROBE < 2:
+                if SIDX:
+                    _copy_scales(raw_s, sa_ptr, idx_sn, num_slots, sl)
+                else:
+                    _copy_scales(raw_s, sa_ptr, _idx(indices, idx_row, j + 64, j1, sl), num_slots, sl)
+                _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 4, cl)
+                _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 5, cl)
+                async_copy.commit_group()
+            # -- round (6, 7): group 3 --
+            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r3h, 6, 2, cl, PROBE)
+            idx_c = idx_n
+            idx_n = idx_nn
+            if SIDX:
+                idx_sn = idx_snn
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _consumer(cid: gl.constexpr, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16,
+                  p_smem, xm, tv, k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits,
+                  sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t,
+                  stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
+                  SPLIT: gl.constexpr):
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_l)
+
+        # -- Q: per-head power of two f (largest |q_nope|, |q_pe| near 2^14); q_nope x f fp16, q_pe x f bf16 --
+        hq = gl.arange(0, 64, layout=gl.SliceLayout(1, ql))
+        cq = gl.arange(0, 64, layout=gl.SliceLayout(0, ql))
+        head = h0 + hq
+        q_ok = (head < H)[:, None] & (cq >= 0)[None, :]
+        qn_row = q_nope + t64 * stride_qn_t + head.to(gl.int64) * stride_qn_h
+        qp_row = q_pe + t64 * stride_qp_t + head.to(gl.int64) * stride_qp_h
+        amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, ql))
+        for c in gl.static_range(8):
+            x = gl.load(qn_row[:, None] + c * 64 + cq[None, :], mask=q_ok, other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+        xp = gl.load(qp_row[:, None] + cq[None, :], mask=q_ok, other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(xp), axis=1))
+        f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
+        for c in gl.static_range(NCH):
+            if c % 2 == cid:
+                if c < NCH - 1:
+                    x = gl.load(qn_row[:, None] + c * 64 + cq[None, :], mask=q_ok, other=0.0)
+                    q_smem.index(c).store((x.to(gl.float32) * f[:, None]).to(gl.float16))
+                else:
+                    qpe_smem.index(0).store((xp * f[:, None]).to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(q_bar, count=1)
+        row_scale_o = gl.convert_layout(sm_scale_log2 / f, row_o)
+
+        o0 = gl.zeros([64, 64], gl.float32, o_l)
+        o1 = gl.zeros([64, 64], gl.float32, o_l)
+        o2 = gl.zeros([64, 64], gl.float32, o_l)
+        o3 = gl.zeros([64, 64], gl.float32, o_l)
+        m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([64], gl.float32, row_s)
+        big_f = gl.zeros([64], gl.float32, row_s)   # per row: the running largest T_t (0: none yet)
+        mbarrier.wait(q_bar, 0)
+        for i in range(n):
+            ph = i & 1
+            z = _opaque_zero(i)
+            if (i % 2) == cid:
+                sc = gl.zeros([64, 64], gl.float32, o_l)
+                for c in gl.static_range(NCH):
+                    cc = _chunk_order(c)
+                    mbarrier.wait(k16_ready.index(cc), ph)
+                    if c == 0:   # chunk order 8, 0, 4, ...: the first is k_pe (bf16)
+                        sc = warpgroup_mma(qpe_smem.index(z), kpe16.index(z).permute((1, 0)), sc, is_async=True)
+                    else:
+                        sc = warpgroup_mma(q_smem.index(z + cc), k16.index(z + cc).permute((1, 0)), sc,
+                                           is_async=True)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                _cta_barrier()
+                mbarrier.arrive(k16_free.index(NCH - 1), count=1)
+                # -- per-token scales: column t x T_t (0: not valid, -inf); F (per row: the running largest
+                # T_t, the same in every row) is folded into the exponent: p / F = exp2(s - (m + log2 F)), so
+                # P' = (p / F) x T_t <= 1 in fp16 and l, O are kept in units of 1 / F --
+                tq = tv.index(i % 2).load(col_o)
+                sc = gl.where((tq > 0)[None, :], sc * row_scale_o[:, None] * tq[None, :], float("-inf"))
+                _, tb = gl.broadcast(sc, tq[None, :])
+                f_new = gl.maximum(big_f, gl.convert_layout(gl.max(tb, axis=1), row_s))
+                m_new = gl.maximum(m_i, gl.convert_layout(gl.max(sc, axis=1), row_s))
+                m_e = _m_eff(gl.where(m_new == float("-inf"), 0.0, m_new), f_new)
+                p = gl.exp2(sc - gl.convert_layout(m_e, row_o)[:, None])
+                alpha = gl.exp2(_m_eff(m_i, big_f) - m_e)
+                l_i = l_i * alpha + gl.convert_layout(gl.sum(p, axis=1), row_s)
+                p_smem.index(z).store((p * tq[None, :]).to(gl.float16))
+                xm.index(0).store(m_new)
+                xm.index(1).store(f_new)
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(p_bar, count=1)
+            else:
+                mbarrier.wait(p_bar, ph)
+                for c in gl.static_range(4):
+                    mbarrier.wait(k16_ready.index(4 * cid + c), ph)
+                m_new = xm.index(0).load(row_s)
+                f_new = xm.index(1).load(row_s)
+                m_e = _m_eff(gl.where(m_new == float("-inf"), 0.0, m_new), f_new)
+                alpha = gl.exp2(_m_eff(m_i, big_f) - m_e)
+                l_i = l_i * alpha
+            m_i = m_new
+            big_f = f_new
+            a2 = gl.convert_layout(alpha, row_o)[:, None]
+            o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
+            o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
+            o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
+            o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
+            o0 = warpgroup_mma_wait(3, deps=(o0,))
+            _cta_barrier()
+            mbarrier.arrive(k16_free.index(4 * cid + 0), count=1)
+            o1 = warpgroup_mma_wait(2, deps=(o1,))
+            _cta_barrier()
+            mbarrier.arrive(k16_free.index(4 * cid + 1), count=1)
+            o2 = warpgroup_mma_wait(1, deps=(o2,))
+            _cta_barrier()
+            mbarrier.arrive(k16_free.index(4 * cid + 2), count=1)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            _cta_barrier()
+            mbarrier.arrive(k16_free.index(4 * cid + 3), count=1)
+
+        # -- end: both consumers' row sums; no valid entry: l == 0 -> out 0, lse -inf (NaN stays NaN) --
+        xm.index(2 + cid).store(l_i)
+        _cta_barrier()
+        mbarrier.arrive(x_bar, count=1)
+        mbarrier.wait(x_bar, 0)
+        l_tot = l_i + xm.index(3 - cid).load(row_s)
+        empty = l_tot == 0
+        lse = gl.where(empty, float("-inf"), _m_eff(m_i, big_f) + gl.log2(gl.where(empty, 1.0, l_tot)))
+        inv = gl.convert_layout(gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_tot)), row_o)[:, None]
+        hr = gl.arange(0, 64, layout=row_o)
+        cols = gl.arange(0, 64, layout=col_o)
+        hh = h0 + hr
+        st_ok = (hh < H)[:, None] & (cols >= 0)[None, :]
+        hl = h0 + gl.arange(0, 64, layout=row_s)
+        if SPLIT:
+            item = t64 * num_splits + sp
+            pb = part_o + item * stride_po_i + hh.to(gl.int64)[:, None] * stride_po_h + cid * 256 + cols[None, :]
+            gl.store(pb + 0, o0 * inv, mask=st_ok)
+            gl.store(pb + 64, o1 * inv, mask=st_ok)
+            gl.store(pb + 128, o2 * inv, mask=st_ok)
+            gl.store(pb + 192, o3 * inv, mask=st_ok)
+            if cid == 0:
+                gl.store(part_lse + item * stride_pl_i + hl, lse, mask=hl < H)
+        else:
+            ty: gl.constexpr = out.dtype.element_ty
+            ob = out + t64 * stride_o_t + hh.to(gl.int64)[:, None] * stride_o_h + cid * 256 + cols[None, :]
+            gl.store(ob + 0, (o0 * inv).to(ty), mask=st_ok)
+            gl.store(ob + 64, (o1 * inv).to(ty), mask=st_ok)
+            gl.store(ob + 128, (o2 * inv).to(ty), mask=st_ok)
+            gl.store(ob + 192, (o3 * inv).to(ty), mask=st_ok)
+            if cid == 0:
+                gl.store(lse_out + t64 * stride_lse_t + hl * stride_lse_h, lse * lse_scale, mask=hl < H)
+
+    @gluon.jit
+    def _consumer0(q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
+                   k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
+                   lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                   stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT: gl.constexpr):
+        _consumer(0, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
+                  k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
+                  lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                  stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT)
+
+    @gluon.jit
+    def _consumer1(q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
+                   k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
+                   lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                   stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT: gl.constexpr):
+        _consumer(1, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
+                  k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
+                  lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
+                  stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT)
+
+    @gluon.jit
+    def sparse_ws_kernel(
+        q_nope, q_pe, ckv_ptr, sa_ptr, kpe_ptr, indices, out, lse_out, part_o, part_lse,
+        sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t,
+        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
+        SPLIT: gl.constexpr, REGS: gl.constexpr, PROBE: gl.constexpr = 0, SIDX: gl.constexpr = True,
+    ):
+        t = gl.program_id(0) // num_groups
+        h0 = (gl.program_id(0) % num_groups) * 64
+        sp = gl.program_id(1)
+        t64 = t.to(gl.int64)
+        idx_row = t64 * stride_idx_t
+        j0 = sp * chunk
+        j1 = gl.minimum(j0 + chunk, topk)
+        n = gl.maximum((j1 - j0 + 63) // 64, 0)
+
+        h_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        q_smem = gl.allocate_shared_memory(gl.float16, [8, 64, 64], h_l)
+        qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], h_l)
+        k16 = gl.allocate_shared_memory(gl.float16, [8, 64, 64], h_l)
+        kpe16 = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], h_l)
+        p_smem = gl.allocate_shared_memory(gl.float16, [1, 64, 64], h_l)
+        raw_c = gl.allocate_shared_memory(gl.float8e4nv, [8, 64, 64], raw_l)
+        raw_k = gl.allocate_shared_memory(gl.bfloat16, [64, 64], raw_l)
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        raw_sa = gl.allocate_shared_memory(gl.float32, [4, 64], vec_l)
+        raw_sb = gl.allocate_shared_memory(gl.float32, [4, 64], vec_l)
+        tv = gl.allocate_shared_memory(gl.float32, [2, 64], vec_l)
+        xm = gl.allocate_shared_memory(gl.float32, [4, 64], vec_l)
+        k16_ready = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
+        k16_free = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(NCH):
+            mbarrier.init(k16_ready.index(c), count=1)
+            mbarrier.init(k16_free.index(c), count=1)
+        mbarrier.init(bars.index(0), count=2)   # x_bar: the row sums at the end
+        mbarrier.init(bars.index(1), count=1)   # p_bar: P complete (its owner)
+        mbarrier.init(bars.index(2), count=2)   # q_bar: Q complete
+        fence_async_shared()
+        gl.warp_specialize([
+            (_converter_a, (ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_sa, k16, kpe16, tv, k16_ready,
+                            k16_free, idx_row, j0, j1, n, num_slots, PROBE, SIDX)),
+            (_consumer0, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
+                          tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
+                          num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
+                          stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
+                          stride_po_h, stride_pl_i, SPLIT)),
+            (_consumer1, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
+                          tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
+                          num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
+                          stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
+                          stride_po_h, stride_pl_i, SPLIT)),
+            (_converter_b, (ckv_ptr, sa_ptr, indices, raw_c, raw_sb, k16, k16_ready, k16_free, idx_row, j0, j1, n,
+                            num_slots, PROBE, SIDX)),
+        ], [4, 4, 4], [REGS, REGS, 256 - REGS])
+
+
+def split_geometry(topk: int, num_splits: int) -> tuple[int, int]:
+    """(chunk, splits): entries per split (a multiple of 64) and the splits that are not empty."""
+    chunk = -(-topk // max(1, num_splits))
+    chunk = -(-chunk // TILE) * TILE
+    return chunk, -(-topk // chunk)
+
+
+def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, part_lse, *, sm_scale: float,
+               num_splits: int, lse_scale: float, gather: str = "ws", regs: int = REGS, probe: int = 0,
+               sidx: bool = True) -> None:
+    """The prototype with the product's ``kernels/sm90/sparse.sparse_mla`` arguments (``gather`` accepted and
+    ignored: this build has one gather). q_nope [n, H, 512] / q_pe [n, H, 64] bf16; ckv / kpe / scale_arr: the
+    e4m3 [P, page, 512], bf16 [P, page, 64] and fp32 [P, page, 4] views of one contiguous record pool; indices
+    int32 [n, topk]; out [n, H, 512] bf16, lse [n, H] fp32; part_o / part_lse fp32 [>= n * splits, H(, 512)].
+    ``probe`` (timing probes only, WRONG results): 1 no multiply in the converters, 2 no gather after the first
+    tile, 3 both. ``sidx=False``: run 1's build (the scale copies' indices loaded where the copies are issued)."""
+    from fp8mla.kernels.sparse_decode import _merge_splits_kernel
+    from fp8mla.kernels.decode import LOG2E
+    if gluon is None:
+        raise RuntimeError(f"needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
+    n, H, _ = q_nope.shape
+    P, page, _ = ckv.shape
+    topk = indices.shape[1]
+    want = (page * REC_BYTES, REC_BYTES)
+    if (page > 1 and ckv.stride(1) != want[1]) or (P > 1 and ckv.stride(0) != want[0]):
+        raise ValueError(f"kv_cache: a contiguous record pool is needed (strides {want + (1,)}), got "
+                         f"{tuple(ckv.stride())}")
+    if not 1 <= H <= 128:
+        raise ValueError(f"num_heads: 1..128, got {H}")
+    if n == 0:
+        return
+    chunk, num_splits = split_geometry(topk, num_splits)
+    split = num_splits > 1
+    po = part_o if split else out
+    pl = part_lse if split else lse
+    groups = triton.cdiv(H, HEAD_GROUP)
+    global LAST_COMPILED
+    LAST_COMPILED = sparse_ws_kernel[(n * groups, num_splits)](
+        q_nope, q_pe, ckv, scale_arr, kpe, indices, out, lse, po, pl,
+        sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits, groups,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        po.stride(0), po.stride(1), pl.stride(0),
+        SPLIT=split, REGS=regs, num_warps=4, **({"PROBE": probe} if probe else {}),
+        **({} if sidx else {"SIDX": False}),
+    )
+    if split:
+        _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(DC, 64))](
+            out, lse, part_o, part_lse, H, num_splits, lse_scale,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+            BLOCK_R=8, BLOCK_C=64, num_warps=4,
+        )
+
+
+# -- compile on the CPU (sm_90a) and report the SASS facts -----------------------------------------------------
+_PTR = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "kpe_ptr": "*bf16",
+        "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
+_DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
+          "stride_o_h", "stride_po_i", "stride_po_h"}
+
+
+def compile_report(split: bool = True, regs: int = REGS, sass_path: str | None = None, probe: int = 0,
+                   sidx: bool = True) -> dict:
+    import collections
+    import os
+    import re
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from devtools import sass as ck
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = sparse_ws_kernel
+    names = fn.arg_names
+    const = dict(SPLIT=split, REGS=regs, stride_lse_h=1, PROBE=probe, SIDX=sidx)
+    sig = {k: "constexpr" if k in const else _PTR.get(k, "fp32" if k in ("sm_scale_log2", "lse_scale") else "i32")
+           for k in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k in _DIV16}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                         attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=4))
+    r = ck.analyse(k)
+    sass = r.pop("sass")
+    if sass_path:
+        with open(sass_path, "w") as fh:
+            fh.write(sass)
+    opre = re.compile(r"^\s*(?:/\*[0-9a-f]{4,}\*/\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
+    loops = ck.loop_bodies(sass)
+    r["ops"] = dict(r["ops"])
+    r["loops"] = []
+    for body in loops:
+        ops = collections.Counter(m.group(1) for line in body if (m := opre.search(line)))
+        r["loops"].append({"n": len(body), "HGMMA": sum(v for o, v in ops.items() if o.startswith("HGMMA")),
+                           "F2FP": sum(v for o, v in ops.items() if o.startswith("F2FP")),
+                           "LDGSTS": sum(v for o, v in ops.items() if o.startswith("LDGSTS")),
+                           "HMUL2": sum(v for o, v in ops.items() if o.startswith("HMUL2")),
+                           "LDL": sum(v for o, v in ops.items() if o.startswith("LDL")),
+                           "STL": sum(v for o, v in ops.items() if o.startswith("STL")),
+                           "BAR": sum(v for o, v in ops.items() if o.startswith("BAR")),
+                           "top": ops.most_common(12)})
+    r["smem_model"] = smem_bytes()
+    r["ptxas_spill"] = None
+    return r
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    sp = (sys.argv[1] != "nosplit") if len(sys.argv) > 1 else True
+    rep = compile_report(split=sp, sass_path=sys.argv[2] if len(sys.argv) > 2 else None)
+    print(json.dumps(rep, indent=1, default=str))
