@@ -23,7 +23,7 @@ cat "$out/environment.txt"
 
 # SIGINT: pytest stops and still prints its summary (-rfEs: failures, errors, skips with their reasons)
 timeout -s INT -k 5 "$(budget 70)" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
-    tests/test_sparse_gluon.py -k sparse > "$out/tests_sparse_gluon.txt" 2>&1
+    -n 8 tests/test_sparse_gluon.py -k sparse > "$out/tests_sparse_gluon.txt" 2>&1
 echo "exit $?" >> "$out/tests_sparse_gluon.txt"
 say "gluon sparse tests done"; tail -n 12 "$out/tests_sparse_gluon.txt"
 
@@ -33,6 +33,6 @@ echo "exit $?" >> "$out/bench_sparse.txt"
 say "sparse bench done"; grep -E "fp8mla sparse|fp8mla dense|exit|Error" "$out/bench_sparse.txt" | tail -n 12
 
 timeout -s INT -k 5 "$(budget 60)" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
-    tests/test_sparse_triton.py tests/test_sparse_attention.py -k sparse > "$out/tests_sparse_other.txt" 2>&1
+    -n 8 tests/test_sparse_triton.py tests/test_sparse_attention.py -k sparse > "$out/tests_sparse_other.txt" 2>&1
 echo "exit $?" >> "$out/tests_sparse_other.txt"
 say "other sparse tests done"; tail -n 8 "$out/tests_sparse_other.txt"
