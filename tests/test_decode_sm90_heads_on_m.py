@@ -286,6 +286,46 @@ def test_host_lengths_schedule_on_the_host():
 
 
 @gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_cuda_graph_host_lengths_longest_first_capture_then_replan(H):
+    """A CUDA-graph plan with host lengths (the longest-first schedule; m_list among the staged graph arrays),
+    captured, then re-planned with other spread host lengths of the same batch size and replayed."""
+    lens1 = [100, 3000, 17, 5000, 64, 900, 2600, 1]
+    b1 = make_paged_batch(lens1, [1] * 8, H, 64, "fp8_e4m3", device=DEVICE, seed=H + 1, spare_pages=80)
+    attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, heads_on_m=True,
+                                    min_chunk=64)
+
+    def host(args):
+        return {key: (v.cpu() if key in ("qo_indptr", "kv_indptr", "kv_len_arr") else v) for key, v in args.items()}
+
+    attn.plan(**host(b1.plan_args))
+    assert _is_mh(attn)
+    t = attn._plan.impl.t
+    n = int(t["m_ptr"][8])
+    assert t["m_list"][:n].tolist() != list(range(n)), "the spread lengths did not reorder: the case tests nothing"
+    q_nope, q_pe = b1.run_args["q_nope"].clone(), b1.run_args["q_pe"].clone()
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(8, H, device=DEVICE)
+    kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
+    g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
+    assert_close(out, b1.reference()[0], 3e-3, "first replay")
+    a = host(b1.plan_args)   # same pool and pages, other (shorter) lengths: 0 to 5000 tokens
+    a["kv_len_arr"] = torch.tensor([5000, 1, 0, 64, 3000, 17, 900, 1], dtype=torch.int32).clamp(
+        max=(a["kv_indptr"][1:] - a["kv_indptr"][:-1]).clamp(min=0) * 64)
+    attn.plan(**a)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from fp8mla.reference import mla_reference
+    ref, ref_lse = mla_reference(q_nope, q_pe, kw["ckv_cache"], kw["kpe_cache"], a["qo_indptr"].to(DEVICE),
+                                 a["kv_indptr"].to(DEVICE), a["kv_indices"], a["kv_len_arr"].to(DEVICE),
+                                 sm_scale=a["sm_scale"], causal=True)
+    assert_close(out, ref, 3e-3, "replay after re-plan")
+    assert_close(lse, ref_lse, 1e-4, "lse after re-plan")
+
+
+@gpu
 def test_request_without_queries_is_refused_by_gluon_and_right_on_auto():
     b = make_paged_batch([100, 300, 65], [1, 0, 1], 64, 64, "fp8_e4m3", device=DEVICE, seed=4)
     with pytest.raises(ValueError, match="qo_len"):

@@ -53,10 +53,10 @@ def test_longest_first_is_a_reordered_real_schedule(min_tiles):
         T = sum(tiles)
         G = min(max(-(-T // min_tiles), 1), ctas)
         share = -(-T // G)
-        assert max(sizes, default=0) <= share + max(k.ALIGNED_SLACK, hs.ONE_WAVE_SLACK, share // hs.BALANCE), (lens, ctas)
+        slack = max(k.ALIGNED_SLACK, hs.ONE_WAVE_SLACK, share // hs.BALANCE)
+        assert max(sizes, default=0) <= share + slack, (lens, ctas)
         # and the same items as the unordered schedule of the same cut
         hs._LAST_ITEMS = None
-        slack = max(k.ALIGNED_SLACK, hs.ONE_WAVE_SLACK, share // hs.BALANCE)
         plain = hs.schedule_host(host, k.TILE, num_indices=T, num_ctas=ctas, min_tiles=min_tiles, slack=slack)
         assert sorted(zip(req, t0, t1)) == sorted(zip(plain["item_req"], plain["item_t0"], plain["item_t1"]))
         assert plain["m_list"] == list(range(len(plain["item_req"])))

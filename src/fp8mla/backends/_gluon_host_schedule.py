@@ -6,16 +6,6 @@ backend's own host schedule is ``triton.schedule_host``.)"""
 from __future__ import annotations
 
 
-def host_tiles(host: dict, page_size: int, num_indices: int) -> list[int]:
-    """The 64-token tiles of each request as ``schedule_host`` counts them (lengths clamped to each row's pages, 0
-    for rows without queries), from the layout's host arrays."""
-    from ..kernels.sm90 import TILE
-    fast = host.get("lists")
-    if fast is not None and fast[1][-1] <= num_indices:
-        return [(n + TILE - 1) // TILE for n in fast[2]]
-    return _clamped(host, page_size, num_indices, TILE)[3]
-
-
 # One CTA per item (``longest_first``): the request-aligned cut (one wave, whole requests unmerged) is kept where
 # its longest piece is within max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise
 # the contiguous cut, whose pieces are at most a share but which splits more requests (partials and their merge:
@@ -30,12 +20,12 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     """``sm90.schedule_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further; ``m_list``
-    the identity). The plan stages them in one host -> device copy.
+    the identity unless ``longest_first``). The plan stages them in one host -> device copy.
 
-    ``longest_first`` (a build that launches one CTA per item, heads-on-M, outside CUDA graphs): the aligned cut
-    only where it is nearly balanced (``BALANCE``, ``ONE_WAVE_SLACK``; ``slack`` is then ignored), else the
-    contiguous cut, and the items
-    reordered longest first (``_longest_first``), with ``m_list`` the merge's map to their new places."""
+    ``longest_first`` (a build that launches one CTA per item: heads-on-M, plain or into CUDA-graph buffers): the
+    aligned cut only where it is nearly balanced (``BALANCE``, ``ONE_WAVE_SLACK``; ``slack`` is then ignored), else
+    the contiguous cut, and the items reordered longest first (``_longest_first``), with ``m_list`` the merge's map
+    to their new places."""
     global _LAST_ITEMS
     from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
     slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
@@ -61,7 +51,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
     if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]
-        items = _longest_first(items) if longest_first else dict(items, m_list=list(range(len(items["item_req"]))))
+        items = _longest_first(items) if longest_first else dict(items, m_list=_identity(len(items["item_req"])))
         _LAST_ITEMS = (key, ntiles, items)
         return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
     Gm = G - 1
@@ -97,9 +87,21 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
         s = e
     ptr[G:] = [n] * (num_ctas + 1 - G)
     items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
-    items = _longest_first(items) if longest_first else dict(items, m_list=list(range(n)))
+    items = _longest_first(items) if longest_first else dict(items, m_list=_identity(n))
     _LAST_ITEMS = (key, ntiles, items)  # (one tuple: a concurrent reader sees all or none)
     return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
+
+
+def _identity(n: int) -> list[int]:
+    """``list(range(n))``, the same object while ``n`` stays (read only): a caller staging the arrays through a
+    sink (the decode runner) skips a trailing segment that is the same object as last step's."""
+    global _IDENTITY
+    if len(_IDENTITY) != n:
+        _IDENTITY = list(range(n))
+    return _IDENTITY
+
+
+_IDENTITY: list[int] = []
 
 
 def _longest_first(items: dict) -> dict:

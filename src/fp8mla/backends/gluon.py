@@ -7,9 +7,10 @@ heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per sch
 per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
 copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
 scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
-layout has host lengths and the plan uses CUDA-graph buffers (``schedule_host``, O(batch) Python, staged in one
-copy: the decode runner's path; it and the merge's block sizes live in ``_gluon_host_schedule``), else on the
-device from the layout (no host read, no sync); lengths are clamped to the pages each row lists either way.
+layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build (``schedule_host``, O(batch)
+Python, staged in one copy: the decode runner's path; it and the merge's block sizes live in
+``_gluon_host_schedule``), else on the device from the layout (no host read, no sync); lengths are clamped to the
+pages each row lists either way.
 
 ``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
@@ -122,7 +123,7 @@ def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | No
     want = options.get("heads_on_m")
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
-        if not why and (want or not (_auto_keeps_wide(spec, layout, options) if keeps_wide is None
+        if not why and (want or not (_auto_keeps_wide(spec, layout) if keeps_wide is None
                                      else keeps_wide)):
             return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
         if want:
@@ -130,14 +131,16 @@ def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | No
     return _build_for(spec, options, max_qo)
 
 
-def _auto_keeps_wide(spec, layout, options: dict) -> bool:
+def _auto_keeps_wide(spec, layout) -> bool:
     """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes: CUDA-graph plans and
     plans without host lengths. With host lengths a plain plan's heads-on-M schedule launches its items longest first
     (``schedule_host(longest_first=True)``), which the H200 A/B of 2026-12-02 (docs/benchmarks.md, "Heads-on-M at
     spread lengths") measured at 0.81-0.94x the wide build at all 18 shapes it timed at 64 and 128 heads: equal,
     uniform, log-normal and one-long-request lengths, B8 to B128, more requests than schedule slots included.
     Without host lengths the schedule is the device's request-order cut, 1.2-1.46x the wide build at spread lengths
-    of 64-128 requests (graph wrappers plan that way after their first plan, whose build they keep)."""
+    of 64-128 requests. CUDA-graph plans keep the wide build because the heads-on-M graph launch with the
+    longest-first schedule has not been timed (a graph wrapper keeps its first plan's build, so the choice holds
+    for every later plan, whatever its lengths)."""
     return spec.use_cuda_graph or layout is None or layout.host is None
 
 
@@ -352,7 +355,7 @@ def _select_cached(spec, layout, options: dict, state: dict):
     # (the lengths decide between builds only through _auto_keeps_wide, asked only where heads-on-M could take the
     # plan: the key holds the decision)
     auto = options.get("heads_on_m") is None and not heads_on_m_refusal(spec, options, max_qo)
-    keeps_wide = auto and _auto_keeps_wide(spec, layout, options)   # (O(batch): asked once per plan)
+    keeps_wide = auto and _auto_keeps_wide(spec, layout)
     key = (spec, max_qo, id(options), keeps_wide)
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
@@ -363,7 +366,8 @@ def _select_cached(spec, layout, options: dict, state: dict):
 
 
 def _stage_items(h: dict, device) -> dict:
-    """A host schedule's work-item arrays and ``m_list`` (the merge's map to the partials) as int32 device views of one buffer, each
+    """A host schedule's work-item arrays and ``m_list`` (the merge's map to the partials) as int32 device views
+    of one buffer, each
     16-byte aligned as the graph buffers' are, filled by one pinned host -> device copy (``layout.stage_ints``)."""
     from ..layout import stage_ints, to_device
     arrays = {key: h[key] for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr", "m_list")}
@@ -387,7 +391,7 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 class _GraphBuffers(GraphBuffers):
     """The gluon backend's CUDA-graph buffers (``GraphBuffers``): the work items' small arrays (each view 16-byte
-    aligned), the page ids, the merge list and the partials, sized once per wrapper."""
+    aligned, the merge list ``m_list`` among them), the page ids and the partials, sized once per wrapper."""
 
     def __init__(self, opts, n_sm, device, external: dict, rows: int):
         from ..kernels import sm90 as k

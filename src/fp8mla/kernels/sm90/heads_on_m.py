@@ -3,7 +3,8 @@ a multiple of 64): 64 heads on the MMA's M side, the FP8 tile converted ONCE per
 operand that both products read (design and measurements: lab/many_heads/design.md, "run 2", "conv2: prediction"
 and "run 3").
 
-One CTA per (work item, 64-head group), not persistent: the items are the product's schedule (``schedule``), CTA
+One CTA per (work item, 64-head group), not persistent: the items are the product's schedule (``schedule``; with
+host lengths launched longest first, ``m_list`` mapping each request's partials for the merge), CTA
 ``pid`` runs item ``pid // NHG`` for heads ``64 (pid % NHG) + [0, 64)`` (the head groups of an item adjacent in
 the grid, as the wide build's, so a tile's second read should hit L2); CTAs past the schedule's item count
 (``m_ptr[batch_size]``: CUDA graphs launch the buffers' fixed capacity) exit at once. 16 warps in four roles:

@@ -13,8 +13,9 @@ from .config import TILE
 ALIGNED_SLACK = 1
 # The heads-on-M build runs one CTA per work item (not persistent): a request-aligned cut that fits the CTAs is one
 # wave of whole pieces, while the contiguous cut's items (a range split at request boundaries) become extra CTAs,
-# each with its own Q prologue, partial and merge, and a second wave. It takes the aligned cut whenever it fits
-# (H128 B64 L8k on 66 slots: 64 whole requests of 128 tiles, against the contiguous share of 125).
+# each with its own Q prologue, partial and merge, and a second wave. Its device schedule (device-only lengths)
+# takes the aligned cut whenever it fits (H128 B64 L8k on 66 slots: 64 whole requests of 128 tiles, against the
+# contiguous share of 125); its host schedule (``schedule_host(longest_first=True)``) has its own rule.
 UNBOUNDED_SLACK = 1 << 30
 
 
