@@ -11,7 +11,7 @@ devtools/sass.py's ``analyse`` / ``instructions`` / ``tools_present``."""
 from __future__ import annotations
 
 import collections
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -24,21 +24,9 @@ if __name__ != "__main__":
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if __name__ == "__main__":   # the compile child runs this file as a script: devtools is at the repository root
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":   # the compile child runs this file as a script: devtools at the repository root, the
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]   # package in src/ (an installed fp8mla comes first otherwise)
 from devtools import sass as ck  # noqa: E402
-
-KERNEL = os.path.join(ROOT, "src", "fp8mla", "kernels", "sm90", "sparse_partitions.py")
-
-
-def _load(name, path):
-    # the partitions file imports only triton: loaded alone, so the child does not import fp8mla
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 # Argument types of a real launch: contiguous bf16 [n, H, 512] / [n, H, 64] queries, the record pool's three views,
 # int32 index rows. Ints the launcher sees divisible by 16 get that hint; the lse rows (H = 8) and partial-lse rows
@@ -71,7 +59,7 @@ def compile_case(case: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    mod = _load("_sm90_sparse_partitions", KERNEL)
+    mod = importlib.import_module("fp8mla.kernels.sm90.sparse_partitions")
     fn = mod.sparse_mla_kernel
     names = fn.arg_names
     const = dict(CASES[case], REGS=mod.REGS, stride_lse_h=1)

@@ -16,7 +16,7 @@ def load(name, path):
     spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec)
     sys.modules[name] = m; spec.loader.exec_module(m); return m
 lab = load("labk", "lab/sparse_ws/kernel.py")
-prod = load("prodk", "src/fp8mla/kernels/sm90/sparse_partitions.py")
+import fp8mla.kernels.sm90.sparse_partitions as prod  # (PYTHONPATH=$PWD/src: the package, for its relative imports)
 PTR = lab._PTR; DIV = lab._DIV16
 def comp(fn, const):
     names = fn.arg_names

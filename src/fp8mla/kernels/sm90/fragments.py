@@ -1,5 +1,6 @@
 """Operand fragments of the Hopper decode kernel: FP8 rows to fp16 (and e4m3) MMA operands in relabelled k / token
-orders, the V^T chunks of P.V, the score products of the group-scale build, the tail sanitizer (Gluon)."""
+orders, the V^T chunks of P.V, the score products of the group-scale build, the tail sanitizer, the heads-on-M
+consumers' P.V with chunk release (Gluon)."""
 from __future__ import annotations
 
 from .config import gluon
@@ -7,6 +8,44 @@ from .config import gluon
 if gluon is not None:
     from .config import (GROUPS_C, P8_SCALE_C, _NEW_REINTERPRET, _cp_async, _cta_barrier, _tma_load, async_copy,
                          fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    @gluon.jit
+    def _opaque_zero(i):
+        # 0, computed from the loop counter in a way the compiler cannot fold: it keeps the shared-memory
+        # descriptors of a heads-on-M tile's 52 MMAs inside the loop (hoisted, triton 3.6 keeps all of them live as
+        # 64-bit values and spills ~900 B)
+        return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $1, 0; mov.b32 $0, z; }", "=r,r", [i],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _chunk_order(c: gl.constexpr):
+        # the heads-on-M owner's c-th score chunk: 8, 0, 4, 1, 5, 2, 6, 3, 7 (k_pe first, converted first by
+        # converter A; then A's and B's chunks in turn, the order the two converters' rounds finish in)
+        return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
+
+    @gluon.jit
+    def _pv_halves_release(p_smem, k16, k16_free, z, cid: gl.constexpr, o0, o1, o2, o3, a2):
+        # The heads-on-M consumers' P.V (dense and sparse builds): O [64 heads, 256 dims of consumer cid] += P [64,
+        # 64 tokens] . V over its four 64-column chunks of the 16-bit tile, the accumulators rescaled by a2 first;
+        # each chunk handed back to its converter (k16_free) as its MMA completes (wait depth 3, 2, 1, 0), after a
+        # partition barrier so every warp of the warpgroup has finished reading it.
+        o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
+        o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
+        o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
+        o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
+        o0 = warpgroup_mma_wait(3, deps=(o0,))
+        _cta_barrier()
+        mbarrier.arrive(k16_free.index(4 * cid + 0), count=1)
+        o1 = warpgroup_mma_wait(2, deps=(o1,))
+        _cta_barrier()
+        mbarrier.arrive(k16_free.index(4 * cid + 1), count=1)
+        o2 = warpgroup_mma_wait(1, deps=(o2,))
+        _cta_barrier()
+        mbarrier.arrive(k16_free.index(4 * cid + 2), count=1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        _cta_barrier()
+        mbarrier.arrive(k16_free.index(4 * cid + 3), count=1)
+        return o0, o1, o2, o3
 
     @gluon.jit
     def _relabel_k(x):

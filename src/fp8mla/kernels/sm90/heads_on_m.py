@@ -39,22 +39,9 @@ NCHUNKS = 9                # 64-column chunks of a 576-wide row (8 c_kv + 1 k_pe
 
 if gluon is not None:
     from .config import _cta_barrier, _tma_load, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from .fragments import _chunk_order, _opaque_zero, _pv_halves_release
 
     TILE_C, HG, NCH = (gl.constexpr(v) for v in (TILE, HEADS_PER_CTA, NCHUNKS))
-
-    @gluon.jit
-    def _opaque_zero(i):
-        # 0, computed from the loop counter in a way the compiler cannot fold: it keeps the shared-memory
-        # descriptors of the 52 MMAs per tile inside the loop (hoisted, triton 3.6 keeps all of them live as
-        # 64-bit values and spills ~900 B)
-        return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $1, 0; mov.b32 $0, z; }", "=r,r", [i],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _chunk_order(c: gl.constexpr):
-        # the c-th chunk of a tile in the owner's score order: 8, 0, 4, 1, 5, 2, 6, 3, 7 (chunk 8 is converted first; A's
-        # 0, 1 and B's 4, 5 land at about the same time)
-        return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
 
     @gluon.jit
     def _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, CA: gl.constexpr, CB: gl.constexpr,
@@ -232,22 +219,7 @@ if gluon is not None:
             # -- O [64 heads, 256 dims of this consumer] += P [64, 64 tokens] . V [64 tokens, 256]; each chunk back
             # to its converter as its MMA completes (wait depth 3, 2, 1, 0) --
             a2 = gl.convert_layout(alpha, row_o)[:, None]
-            o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
-            o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
-            o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
-            o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
-            o0 = warpgroup_mma_wait(3, deps=(o0,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 0), count=1)
-            o1 = warpgroup_mma_wait(2, deps=(o1,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 1), count=1)
-            o2 = warpgroup_mma_wait(1, deps=(o2,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 2), count=1)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 3), count=1)
+            o0, o1, o2, o3 = _pv_halves_release(p_smem, k16, k16_free, z, cid, o0, o1, o2, o3, a2)
 
         # -- end: the row sums of both consumers (x_bar's first phase: no row-max exchange in the loop), then this
         # consumer's 256 columns: the final out/lse when the item is the whole request, else its fp32 partial. An

@@ -38,26 +38,11 @@ the last tile of a split is masked per entry.
 """
 from __future__ import annotations
 
-try:  # Gluon ships inside triton >= 3.4; written against triton 3.6's API (3.9's names where they differ)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    # triton 3.6 names cp.async async_copy_global_to_shared; later versions async_load (same arguments; there the
-    # old name still exists but raises)
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    GLUON_IMPORT_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon here"
-    gluon = None
-    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+from .config import GLUON_IMPORT_ERROR, SMEM_LIMIT, TILE, gluon  # noqa: F401 - (re-exported for sparse.py)
 
-TILE = 64           # index entries per tile
 NCH = 9             # chunks of a tile: 8 c_kv (fp16) + k_pe (bf16)
 REGS = 208          # consumers' setmaxnreg; the converters get 256 - REGS
 NUM_WARPS = 4       # the default partition (converter A); the three others add 4 warps each: 16 in all
-SMEM_LIMIT = 232448  # sm_90: 227 KB of shared memory per block
 
 
 def smem_bytes() -> int:
@@ -68,19 +53,10 @@ def smem_bytes() -> int:
 
 
 if gluon is not None:
+    from .config import (_cp_async, _cta_barrier, async_copy, fence_async_shared, gl, mbarrier, warpgroup_mma,
+                         warpgroup_mma_wait)
+    from .fragments import _chunk_order, _opaque_zero, _pv_halves_release
     NCH = gl.constexpr(NCH)   # a global read inside a jit function must be a constexpr
-
-    @gluon.jit
-    def _opaque_zero(i):
-        # 0 the compiler cannot fold (keeps the MMAs' shared-memory descriptors in the loop; the dense build's trick)
-        return gl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $1, 0; mov.b32 $0, z; }", "=r,r", [i],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _chunk_order(c: gl.constexpr):
-        # the owner's c-th score chunk: 8, 0, 4, 1, 5, 2, 6, 3, 7 (k_pe first, converted first by A; then A's and
-        # B's chunks in turn, the order the two converters' rounds finish in)
-        return ((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4
 
     @gluon.jit
     def _idx(indices, idx_row, j, j1, rl: gl.constexpr):
@@ -361,22 +337,7 @@ if gluon is not None:
             m_i = m_new
             big_f = f_new
             a2 = gl.convert_layout(alpha, row_o)[:, None]
-            o0 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 0), o0 * a2, is_async=True)
-            o1 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 1), o1 * a2, is_async=True)
-            o2 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 2), o2 * a2, is_async=True)
-            o3 = warpgroup_mma(p_smem.index(z), k16.index(z + 4 * cid + 3), o3 * a2, is_async=True)
-            o0 = warpgroup_mma_wait(3, deps=(o0,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 0), count=1)
-            o1 = warpgroup_mma_wait(2, deps=(o1,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 1), count=1)
-            o2 = warpgroup_mma_wait(1, deps=(o2,))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 2), count=1)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-            _cta_barrier()
-            mbarrier.arrive(k16_free.index(4 * cid + 3), count=1)
+            o0, o1, o2, o3 = _pv_halves_release(p_smem, k16, k16_free, z, cid, o0, o1, o2, o3, a2)
 
         # -- end: both consumers' row sums; no valid entry: l == 0 -> out 0, lse -inf (NaN stays NaN) --
         xm.index(2 + cid).store(l_i)
