@@ -367,8 +367,8 @@ def _select_cached(spec, layout, options: dict, state: dict):
 
 def _stage_items(h: dict, device) -> dict:
     """A host schedule's work-item arrays and ``m_list`` (the merge's map to the partials) as int32 device views
-    of one buffer, each
-    16-byte aligned as the graph buffers' are, filled by one pinned host -> device copy (``layout.stage_ints``)."""
+    of one buffer, each 16-byte aligned as the graph buffers' are, filled by one pinned host -> device copy
+    (``layout.stage_ints``)."""
     from ..layout import stage_ints, to_device
     arrays = {key: h[key] for key in ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr", "m_list")}
     arrays["m_list"] = arrays["m_list"] or [0]
