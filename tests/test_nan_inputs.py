@@ -52,3 +52,32 @@ def test_nan_in_a_seen_token_gives_nan(backend, case_seed):
     for o, s, what in ((out, lse, backend), (ref_out, ref_lse, "reference")):
         assert torch.isnan(o[2]).all() and torch.isnan(s[2]).all(), f"{what}: NaN token did not give NaN"
     # (queries 0 and 1 do not see position 39, but its value row meets them as 0 x NaN in P.V: not asserted)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_nan_in_a_seen_token_gives_nan_on_decode_rows(backend, case_seed):
+    """Decode rows of mixed lengths in one length bucket (the torch backend pads the shorter rows, whose padding
+    points into request 0's first page and its NaN slots 9..15, and skips its scan for non-finite masked values
+    on decode rows): NaN in a token request 0 sees gives NaN for request 0 only."""
+    pb = make_paged_batch([9, 15, 12], [1, 1, 1], 16, 16, "bf16", device=DEVICE, seed=case_seed)
+    page = int(pb.plan_args["kv_indices"][0])           # request 0's only page: tokens 0..8, NaN after
+    pb.run_args["ckv_cache"][page, 5, 300] = math.nan
+    out, lse = _run(backend, pb)
+    ref_out, _ = _ref(pb)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all(), f"{backend}: the NaN token did not give NaN"
+    assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all(), f"{backend}: NaN leaked"
+    assert (out[1:].float() - ref_out[1:].float()).abs().max() < 0.02
+
+
+def test_nan_in_a_token_an_earlier_query_does_not_see_stays_out_of_it(case_seed):
+    """Causal rows see masked keys: the torch backend keeps its guard there, so a NaN in the last token reaches
+    only the last query, not the earlier ones through 0 x NaN (as in the float64 reference)."""
+    pb = make_paged_batch([40, 21], [3, 1], 16, 16, "bf16", device=DEVICE, seed=case_seed, causal=True)
+    page = int(pb.plan_args["kv_indices"][2])           # tokens 32..39 of request 0
+    pb.run_args["ckv_cache"][page, 39 - 32, 100] = math.nan
+    out, lse = _run("torch", pb)
+    ref_out, ref_lse = _ref(pb)
+    for o, s, what in ((out, lse, "torch"), (ref_out, ref_lse, "reference")):
+        assert torch.isnan(o[2]).all() and torch.isnan(s[2]).all(), f"{what}: the NaN token did not give NaN"
+        assert torch.isfinite(o[[0, 1, 3]]).all() and torch.isfinite(s[[0, 1, 3]]).all(), f"{what}: NaN leaked"
+    assert (out[[0, 1, 3]].float() - ref_out[[0, 1, 3]].float()).abs().max() < 0.02

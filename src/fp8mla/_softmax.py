@@ -16,9 +16,16 @@ import torch
 __all__ = ["softmax_rows"]
 
 
-def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None):
+def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None, *,
+                 masked_values_finite: bool = False):
     """Softmax over the last dim of scores ``s [..., L]`` (fp32/64), times ``v [..., L, D]``, with rows that see
     no key giving 0 and lse ``-inf`` (natural log). NaN in a visible score propagates to out and lse.
+
+    ``masked_values_finite=True`` is the caller's promise that every key some row does not see holds finite
+    values in ``v`` (for example: each row sees all the real keys, and padding keys were zeroed). Then no
+    0 x NaN can reach a row through a masked key, and the scan of ``v`` for non-finite values (a full pass over
+    the values and most of this function's time on a CPU) is skipped. Non-finite values of keys a row sees reach
+    its output as plain arithmetic carries them (weight x NaN is NaN, even at weight 0).
 
     Returns ``(o [..., D], lse [...])``.
     """
@@ -30,8 +37,8 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None 
     m0 = torch.where(seen, m, torch.zeros_like(m))
     p = torch.exp(s - m0)
     denom = p.sum(dim=-1, keepdim=True)
-    bad_v = ~torch.isfinite(v)
-    if bool(bad_v.any()):
+    bad_v = None if masked_values_finite else ~torch.isfinite(v)
+    if bad_v is not None and bool(bad_v.any()):
         # A key a row does not see has weight 0, but 0 x NaN = NaN: zero non-finite values for the product and
         # mark NaN the rows that give such a value a weight > 0.
         hit = torch.matmul((p > 0).to(v.dtype), bad_v.to(v.dtype)) > 0

@@ -45,6 +45,11 @@ class _Bucket:
         if causal:
             last = lens[:, None] - qlens[:, None] + qpos[None, :]                     # last visible position
             visible = visible & (pos[None, None, :] <= last[:, :, None])
+        # Padding (positions past a request's kv_len) is zeroed after the gather; where every real query row sees
+        # every real key of its request (decode rows, non-causal rows), the padding is then the only masked key
+        # and holds zeros, so softmax_rows' scan for non-finite masked values can be skipped.
+        self.padded = not bool(kv_valid.all())
+        self.sees_all = bool((visible == kv_valid[:, None, :])[q_valid].all())
         self.index, self.offset = index.to(device), (pos % layout.page_size).to(device)
         self.kv_valid, self.q_valid = kv_valid.to(device), q_valid.to(device)
         self.qidx = torch.where(q_valid, q0[:, None] + qpos[None, :], 0).to(device)
@@ -100,19 +105,24 @@ class TorchPlan:
             valid = bk.kv_valid.reshape(-1, 1)
             # Gather first, convert second: only these tokens are converted, never the pool.
             ckv = ckv_flat.index_select(0, slots).float()
-            kpe = kpe_flat.index_select(0, slots).float() * kpe_s
+            kpe = kpe_flat.index_select(0, slots).float()
+            # Per-tensor scales go on the (small) queries and output rather than on every gathered value.
+            out_scale = None
             if sa_flat is not None:
                 ckv = ckv * expand_group_scales(sa_flat.index_select(0, slots).float(), ckv.shape[-1])
+                qn_scale = self.spec.sm_scale
             else:
-                ckv = ckv * ckv_s
-            # Padding slots may point at pages full of NaN: zero them so 0-weight x NaN cannot leak.
-            ckv = torch.where(valid, ckv, 0.0).view(R, L, -1)
-            kpe = torch.where(valid, kpe, 0.0).view(R, L, -1)
-            qn = q_nope[bk.qidx].float()                                     # [R, Q, H, Dc]
-            qp = q_pe[bk.qidx].float()
-            s = (torch.einsum("bqhd,bld->bqhl", qn, ckv) + torch.einsum("bqhd,bld->bqhl", qp, kpe)) \
-                * self.spec.sm_scale
-            o, ls = softmax_rows(s, ckv[:, None], bk.visible[:, :, None, :])
+                qn_scale, out_scale = ckv_s * self.spec.sm_scale, ckv_s
+            if bk.padded:  # padding slots may point at pages full of NaN: zero them so 0-weight x NaN cannot leak
+                ckv.masked_fill_(~valid, 0.0)
+                kpe.masked_fill_(~valid, 0.0)
+            ckv, kpe = ckv.view(R, L, -1), kpe.view(R, L, -1)
+            qn = q_nope[bk.qidx].float() * qn_scale                          # [R, Q, H, Dc]
+            qp = q_pe[bk.qidx].float() * (kpe_s * self.spec.sm_scale)
+            s = torch.einsum("bqhd,bld->bqhl", qn, ckv) + torch.einsum("bqhd,bld->bqhl", qp, kpe)
+            o, ls = softmax_rows(s, ckv[:, None], bk.visible[:, :, None, :], masked_values_finite=bk.sees_all)
+            if out_scale is not None:
+                o = o * out_scale
             rows = bk.qidx[bk.q_valid]
             out[rows] = o[bk.q_valid].to(out.dtype)
             lse[rows] = ls[bk.q_valid] if base_e else ls[bk.q_valid] * LOG2E
