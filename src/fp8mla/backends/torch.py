@@ -45,11 +45,12 @@ class _Bucket:
         if causal:
             last = lens[:, None] - qlens[:, None] + qpos[None, :]                     # last visible position
             visible = visible & (pos[None, None, :] <= last[:, :, None])
-        # Padding (positions past a request's kv_len) is zeroed after the gather; where every real query row sees
-        # every real key of its request (decode rows, non-causal rows), the padding is then the only masked key
-        # and holds zeros, so softmax_rows' scan for non-finite masked values can be skipped.
-        self.padded = not bool(kv_valid.all())
-        self.sees_all = bool((visible == kv_valid[:, None, :])[q_valid].all())
+        # Padding (positions past a request's kv_len) is zeroed after the gather. Where every query row sees every
+        # real key of its request (decode rows: one query each, causal or not; non-causal rows), the padding is
+        # then the only masked key and holds zeros, so softmax_rows' scan for non-finite masked values is skipped.
+        # A causal row of several queries keeps the scan: its earlier queries do not see its later keys.
+        self.padded = min(kv_lens[b] for b in reqs) < L
+        self.sees_all = not causal or Q == 1
         self.index, self.offset = index.to(device), (pos % layout.page_size).to(device)
         self.kv_valid, self.q_valid = kv_valid.to(device), q_valid.to(device)
         self.qidx = torch.where(q_valid, q0[:, None] + qpos[None, :], 0).to(device)
