@@ -68,7 +68,10 @@ REQUESTS_PER_CLIENT = 6   # per round
 ROUNDS = 2                # measured rounds after the warm-up round: the CI run sends 3 x 48 requests
 DEADLINE_S = 150          # a client stops starting requests after this (the CI run ends well before)
 ABORT_AFTER_S = 0.5
-RSS_BAND_MB = 150       # resident memory of the server's processes: at most this above its value after warm-up
+# Resident memory of the server's processes over the CI run's measured rounds: at most this above its value after
+# the warm-up round. vLLM's worker grows by some 40 MB a round at first, with the stock CPU_MLA backend as with
+# FP8MLA, then levels off (docs/engines.md); 2 rounds measured +81 to +98 MB.
+RSS_BAND_MB = 200
 KINDS = ["complete"] * 4 + ["stream"] * 2 + ["disconnect", "abort", "too_long", "chat"]
 GREEDY = [(tiny_deepseek.words([3 + (7 * i + 13 * j) % 500 for j in range(n)]), m)
           for i, (n, m) in enumerate(((3, 10), (20, 8), (57, 12), (90, 6)))]
@@ -264,12 +267,12 @@ def report(r) -> str:
             f"preemptions {r['preemptions']:.0f}; running/waiting/KV usage after {r['idle_after']} "
             f"(idle {r['idle_usage']}); server RSS after the warm-up round {rss[0]:.0f} MB, then min "
             f"{min(rss):.0f}, max {max(rss):.0f}, end {rss[-1]:.0f} MB over {len(rss)} samples (band: max - "
-            f"after warm-up {max(rss) - rss[0]:+.0f} MB, limit {RSS_BAND_MB}); at the end of each round "
+            f"after warm-up {max(rss) - rss[0]:+.0f} MB); at the end of each round "
             f"{', '.join(f'{x:.0f}' for x in r['round_rss'])} MB; by process, after warm-up -> end: "
             + ", ".join(f"{k} {r['by_process'][0][k]:.0f} -> {v:.0f}" for k, v in sorted(r["by_process"][1].items())))
 
 
-def check(server, r):
+def check(server, r, rss_band_mb=RSS_BAND_MB):
     assert not r["failures"], "unexpected failures:\n" + "\n".join(r["failures"])
     assert server.healthy(), "the server is not healthy after the load"
     bad = [ln for ln in server.text().splitlines() if " ERROR " in ln or "Traceback" in ln]
@@ -279,7 +282,7 @@ def check(server, r):
         assert r["outcomes"][kind] > 0, f"no {kind!r} request ran: {r['outcomes']}"
     assert r["idle_after"] == (0, 0, r["idle_usage"]) and r["idle_usage"] == 0, \
         f"running, waiting, KV-cache usage after the load: {r['idle_after']} (idle usage {r['idle_usage']})"
-    assert max(r["rss"]) - r["rss"][0] <= RSS_BAND_MB, f"server RSS left its band: {r['rss']}"
+    assert max(r["rss"]) - r["rss"][0] <= rss_band_mb, f"server RSS left its band of {rss_band_mb} MB: {r['rss']}"
     assert r["after"] == r["before"], "the greedy set gave other tokens after the load"
 
 
@@ -294,7 +297,7 @@ def test_fp8_server_under_load_disconnects_aborts_and_preemption(checkpoint, tmp
         server.wait_healthy(START_TIMEOUT_S)
         r = soak(server)
         with capsys.disabled():  # the figures show in CI's log, pass or fail
-            print(f"\n[soak] healthy after {server.healthy_after:.0f} s; {report(r)}")
+            print(f"\n[soak] healthy after {server.healthy_after:.0f} s; {report(r)}; RSS band {RSS_BAND_MB} MB")
         check(server, r)
     finally:
         server.stop()
@@ -308,6 +311,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=1500)
     ap.add_argument("--attention-backend", default="FP8MLA", help="CPU_MLA with --kv-cache-dtype auto: vLLM's own")
     ap.add_argument("--kv-cache-dtype", default="fp8")
+    ap.add_argument("--rss-band-mb", type=float, default=400)
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
@@ -318,8 +322,8 @@ def main():
             print(f"healthy after {server.healthy_after:.0f} s", flush=True)
             r = soak(server, a.rounds, a.requests_per_client, a.deadline, a.clients)
             print(report(r), flush=True)
-            check(server, r)
-            print("soak: all checks passed")
+            check(server, r, a.rss_band_mb)
+            print(f"soak: all checks passed (RSS band {a.rss_band_mb:.0f} MB)")
         finally:
             server.stop()
 
