@@ -70,7 +70,7 @@ DEADLINE_S = 150          # a client stops starting requests after this (the CI 
 ABORT_AFTER_S = 0.5
 # Resident memory of the server's processes over the CI run's measured rounds: at most this above its value after
 # the warm-up round. vLLM's worker grows by some 40 MB a round at first, with the stock CPU_MLA backend as with
-# FP8MLA, then levels off (docs/engines.md); 2 rounds measured +81 to +98 MB.
+# FP8MLA, then levels off (docs/engines.md); 2 rounds measured +69 to +98 MB.
 RSS_BAND_MB = 200
 KINDS = ["complete"] * 4 + ["stream"] * 2 + ["disconnect", "abort", "too_long", "chat"]
 GREEDY = [(tiny_deepseek.words([3 + (7 * i + 13 * j) % 500 for j in range(n)]), m)
