@@ -57,6 +57,20 @@ class _Bucket:
         self.visible = visible.to(device)
 
 
+def _joint_rows(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[pages * page, Dc + Dk]`` over both caches when they are two views of one pool in which each token's kpe
+    directly follows its ckv (vLLM's and SGLang's latent cache ``[..., :Dc]`` / ``[..., Dc:]``), else None. One
+    gather, one conversion and one score product then serve both parts."""
+    c, k = ckv_cache, kpe_cache
+    if (c.dtype != k.dtype or c.device != k.device or c.shape[:2] != k.shape[:2] or c.stride() != k.stride()
+            or c.stride(-1) != 1 or c.stride(0) != c.shape[1] * c.stride(1)
+            or c.stride(1) < c.shape[-1] + k.shape[-1]
+            or c.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or k.data_ptr() != c.data_ptr() + c.shape[-1] * c.element_size()):
+        return None
+    return c.as_strided((c.shape[0] * c.shape[1], c.shape[-1] + k.shape[-1]), (c.stride(1), 1))
+
+
 class TorchPlan:
     def __init__(self, layout, spec):
         self.spec = spec
@@ -100,27 +114,41 @@ class TorchPlan:
         sa_flat = None if ckv_scale_arr is None else ckv_scale_arr.flatten(0, 1)
         ckv_s, kpe_s = scales.to(device=out.device, dtype=torch.float32).unbind(0)
         pages = self.layout.kv_indices.long()
+        Dc = ckv_cache.shape[-1]
+        joint = _joint_rows(ckv_cache, kpe_cache) if sa_flat is None else None
         for bk in self.buckets:
             R, L = bk.kv_valid.shape
             slots = (pages[bk.index] * page_size + bk.offset).reshape(-1)
             valid = bk.kv_valid.reshape(-1, 1)
-            # Gather first, convert second: only these tokens are converted, never the pool.
-            ckv = ckv_flat.index_select(0, slots).float()
-            kpe = kpe_flat.index_select(0, slots).float()
             # Per-tensor scales go on the (small) queries and output rather than on every gathered value.
             out_scale = None
             if sa_flat is not None:
-                ckv = ckv * expand_group_scales(sa_flat.index_select(0, slots).float(), ckv.shape[-1])
                 qn_scale = self.spec.sm_scale
             else:
                 qn_scale, out_scale = ckv_s * self.spec.sm_scale, ckv_s
-            if bk.padded:  # padding slots may point at pages full of NaN: zero them so 0-weight x NaN cannot leak
-                ckv.masked_fill_(~valid, 0.0)
-                kpe.masked_fill_(~valid, 0.0)
-            ckv, kpe = ckv.view(R, L, -1), kpe.view(R, L, -1)
             qn = q_nope[bk.qidx].float() * qn_scale                          # [R, Q, H, Dc]
             qp = q_pe[bk.qidx].float() * (kpe_s * self.spec.sm_scale)
-            s = torch.einsum("bqhd,bld->bqhl", qn, ckv) + torch.einsum("bqhd,bld->bqhl", qp, kpe)
+            Q, H = qn.shape[1:3]
+            # Gather first, convert second: only these tokens are converted, never the pool.
+            if joint is not None:  # both parts in one gather and one score product
+                kv = joint.index_select(0, slots).float()
+                if bk.padded:  # padding slots may point at pages full of NaN: zero them (no 0-weight x NaN)
+                    kv.masked_fill_(~valid, 0.0)
+                kv = kv.view(R, L, -1)
+                ckv = kv[..., :Dc]
+                s = torch.matmul(torch.cat([qn, qp], dim=-1).view(R, Q * H, -1), kv.transpose(1, 2))
+            else:
+                ckv = ckv_flat.index_select(0, slots).float()
+                kpe = kpe_flat.index_select(0, slots).float()
+                if sa_flat is not None:
+                    ckv = ckv * expand_group_scales(sa_flat.index_select(0, slots).float(), ckv.shape[-1])
+                if bk.padded:
+                    ckv.masked_fill_(~valid, 0.0)
+                    kpe.masked_fill_(~valid, 0.0)
+                ckv, kpe = ckv.view(R, L, -1), kpe.view(R, L, -1)
+                s = (torch.matmul(qn.view(R, Q * H, -1), ckv.transpose(1, 2))
+                     + torch.matmul(qp.view(R, Q * H, -1), kpe.transpose(1, 2)))
+            s = s.view(R, Q, H, L)
             o, ls = softmax_rows(s, ckv[:, None], bk.visible[:, :, None, :], masked_values_finite=bk.sees_all)
             if out_scale is not None:
                 o = o * out_scale
