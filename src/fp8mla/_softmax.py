@@ -46,6 +46,8 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None 
         o = torch.where(hit, torch.full_like(o, math.nan), o)
     else:
         o = torch.matmul(p, v)
+    if bool(seen.all()):  # every row sees a key and no row max is NaN: the edge cases below change nothing
+        return o / denom, (m + torch.log(denom)).squeeze(-1)
     o = o / torch.where(seen, denom, torch.ones_like(denom))
     o = torch.where(seen | nan, o, torch.zeros_like(o))
     lse = torch.where(seen | nan, m0 + torch.log(denom), torch.full_like(m, -math.inf)).squeeze(-1)

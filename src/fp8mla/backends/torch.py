@@ -149,7 +149,9 @@ class TorchPlan:
                 s = (torch.matmul(qn.view(R, Q * H, -1), ckv.transpose(1, 2))
                      + torch.matmul(qp.view(R, Q * H, -1), kpe.transpose(1, 2)))
             s = s.view(R, Q, H, L)
-            o, ls = softmax_rows(s, ckv[:, None], bk.visible[:, :, None, :], masked_values_finite=bk.sees_all)
+            # every key visible to every row (decode rows of one length): no mask to apply
+            visible = None if bk.sees_all and not bk.padded else bk.visible[:, :, None, :]
+            o, ls = softmax_rows(s, ckv[:, None], visible, masked_values_finite=bk.sees_all)
             if out_scale is not None:
                 o = o * out_scale
             rows = bk.qidx[bk.q_valid]
