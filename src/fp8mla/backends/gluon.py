@@ -279,7 +279,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
             t = _stage_items(h, device)
             n_items = len(h["item_req"])
         else:
-            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack)
+            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
             n_items = slots + B
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
@@ -288,7 +288,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
                          n_items if mh else 0)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
     # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
     # max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
