@@ -140,6 +140,9 @@ class MLASparseAttention:
         unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
+        for k in ("block_h", "block_n", "num_warps", "num_stages"):  # plain ints for the kernel's constexprs
+            if kernel_options.get(k) is not None:
+                kernel_options[k] = check_positive_int(k, kernel_options[k])
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
