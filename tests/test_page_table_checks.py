@@ -141,3 +141,13 @@ def test_block_table_padding_is_not_bounded():
     bt[0, 1] = -2
     with pytest.raises(ValueError, match=r"block_table: request 0 references page -2"):
         PagedLayout.from_block_table(bt, torch.tensor([17, 40]), 16)
+
+
+def test_bench_plan_runs_on_the_cpu(capsys):
+    from fp8mla.cli import main as cli
+    assert cli(["bench", "plan", "--points", "3x40", "--page-size", "1", "16", "--backends", "torch",
+                "--reps", "2"]) == 0
+    rows = [r.split() for r in capsys.readouterr().out.splitlines() if r.startswith("torch ")]
+    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [(t, p, "3", "40") for t in ("csr", "padded")
+                                                       for p in ("1", "16")]
+    assert all(float(r[-1]) > 0 for r in rows)

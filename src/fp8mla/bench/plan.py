@@ -9,6 +9,7 @@ triton backend is timed when ``TRITON_INTERPRET=1`` is set (its plan is the same
 """
 from __future__ import annotations
 
+import os
 import subprocess
 
 import torch
@@ -47,9 +48,10 @@ def plan_args(B: int, L: int, page: int, table: str, seed: int = 0) -> dict:
 
 
 def _commit() -> str:
+    """The commit of the checkout this package is imported from (n/a outside a git checkout)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "n/a"
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "n/a"
     except Exception:  # noqa: BLE001 - not a checkout: the record says so
         return "n/a"
 
