@@ -1,6 +1,6 @@
-"""``fp8mla doctor TRACE`` (a file, a pipe, or ``-`` for standard input): GPU time by kernel and by CPU op, dtype casts, and KV-pool casts that repeat once
-per layer, with the cost per step and the fix. Exit status: 0 nothing flagged, 1 pool-sized casts flagged,
-2 the trace could not be read."""
+"""``fp8mla doctor TRACE`` (a file, a pipe, or ``-`` for standard input): GPU time by kernel and by CPU op, dtype
+casts, and KV-pool casts that repeat once per layer, with the cost per step and the fix. Exit status: 0 nothing
+flagged, 1 pool-sized casts flagged, 2 the trace could not be read."""
 from __future__ import annotations
 
 import json
