@@ -21,9 +21,9 @@ elif [ "$1" = tests ]; then
     tests/test_flashinfer_contract.py tests/test_sm90_merge_grid.py tests/test_bench_flashmla.py \
     > $OUT/tests.txt 2>&1; echo "tests exit $?"; grep -E "passed|failed|FAILED|Error" $OUT/tests.txt | tail -15
 else
-  timeout ${DENSE_S:-300} python -m fp8mla bench decode --heads 64 128 --shapes 1x32768 8x8192 64x8192 128x2048 \
+  timeout ${DENSE_S:-300} python -m fp8mla bench decode --heads 64 128 --shapes ${DENSE_SHAPES:-1x32768 8x8192 64x8192 128x2048} \
     --pages 64 --kv fp8_e4m3 --compare flashmla graph --out $OUT/dense > $OUT/dense.txt 2>&1; echo "dense exit $?"
-  timeout ${SPARSE_S:-200} python -m fp8mla bench decode --sparse --heads 16 128 --shapes 1x8192 8x8192 64x8192 \
+  timeout ${SPARSE_S:-200} python -m fp8mla bench decode --sparse --heads ${SPARSE_HEADS:-16 128} --shapes ${SPARSE_SHAPES:-1x8192 8x8192 64x8192} \
     --pages 64 --compare flashmla --out $OUT/sparse > $OUT/sparse.txt 2>&1; echo "sparse exit $?"
   grep -E " ms |skipped|failed|not taken|ceil" $OUT/dense.txt $OUT/sparse.txt | head -90
 fi
