@@ -217,3 +217,21 @@ def test_a_getattr_conversion_in_a_directory_is_parsed(tmp_path):
     (tmp_path / "backend.py").write_text("def f(q, kv_cache):\n    return getattr(kv_cache, 'float')()\n")
     r = audit_run([tmp_path])
     assert [(f.line, f.rule) for f in r.findings] == [(2, "KV001")] and r.not_parsed == 0
+
+
+@pytest.mark.parametrize("setup, alias, flagged", [
+    ("BF16 = torch.bfloat16\n", "BF16", True),
+    ("", "self.act", True),
+    ("FP8 = torch.float8_e4m3fn\n", "FP8", False),
+    ("", "self.kv", False),
+])
+def test_both_rules_read_a_dtype_alias_alike(setup, alias, flagged):
+    """The same alias is a compute dtype (or the KV dtype) to the cast rule and to the plan rule."""
+    src = ("import torch\nfrom flashinfer import BatchMLAPagedAttentionWrapper\n" + setup +
+           "class Impl:\n    def __init__(self, runner, ws):\n        self.act = runner.dtype\n"
+           "        self.kv = runner.kv_cache_dtype\n        self.w = BatchMLAPagedAttentionWrapper(ws)\n"
+           "    def plan(self, qo, kv, idx, lens):\n"
+           f"        self.w.plan(qo, kv, idx, lens, 16, 512, 64, 1, False, 0.1, {alias}, {alias})\n"
+           f"    def forward(self, q, kv_cache):\n        return kv_cache.to({alias})\n")
+    got = sorted(f.rule for f in audit_source(src))
+    assert got == (["KV001", "KV002"] if flagged else [])
