@@ -198,6 +198,14 @@ def test_a_finding_in_a_helper_names_the_calls_that_reach_it():
     assert audit_source(deeper) == []
 
 
+def test_a_helper_is_judged_at_each_call():
+    """A helper called first with the KV dtype (right) and then with the query's (the bug)."""
+    src = ("def _cast(t, dtype):\n    return t.to(dtype)\n\n" + _FWD +
+           "        a = _cast(kv_cache, self.kv_cache_dtype)\n        return a, _cast(kv_cache, q.dtype)\n")
+    (f,) = audit_source(src)
+    assert f.line == 2 and "passed in by `_cast(kv_cache, q.dtype)` (line 7)" in f.message
+
+
 @pytest.mark.parametrize("kw, n", [
     ("kw = dict(q_data_type=model_config.dtype, kv_data_type=model_config.dtype)\n", 1),
     ("kw = {'q_data_type': model_config.dtype, 'kv_data_type': model_config.dtype}\n", 1),

@@ -282,7 +282,7 @@ class _PoolCasts:
             args = bind_arguments(target, bound, call)
             pools = {p: self.pool(a, env) for p, a in args.items()}
             inner = {p: s for p, s in pools.items() if s}
-            key = (id(target), tuple(sorted(inner.items())))
+            key = (id(target), id(call))  # each call once: another call may pass another dtype
             if not inner or key in self.followed:
                 continue
             self.followed.add(key)
