@@ -35,7 +35,8 @@ PLANTED = {
     "slice": _m("        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)\n"
                 "        return k_buffer[:, :, :512].float()  # expect: KV001\n"),
     "layer_index": _m("        kv = self.kv_buffer[layer.layer_id]\n        return kv.half()  # expect: KV001\n"),
-    "unbind": _m("        k_cache, v_cache = kv_cache.unbind(0)\n        return k_cache.to(q.dtype)  # expect: KV001\n"),
+    "unbind": _m("        k_cache, v_cache = kv_cache.unbind(0)\n"
+                 "        return k_cache.to(q.dtype)  # expect: KV001\n"),
     "kv_tuple": _m("        k, v = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)\n"
                    "        return v.to(q.dtype)  # expect: KV001\n"),
     "loop": _m("        for kv in kv_caches:\n            kv.float()  # expect: KV001\n"),
@@ -93,6 +94,7 @@ PLANTED = {
                       "        return q @ self._upcast(k_buffer).T\n"),
     "helper_lambda": _m("        up = lambda t: t.to(torch.float32)  # expect: KV001\n"
                         "        return up(kv_cache)\n"),
+    "helper_map": _m("        return list(map(lambda kv: kv.to(q.dtype), kv_caches))  # expect: KV001\n"),
     # -- comprehensions over a list of pools -----------------------------------------------------------------
     "comprehension": _m("        return [kv.to(q.dtype) for kv in kv_caches]  # expect: KV001\n"),
     "comprehension_enumerate": _m("        return {i: c.half() for i, c in enumerate(kv_caches)}  # expect: KV001\n"),
@@ -129,12 +131,15 @@ CLEAN = {
     # helpers that gather first, move the device, or are never given the pool
     "helper_gathers": ("def _rows(t, idx, dtype):\n    return t[idx].to(dtype)\n\n" + _FWD +
                        "        return _rows(kv_cache, forward_batch.kv_indices, q.dtype)\n"),
-    "helper_device": ("def _move(t, dev):\n    return t.to(dev)\n\n" + _FWD + "        return _move(kv_cache, q.device)\n"),
+    "helper_device": ("def _move(t, dev):\n    return t.to(dev)\n\n" + _FWD +
+                      "        return _move(kv_cache, q.device)\n"),
     "helper_other_arg": ("def _widen(t, dtype):\n    return t.to(dtype)\n\n" + _FWD +
                          "        return _widen(q, torch.float32), _widen(kv_cache[forward_batch.idx], q.dtype)\n"),
     "helper_kv_dtype": ("def _cast(t, dtype):\n    return t.to(dtype)\n\n" + _FWD +
                         "        return _cast(kv_cache, self.kv_cache_dtype), _cast(kv_cache, kv_cache.dtype)\n"),
-    "lambda_gathers": _m("        pick = lambda t: t[forward_batch.kv_indices].float()\n        return pick(kv_cache)\n"),
+    "map_gathers": _m("        return list(map(lambda kv: kv[forward_batch.idx].float(), kv_caches))\n"),
+    "lambda_gathers": _m("        pick = lambda t: t[forward_batch.kv_indices].float()\n"
+                         "        return pick(kv_cache)\n"),
     # comprehensions over gathered rows or other tensors
     "comprehension_gathered": _m("        return [kv[forward_batch.idx].to(q.dtype) for kv in kv_caches]\n"),
     "comprehension_other": _m("        return [x.float() for x in (q, self.bias)]\n"),
@@ -180,7 +185,7 @@ def test_look_alike_is_not_reported(name):
 
 
 def test_the_planted_set():
-    assert len(PLANTED) == 37 and all(_marks(s) for s in PLANTED.values())
+    assert len(PLANTED) == 38 and all(_marks(s) for s in PLANTED.values())
 
 
 def test_a_finding_in_a_helper_names_the_calls_that_reach_it():

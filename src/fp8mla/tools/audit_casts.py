@@ -278,8 +278,7 @@ class _PoolCasts:
             return
         if self.defs is None:
             self.defs = ModuleDefs(self.tree)
-        for target, bound in self.defs.callees(call, func, self.cls_of.get(id(func))):
-            args = bind_arguments(target, bound, call)
+        for target, bound, args in self._targets(call, func, env):
             pools = {p: self.pool(a, env) for p, a in args.items()}
             inner = {p: s for p, s in pools.items() if s}
             key = (id(target), id(call))  # each call once: another call may pass another dtype
@@ -296,6 +295,18 @@ class _PoolCasts:
                     self.run(target.body, inner, target, ())
             finally:
                 self.via, self.subst = saved
+
+    def _targets(self, call, func, env):
+        """(def or lambda, bound method, {parameter: argument}) that ``call`` hands its arguments to; for
+        ``map(f, pools)``, ``f`` is given one pool of the list."""
+        f = call.func
+        if isinstance(f, ast.Name) and f.id == "map" and len(call.args) == 2 and self.pool(call.args[1], env):
+            fn = call.args[0]
+            one = ast.Call(func=fn, args=[call.args[1]], keywords=[])  # each item of a list of pools is a pool
+            found = [(fn, False)] if isinstance(fn, ast.Lambda) else self.defs.callees(one, func, self.cls_of.get(
+                id(func))) if isinstance(fn, ast.Name) else []
+            return [(t, b, bind_arguments(t, b, one)) for t, b in found]
+        return [(t, b, bind_arguments(t, b, call)) for t, b in self.defs.callees(call, func, self.cls_of.get(id(func)))]
 
     def bind(self, target, value, env, pooled=None):
         """Track names that hold the pool (or a view of it) after ``target = value``."""
