@@ -20,7 +20,7 @@ from .formats_v4 import HEAD_DIM, V4Format, get_v4_format, pool_geometry
 from .layout import debug_checks
 from .runtime import choose_backend
 
-__all__ = ["V4SparseAttention", "V4_BACKENDS"]
+__all__ = ["V4SparseAttention", "V4_BACKENDS", "write_v4_pool"]
 
 V4_BACKENDS = ("auto", "torch", "triton")
 MAX_HEADS = 128
@@ -282,3 +282,25 @@ def _check_values(name: str, seg: PoolSegment, topk: int) -> None:
             raise ValueError(f"{name}_lengths: expected lengths in [0, {topk}] ({name}_topk), got "
                              f"{name}_lengths[{t}] = {int(seg.lengths[t])}")
 
+
+
+def write_v4_pool(kv_format, pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, *,
+                  page_size: int | None = None, backend: str = "auto") -> None:
+    """Quantize rows ``kv [T, 512]`` into ``pool`` at token slots ``slots [T]`` (saturating; the bytes of
+    ``fp8mla.formats_v4``). ``backend``: ``"triton"`` (the write kernel ``kernels/quant_v4.py``), ``"torch"``
+    (``V4Format.write``: the same bytes) or ``"auto"`` (triton where it runs, else torch). The slots are
+    checked on the host (one sync): a write outside the pool would corrupt another layer's memory."""
+    from .formats_v4 import _check_slots
+    from .runtime import triton_usable
+    fmt = get_v4_format(kv_format)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    page_size, view = pool_geometry(fmt, pool, page_size)
+    use_triton = backend == "triton" or (backend == "auto" and triton_usable(pool.device))
+    if not use_triton:
+        fmt.write(pool, slots, kv, page_size=page_size)
+        return
+    check_tensor("kv", kv, device=pool.device)
+    _check_slots(slots, kv, view.shape[0] * page_size)
+    from .kernels.quant_v4 import quant_v4
+    quant_v4(fmt, view, page_size, slots, kv)
