@@ -10,7 +10,7 @@ from ..runtime import LN2, num_sms
 def prepare(p, kernel_options: dict) -> None:
     """Fix the launch configuration and the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``)."""
     from ..kernels import v4_attention
-    p.config = v4_attention.launch_config(p.num_heads, p.device, **kernel_options)
+    p.config = v4_attention.launch_config(p.fmt.kind, p.device, **kernel_options)
     cap = 0
     if p.num_splits is None:  # the largest tokens x (splits + sink part) any call needs: O(SMs), not O(batch)
         for n in range(1, 2 * num_sms(p.device) + 1):

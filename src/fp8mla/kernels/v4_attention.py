@@ -193,13 +193,21 @@ class Segment:
     lengths: object = None
 
 
-def launch_config(num_heads: int, device, *, block_h: int | None = None, block_n: int | None = None,
+# Tiles per format (compiled for sm_80/89/90a/120 by tests/test_compile_v4.py, not yet timed on a GPU): 16 query
+# heads (the MMA's smallest M) x BLOCK_N keys. The FP8 formats dequantize a [BLOCK_N, 512] tile in fp32
+# registers: 16 keys a step keeps fp8_v4 spill-free at 4 warps and fp8_v41 (16 scale bytes a row) at 8.
+DEFAULT_TILES = {FMT_BF16: dict(block_h=16, block_n=32, num_warps=4),
+                 FMT_V4: dict(block_h=16, block_n=16, num_warps=4),
+                 FMT_V41: dict(block_h=16, block_n=16, num_warps=8)}
+
+
+def launch_config(fmt: int, device, *, block_h: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None) -> dict:
-    """Launch settings (any of them overridable): 16 heads x 32 keys a step; 16 query rows is the MMA's
-    smallest M, and the [16, 512] fp32 accumulator plus a [32, 512] bf16 key tile fit 4 warps' registers."""
+    """Launch settings for format ``fmt`` (``DEFAULT_TILES``), any of them overridable."""
     import torch
-    cfg = dict(block_h=block_h or 16, block_n=block_n or 32, num_warps=num_warps or 4,
-               num_stages=num_stages or 1)
+    d = DEFAULT_TILES[fmt]
+    cfg = dict(block_h=block_h or d["block_h"], block_n=block_n or d["block_n"],
+               num_warps=num_warps or d["num_warps"], num_stages=num_stages or 1)
     for name in ("block_h", "block_n"):
         v = cfg[name]
         if v < 16 or v & (v - 1):
