@@ -27,10 +27,14 @@ def splits(p, n: int) -> int:
     at least ``min_split`` keys. Fixed per (plan, n): the same inputs split and merge the same way."""
     total = p.window_topk + p.compressed_topk
     if p.num_splits is not None:
-        return max(1, min(p.num_splits, total))
-    tiles = -(-p.num_heads // p.config["block_h"])
-    want = -(-2 * num_sms(p.device) // max(1, n * tiles))
-    return max(1, min(want, total // p.min_split))
+        want = max(1, min(p.num_splits, total))
+    else:
+        tiles = -(-p.num_heads // p.config["block_h"])
+        want = -(-2 * num_sms(p.device) // max(1, n * tiles))
+        want = max(1, min(want, total // p.min_split))
+    bn = p.config["block_n"]
+    chunk = -(-(-(-total // want)) // bn) * bn   # whole key blocks per split, as the launcher cuts them
+    return -(-total // chunk)
 
 
 def _kernel_segment(fmt, seg):
