@@ -50,6 +50,11 @@ def add_arguments(p):
                    help="sparse (DSA) decode: each token over --topk selected tokens (fp8mla.bench.sparse)")
     p.add_argument("--topk", type=int, default=2048, help="with --sparse: selected tokens per query token")
     p.add_argument("--sparse-kv", nargs="+", default=["fp8_ds_mla"], help="with --sparse: KV formats")
+    p.add_argument("--v4", action="store_true",
+                   help="DeepSeek V4 decode: window + compressed rows + sinks (fp8mla.bench.v4)")
+    p.add_argument("--v4-kv", nargs="+", default=["fp8_v4", "fp8_v41"], help="with --v4: pool formats")
+    p.add_argument("--window", type=int, default=128, help="with --v4: window slots per query token")
+    p.add_argument("--compressed-topk", type=int, default=512, help="with --v4: compressed rows per query token")
 
 
 def make_pool(B, L, page, fmt_name, device, seed=0):
@@ -138,6 +143,9 @@ def main(args) -> int:
     if getattr(args, "sparse", False):
         from .sparse import main as sparse_main
         return sparse_main(args)
+    if getattr(args, "v4", False):
+        from .v4 import main as v4_main
+        return v4_main(args)
     ceil = start_run("decode", args.out)
     if ceil is None:
         return 2
