@@ -23,11 +23,6 @@ if gluon is not None:
                                PV8: gl.constexpr = False):
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
-        # A kernel launched as this one's programmatic dependent may start now (it must wait, griddepcontrol.wait,
-        # before reading what this grid writes). Nothing is launched that way today; kept as measured (taking it out
-        # moves every build's SASS).
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         kpe_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         q_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
