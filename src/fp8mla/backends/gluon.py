@@ -296,7 +296,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
-    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
     While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)
