@@ -135,8 +135,8 @@ class PagedMLACache:
         ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
             ``kpe_scale`` only, its c_kv scales are computed per token on write. A scale other than 1.0 that
             the format has no use for (``ckv_scale`` of the group and 16-bit formats, ``kpe_scale`` of the
-            16-bit formats) is an error: it used to be dropped silently, leaving a caller who meant it to scale
-            the values with unscaled ones.
+            16-bit formats) is an error: dropped silently, it would leave a caller who meant it to scale the
+            values with unscaled ones.
         device: where the pool lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); it must exist.
     """
 

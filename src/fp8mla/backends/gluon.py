@@ -134,8 +134,8 @@ def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | No
 def _auto_keeps_wide(spec, layout) -> bool:
     """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes: CUDA-graph plans and
     plans without host lengths. With host lengths a plain plan's heads-on-M schedule launches its items longest first
-    (``schedule_host(longest_first=True)``), which the H200 A/B of 2026-12-02 (docs/benchmarks.md, "Heads-on-M at
-    spread lengths") measured at 0.81-0.94x the wide build at all 18 shapes it timed at 64 and 128 heads: equal,
+    (``schedule_host(longest_first=True)``), which an H200 A/B (docs/benchmarks.md, heads-on-M at spread
+    lengths) measured at 0.81-0.94x the wide build at all 18 shapes it timed at 64 and 128 heads: equal,
     uniform, log-normal and one-long-request lengths, B8 to B128, more requests than schedule slots included.
     Without host lengths the schedule is the device's request-order cut, 1.2-1.46x the wide build at spread lengths
     of 64-128 requests. CUDA-graph plans keep the wide build because the heads-on-M graph launch with the
