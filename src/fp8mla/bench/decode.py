@@ -33,8 +33,10 @@ def add_arguments(p):
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[], metavar="NAME",
-                   choices=["flashinfer", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
-                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
+                   choices=["flashinfer", "flashmla", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
+                   help="also time: flashinfer (fa3, fa2 on the same pool), flashmla (FlashMLA's BF16 decode on a BF16 "
+                        "copy of the pool and its FP8 path with Q quantized, vLLM's FLASHMLA; with --sparse its "
+                        "sparse decode: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
@@ -100,6 +102,19 @@ def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, 
            a["sm_scale"], torch.bfloat16, kv_dtype)
     kw = dict(ckv_scale=1.0, kpe_scale=1.0) if kv_dtype != torch.bfloat16 else {}
     return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **kw)
+
+
+def _flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out, where: str) -> dict:
+    """FlashMLA's rows (``fp8mla.bench.flashmla``), or none with the reason printed."""
+    from . import flashmla
+    ops = flashmla.load_ops()
+    try:
+        if isinstance(ops, str):
+            raise RuntimeError(ops)
+        return flashmla.dense_runners(ops, plan_args, H, pool, fmt, q_nope, q_pe, out)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        print(f"  flashmla {where}: skipped: {_why(e)}", flush=True)
+        return {}
 
 
 VARIANTS = {
@@ -212,6 +227,9 @@ def main(args) -> int:
                             except Exception as e:  # noqa: BLE001 - record and go on
                                 print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: not planned: "
                                       f"{_why(e)}", flush=True)
+                    if "flashmla" in args.compare:
+                        runners.update(_flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out,
+                                                         f"{fmt_name} H{H} B{B} L{L} page{page}"))
                     for name, fn in runners.items():
                         try:
                             out.fill_(float("nan"))
