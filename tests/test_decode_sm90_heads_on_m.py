@@ -263,7 +263,7 @@ def test_query_magnitudes_and_an_all_empty_batch(H, qmag):
     # x 300: scores span ~2,400 log2 units, and the per-tensor scale folded into Q before its fp16 rounding (every
     # fp8mla fast kernel's scheme) moves them by up to ~0.7; where a head's top scores nearly tie that is the
     # error: on this batch 3.8e-3 on the H200 (2026-12-02), 3.83e-3 in the float model of the roundings
-    # (lab/many_heads/check_device.py numerics_model), 4.7e-3 from the Triton kernel; 1.6e-3 from the torch
+    # (the lab prototype's numerics_model: lab/many_heads/check_device.py at commit 80896ec), 4.7e-3 from the Triton kernel; 1.6e-3 from the torch
     # backend's fp32 math. The point of this case is range (no overflow, no NaN), so its budget is 1e-2.
     check(b, out, lse, tol=1e-2 if qmag > 1 else 3e-3, lse_tol=2e-4)
     e = make_paged_batch([0, 0, 0], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=3, extra_pages=1)

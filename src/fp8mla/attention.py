@@ -138,7 +138,7 @@ class MLAPagedAttention:
         self._backend = backend
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
-        self._rows_fast = None       # _replan_rows' per-table constants
+        self._rows_fast = None       # replan_rows' per-table constants
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
         self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
         self._scales_host = None     # what _scales holds, when it came from host floats
@@ -223,8 +223,16 @@ class MLAPagedAttention:
             self._plan.group_impl = self._build_group(layout, spec)
 
     # -- the decode runner's re-plan: every step, trusted ---------------------------------------------------------
+    @property
+    def graph_buffers(self):
+        """The CUDA-graph buffers of the last plan's backend when a caller can stage their small arrays with its
+        own (they have ``rebase``: the decode runner moves them into its staging buffer, then re-plans through
+        :meth:`replan_rows`), else None."""
+        buf = self._state.get(self.backend, {}).get("graph")
+        return buf if callable(getattr(buf, "rebase", None)) else None
+
     def _rows_buffers(self):
-        """The backend's CUDA-graph buffers when :meth:`_replan_rows` can re-plan this wrapper (the last plan used
+        """The backend's CUDA-graph buffers when :meth:`replan_rows` can re-plan this wrapper (the last plan used
         CUDA-graph buffers whose small arrays a caller can stage: ``rebase`` / ``sink``), else None."""
         p = self._plan
         if p is None or not p.spec.use_cuda_graph or self._strategy != "native":
@@ -232,22 +240,22 @@ class MLAPagedAttention:
         buf = self._state.get(p.backend, {}).get("graph")
         return buf if getattr(buf, "rebased", False) else None
 
-    def _replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
+    def replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
         """Plan the last plan's block table again (its rows, one query each: ``PagedLayout.decode_rows``), with
         new lengths ``lens`` (a list of B ints, B = its rows), on the host only: the decode runner's every step.
 
-        A trusted internal path: the caller (``models.runner.DecodeRunner``) made the block table from the cache
-        and the spec (heads, dims, scale, dtypes, format) was validated by this wrapper's first
-        :meth:`plan_layout`, so neither is re-validated; the lengths still are (O(batch), against the rows). The
-        backend's small arrays are appended to ``sink`` as ``[(values, capacity), ...]`` in the order of its flat
-        buffer, not copied: the caller copies them with its own arrays in one host -> device copy into the buffer
-        it gave ``rebase``. The layout's device arrays are views of that buffer (they hold these values once the
-        caller's copy ran). ``fixed``: the plan was captured in a CUDA graph (which replays right after any
-        re-plan, with the launch configuration it holds): the backend may keep the plan object and only stage the
-        new schedule."""
+        A trusted path for a caller that made the block table from the cache itself and staged the buffers
+        (:attr:`graph_buffers`, ``rebase``; ``models.runner.DecodeRunner``): the spec (heads, dims, scale, dtypes,
+        format) was validated by this wrapper's first :meth:`plan_layout`, so neither is re-validated; the
+        lengths still are (O(batch), against the rows). The backend's small arrays are appended to ``sink`` as
+        ``[(values, capacity), ...]`` in the order of its flat buffer, not copied: the caller copies them with its
+        own arrays in one host -> device copy into the buffer it gave ``rebase``. The layout's device arrays are
+        views of that buffer (they hold these values once the caller's copy ran). ``fixed``: the plan was
+        captured in a CUDA graph (which replays right after any re-plan, with the launch configuration it holds):
+        the backend may keep the plan object and only stage the new schedule."""
         p, buf = self._plan, self._rows_buffers()
         if buf is None:
-            raise RuntimeError("_replan_rows: plan once with CUDA-graph buffers and rebase them first")
+            raise RuntimeError("replan_rows: plan once with CUDA-graph buffers and rebase them first")
         fast = self._rows_fast
         if fast is None or fast[0] is not p.layout.kv_indices:
             lay = p.layout
@@ -256,7 +264,7 @@ class MLAPagedAttention:
             qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W))
             h = lay.host
             if h is None or h["qo_indptr"].tolist() != qo or h["kv_indptr"].tolist() != kvp:  # (once per table)
-                raise RuntimeError("_replan_rows: the last plan must be the rows of a block table, one query each "
+                raise RuntimeError("replan_rows: the last plan must be the rows of a block table, one query each "
                                    "(PagedLayout.decode_rows / from_block_table)")
             views = (buf.buf["qo_indptr"][: B + 1], buf.buf["kv_indptr"][: B + 1], buf.buf["kv_len"][:B])
             mod = backends._module(p.backend)  # its replan_rows (only the schedule is new), else build

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -127,7 +128,10 @@ assert array("i").itemsize == 4, "page tables are int32 (array typecode 'i')"
 
 
 @dataclass
-class _Sequence:
+class SequenceState:
+    """The cache's state of one sequence (``PagedMLACache.seq_state``): its pages, in token order, and its
+    lengths. Read it, never change it (the cache does). One object per life of an id: a sequence freed and added
+    again gets a new one, so a caller that kept the old one tells them apart by identity (``is``)."""
     pages: array = field(default_factory=_page_array)
     length: int = 0          # tokens reserved, including the pending ones
     pending: int = 0         # tokens reserved by the last reserve(), written by append()
@@ -145,8 +149,8 @@ class PagedMLACache:
         ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
             ``kpe_scale`` only, its c_kv scales are computed per token on write. A scale other than 1.0 that
             the format has no use for (``ckv_scale`` of the group and 16-bit formats, ``kpe_scale`` of the
-            16-bit formats) is an error: it used to be dropped silently, leaving a caller who meant it to scale
-            the values with unscaled ones.
+            16-bit formats) is an error: dropped silently, it would leave a caller who meant it to scale the
+            values with unscaled ones.
         device: where the pool lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); it must exist.
     """
 
@@ -179,7 +183,7 @@ class PagedMLACache:
         self._refs = [0] * num_pages
         self._forked = False  # a page may be shared (refs > 1) only after a fork: reserve's fast path checks this
         self._forks = 0  # forks made so far: a step planned before the last one checks that its pages are its own
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count()
 
     @classmethod
@@ -262,8 +266,32 @@ class PagedMLACache:
     def sequences(self) -> list[int]:
         return list(self._seqs)
 
+    @property
+    def seq_states(self):
+        """Every live sequence's state, ``{seq_id: SequenceState}``: a read-only view that follows the cache
+        (``seq_states.get(seq_id)`` is None for an id not here)."""
+        return MappingProxyType(self._seqs)
+
+    @property
+    def fork_count(self) -> int:
+        """Forks made so far: a step planned before the last fork checks that the pages it writes are its own
+        (``shared_page``)."""
+        return self._forks
+
+    def shared_page(self, seq_id, start: int, num_tokens: int):
+        """The first page holding tokens ``[start, start + num_tokens)`` of ``seq_id`` that another sequence
+        shares too (a fork), or None: writing such a page would change the other sequence's tokens."""
+        pages = self.seq_state(seq_id).pages
+        if num_tokens <= 0:
+            return None
+        ps, refs = self.page_size, self._refs
+        for i in range(start // ps, min((start + num_tokens - 1) // ps + 1, len(pages))):
+            if refs[pages[i]] > 1:
+                return pages[i]
+        return None
+
     @staticmethod
-    def _id_list(seq_ids) -> list:
+    def id_list(seq_ids) -> list:
         """One id (an int, a str, ...) or an ordered collection of ids (list, tuple, range, 1-D tensor, any other
         iterable), as a list. Sets and dicts are refused: their order is not the caller's, and the rows of c_kv,
         the slots returned and the plan follow the order of ``seq_ids``."""
@@ -278,7 +306,8 @@ class PagedMLACache:
             return [seq_ids]
         return list(seq_ids)
 
-    def _seq(self, seq_id) -> _Sequence:
+    def seq_state(self, seq_id) -> SequenceState:
+        """The live state of ``seq_id`` (its pages and lengths); KeyError naming the id when it is not here."""
         if type(seq_id) is int and seq_id in self._seqs:
             return self._seqs[seq_id]
         key = _hashable(seq_id)
@@ -287,10 +316,10 @@ class PagedMLACache:
         return self._seqs[key]
 
     def seq_len(self, seq_id) -> int:
-        return self._seq(seq_id).length
+        return self.seq_state(seq_id).length
 
     def pages(self, seq_id) -> list[int]:
-        return list(self._seq(seq_id).pages)
+        return list(self.seq_state(seq_id).pages)
 
     def add_sequence(self, seq_id=None, num_tokens: int = 0):
         """Register a new sequence (an id is chosen when ``seq_id`` is None) and reserve ``num_tokens`` slots."""
@@ -300,7 +329,7 @@ class PagedMLACache:
             seq_id = _hashable(seq_id)
             if seq_id in self._seqs:
                 raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
-        self._seqs[seq_id] = _Sequence()
+        self._seqs[seq_id] = SequenceState()
         if num_tokens:
             try:
                 self.reserve(seq_id, num_tokens)
@@ -318,7 +347,7 @@ class PagedMLACache:
             self._refs[p] = 1
         return pages
 
-    def _pages_needed(self, seq: _Sequence, n: int) -> int:
+    def _pages_needed(self, seq: SequenceState, n: int) -> int:
         return max(0, -(-(seq.length + n) // self.page_size) - len(seq.pages))
 
     def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
@@ -340,7 +369,7 @@ class PagedMLACache:
             slots = self._reserve_decode(seq_ids)
             if slots is not None:
                 return slots
-        ids = self._id_list(seq_ids)
+        ids = self.id_list(seq_ids)
         if isinstance(num_tokens, (list, tuple)):
             counts = [check_int("num_tokens", c, 0, "non-negative ints") for c in num_tokens]
             if len(counts) != len(ids):
@@ -354,7 +383,7 @@ class PagedMLACache:
         if not distinct:
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         table = self._seqs
-        seqs = [table[i] if i in table else self._seq(i) for i in ids]  # _seq: the error naming a missing id
+        seqs = [table[i] if i in table else self.seq_state(i) for i in ids]  # (seq_state: the error for a bad id)
         ps, refs = self.page_size, self._refs
         # A shared (forked) partly filled last page must not be written: it is copied first, which takes a page
         # too. Count those copies before touching anything, so that a full pool leaves the state unchanged.
@@ -417,7 +446,7 @@ class PagedMLACache:
 
     def free(self, seq_id) -> None:
         """Drop a sequence; its pages go back to the pool once no forked sequence shares them."""
-        seq = self._seq(seq_id)
+        seq = self.seq_state(seq_id)
         for p in seq.pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
@@ -431,7 +460,7 @@ class PagedMLACache:
         Append every layer of ``seq_id``'s reserved tokens before forking: the fork shares them, and an append
         of ``seq_id`` after the fork (without a new :meth:`extend`) is refused instead of writing shared pages.
         """
-        src = self._seq(seq_id)
+        src = self.seq_state(seq_id)
         new_id = self.add_sequence(new_id)
         dst = self._seqs[new_id]
         dst.pages, dst.length = _page_array(src.pages), src.length
@@ -442,7 +471,7 @@ class PagedMLACache:
         src.pending = 0  # its pending slots now lie in shared pages
         return new_id
 
-    def _unshare_last_page(self, seq: _Sequence) -> None:
+    def _unshare_last_page(self, seq: SequenceState) -> None:
         (new,) = self._take_pages(1)
         old = seq.pages[-1]
         self.pool[:, new] = self.pool[:, old]
@@ -455,8 +484,8 @@ class PagedMLACache:
     def pending_slots(self, seq_ids) -> torch.Tensor:
         """Flat slot ids of the tokens reserved by the last :meth:`reserve` of each sequence, in order."""
         slots = []
-        for i in self._id_list(seq_ids):
-            s = self._seq(i)
+        for i in self.id_list(seq_ids):
+            s = self.seq_state(i)
             for t in range(s.length - s.pending, s.length):
                 slots.append(s.pages[t // self.page_size] * self.page_size + t % self.page_size)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
@@ -469,7 +498,7 @@ class PagedMLACache:
             c_kv: ``[T, head_dim_ckv]``, k_pe: ``[T, head_dim_kpe]`` (any float dtype); T = tokens reserved by
                 the last reserve() of these sequences, in the order of ``seq_ids``.
         """
-        self.write(layer, self.pending_slots(self._id_list(seq_ids)), c_kv, k_pe)
+        self.write(layer, self.pending_slots(self.id_list(seq_ids)), c_kv, k_pe)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, *,
               use_triton: bool | None = None) -> None:
@@ -525,7 +554,7 @@ class PagedMLACache:
         decode; an int for all). Returns ``qo_indptr, kv_indptr, kv_indices, kv_len_arr`` (int32, on the cache's
         device), ``head_dim_ckv, head_dim_kpe, page_size, kv_data_type`` (the format's name).
         """
-        ids = self._id_list(seq_ids)
+        ids = self.id_list(seq_ids)
         if qo_lens is None or as_int(qo_lens) is not None:
             qo_lens = [1 if qo_lens is None else check_int("qo_lens", qo_lens, 0, "non-negative ints")] * len(ids)
         elif isinstance(qo_lens, (list, tuple, range)):
@@ -535,7 +564,7 @@ class PagedMLACache:
                             f"{type(qo_lens).__name__}")
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
-        seqs = [self._seq(i) for i in ids]
+        seqs = [self.seq_state(i) for i in ids]
         ps = self.page_size
         kv_pages, table = [], _page_array()
         for s in seqs:  # O(batch) Python; the page ids are copied as array slices (memcpy)
@@ -590,7 +619,7 @@ class PagedMLACache:
         dropped and the pages they alone took go back to the pool. Tokens written before stay as they were.
         (A shared last page copied by that reservation stays the sequence's private copy, with equal contents.)"""
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
-        for s in [self._seq(i) for i in ids]:  # all ids checked before anything changes
+        for s in [self.seq_state(i) for i in ids]:  # all ids checked before anything changes
             s.length -= s.pending
             s.pending = 0
             keep = -(-s.length // self.page_size)

@@ -121,7 +121,7 @@ def _choose(spec, options: dict, max_qo: int):
     faster than the wide build at every shape timed, plain and in CUDA-graph wrappers, with host or device-only
     lengths (its longest-first schedule is made on either side: ``schedule_host`` / ``sm90.schedule_device``):
     0.80-0.93x the wide build's time at 14 shapes of 64 and 128 heads (equal, uniform, log-normal and one-long
-    lengths, B8-B128; H200, 2026-12-06, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
+    lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
     if want is not False:
@@ -285,7 +285,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
-    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
     While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)

@@ -353,7 +353,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
-    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths): only the host schedule is new, the plan
     object (config, grids, CUDA-graph buffers) is the same (``fixed``, a captured plan: the same either way). None
     when ``plan`` is not the last host-scheduled graph plan (then :func:`build` runs)."""

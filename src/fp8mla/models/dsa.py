@@ -127,8 +127,9 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
                     device=dev)
         step = DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
                        backend)
-        step.records = [cache._seqs[i] for i in ids]
-        step.forks = cache._forks
+        table = cache.seq_states
+        step.records = [table[i] for i in ids]
+        step.forks = cache.fork_count
         return step
     except BaseException:
         cache.unreserve(ids)

@@ -21,7 +21,7 @@ UNBOUNDED_SLACK = 1 << 30
 # ``backends._gluon_host_schedule.schedule_host``): the request-aligned cut is kept where its longest piece is within
 # max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise the contiguous cut, whose
 # pieces are at most a share but which splits more requests (partials and their merge: ~16 us more, about 6 tiles of
-# the heads-on-M build, in the H200 A/B of 2026-12-02 at B8-B16, where the aligned cut's longest piece was 1.4-1.7x
+# the heads-on-M build, in an H200 A/B at B8-B16, where the aligned cut's longest piece was 1.4-1.7x
 # a share of 6-13 tiles and still faster; at 2x and beyond the contiguous cut won).
 BALANCE = 32
 ONE_WAVE_SLACK = 6

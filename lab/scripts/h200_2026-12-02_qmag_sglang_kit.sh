@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# This session's last device minutes: the large-query error A/B of the heads-on-M build (lab/scripts/qmag_ab_device.py)
+# One H200 run of 2026-12-02: the large-query error A/B of the heads-on-M build (lab/scripts/qmag_ab_device.py)
 # and SGLang's attention test kit on the GPU (lab/scripts/sglang_kit_device.sh; carry [".sgl_whl"]).
 set -u
 out=${1:?OUT}

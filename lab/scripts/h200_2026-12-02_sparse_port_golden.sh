@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fourth session of 2026-12-02, last device call (<= 4 min, one H200; LPT=1 adds the A/B re-run):
+# One H200 run of 2026-12-02, 18:30 UTC (<= 4 min; LPT=1 adds the A/B re-run):
 #   golden  python -m devtools.sass check under the device's triton (in the background: CPU only)
 #   sparse  lab/scripts/sparse_port_device.sh: the product's new warp-specialized sparse build's GPU tests and the
 #           sparse decode bench (auto = the Gluon build now, beside the Triton kernel)
@@ -7,7 +7,7 @@
 #           take the old cut's times at B8-B16 and keep the rest; and both builds in CUDA-graph wrappers with host
 #           lengths (heads-on-M now longest first there too)
 #   tests   the heads-on-M GPU tests, the longest-first schedule, the decode runner, the graph re-plan tests
-# Usage (repo root; carry [".sgl_whl"] for the xdist wheels):  bash lab/scripts/session4_call3_device.sh "$OUT"
+# Usage (repo root; carry [".sgl_whl"] for the xdist wheels):  bash lab/scripts/h200_2026-12-02_sparse_port_golden.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

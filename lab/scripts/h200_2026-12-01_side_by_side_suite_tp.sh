@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The next device call, prepared at the end of 2026-12-01's session (kernel logs 24-28 of docs/benchmarks.md ran
-# that session; nothing here is new code). It refreshes what that session measured only in pieces:
+# One GPU run prepared on 2026-12-01 (nothing here is new code). It refreshes what was measured that day only in
+# pieces:
 #   1. the side-by-side in one process per page size (README table): `fp8mla bench decode` with FlashInfer, page
 #      64 (per-tensor, group, BF16) and page 1, with the request-aligned schedule (log 27) and page ids two tiles
 #      ahead (log 28) in every row; <= 4 min;
@@ -9,7 +9,7 @@
 #      (scripts/step_device.sh).
 # Usage (repo root, FlashInfer and pytest-xdist wheels in .whl: ../shared/tools/flashinfer-wheels, then
 # `pip download pytest-xdist execnet hypothesis sortedcontainers attrs` for cp312 into .whl; carry [".whl"]):
-#   bash scripts/next_session_device.sh OUTDIR
+#   bash scripts/h200_2026-12-01_side_by_side_suite_tp.sh OUTDIR
 set -u
 out=${1:-out/next}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The heads-on-M build's GPU gate and A/B (issue 27), and the conv2 experiment, in one call of <= 8 minutes on one
-# H200 (this session's last device minutes), each phase under `timeout` inside TOTAL_S:
+# The heads-on-M build's GPU gate and A/B, and the conv2 experiment, in one run of <= 8 minutes on one H200
+# (2026-12-02, 01:43 UTC), each phase under `timeout` inside TOTAL_S:
 #   tests  tests/test_decode_sm90_heads_on_m.py's GPU cases (float64 checks through MLAPagedAttention)
 #   ab     fp8mla bench decode, FP8 e4m3, H64/H128, page 64: the heads-on-M build (the new default there) beside the
 #          wide build (heads_on_m=False) and the heads-on-M build in a CUDA-graph wrapper (the engines' launch),
@@ -9,7 +9,7 @@
 #          built in the background from the start)
 #   conv2  lab/many_heads/check_device.py: the prototype's best build vs conv2 (two converter warpgroups), float64
 #          checks then timings, beside the product's kernel
-# Usage (repo root; carry [".whl"]):  bash lab/scripts/issue27_final_device.sh "$OUT"
+# Usage (repo root; carry [".whl"]):  bash lab/scripts/h200_2026-12-02_heads_on_m_gate_ab.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

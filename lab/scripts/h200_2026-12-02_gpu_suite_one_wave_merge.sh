@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Third session of 2026-12-02, second device call (<= 9 min, one H200): the GPU suite on the tree with the
+# One H200 run of 2026-12-02 (<= 9 min): the GPU suite on the tree with the
 # one-wave split merge and the SGLang test fixes.
 #   files  scripts/gpu_suite_device.sh files (every GPU-relevant file but the grid's torch-backend cases; two parts
 #          on the one GPU, 12 workers each)
 #   grid   the grid's torch-backend cases not passed yet (DONE_IDS = lab/notebook/data/gpu_2026-12-02/grid/
 #          passed_ids.txt: 1,793 of 2,000), one part, 15 workers
 # OUT gets summary.txt, passed_ids.txt, logs.tgz.
-# Usage (repo root; carry [".whl"] for pytest-xdist):  bash lab/scripts/session3_call2_device.sh "$OUT"
+# Usage (repo root; carry [".whl"] for pytest-xdist):  bash lab/scripts/h200_2026-12-02_gpu_suite_one_wave_merge.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
