@@ -231,3 +231,23 @@ def test_real_window_and_hca_rate():
     errs, (choice, compared, differ) = run("bf16", cfg=cfg, join={0: {"a": [170, 130]}}, steps=5, page_size=64)
     assert within(errs, BUDGET["bf16"]), errs
     assert choice >= 100 and differ == 0, (choice, compared, differ)
+
+
+def test_config_from_transformers():
+    """transformers' own config.json of the tiny model (its nested rope_parameters) reads back as the same config;
+    the rope angles of both rope kinds are transformers' own."""
+    cfg = load_v4_config("tiny-v4")
+    hc = hf_config(cfg)
+    got = type(cfg).from_dict(hc.to_dict())
+    scaling = dict(got.compress_rope_scaling)
+    assert scaling.pop("attention_factor") == 1.0  # transformers writes the V4 default out
+    got = got.replace(compress_rope_scaling=scaling)
+    assert got.replace(name="custom") == cfg.replace(name="custom")
+    from fp8mla.models.config import YarnRope
+    rotary = v4.DeepseekV4RotaryEmbedding(hc)
+    pos = torch.arange(0, 3000, 7)
+    for kind, layer_type in (("main", SLIDING), ("compress", CSA)):
+        cos, sin = YarnRope(cfg.rope_spec(layer_type)).cos_sin(pos)
+        want_cos, want_sin = rotary(torch.zeros(1), pos[None], layer_type=kind)
+        torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
