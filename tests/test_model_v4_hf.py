@@ -251,3 +251,20 @@ def test_config_from_transformers():
         want_cos, want_sin = rotary(torch.zeros(1), pos[None], layer_type=kind)
         torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    """A tiny random transformers DeepseekV4ForCausalLM saved with save_pretrained (DeepSeek's own names) loads into
+    fp8mla: every attention weight and input norm, the config."""
+    cfg = load_v4_config("tiny-v4")
+    torch.manual_seed(0)
+    hf_model = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).eval()
+    randomize(hf_model, 5)
+    hf_model.save_pretrained(tmp_path)
+    ours = V4Model.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.cfg.layer_types == cfg.layer_types and ours.cfg.compress_rates == cfg.compress_rates
+    hf_sd = hf_model.state_dict()
+    names = ours.state_dict()
+    assert any(".indexer.scorer.weights_proj." in n for n in names)
+    for name, p in names.items():
+        assert torch.equal(p, hf_sd["model." + name]), name

@@ -37,7 +37,7 @@ from .config import YarnRope
 from .v4_attend import attend_rows
 from .v4_cache import V4Cache
 from .v4_compress import V4Compressor, V4RMSNorm, rope_tail, topk_rows, unweighted_rms_norm
-from .v4_config import CSA, HCA, SLIDING, V4Config, load_v4_config
+from .v4_config import CSA, HCA, NATIVE_NAMES, SLIDING, V4Config, load_v4_config
 
 __all__ = ["V4Attention", "V4Model", "V4Step", "begin_v4_step"]
 
@@ -316,6 +316,41 @@ class V4Model(nn.Module):
         for blk in m.layers:
             blk.self_attn.init_random(seed)
         return m
+
+    @classmethod
+    def from_pretrained(cls, path, num_layers=None, **kw) -> "V4Model":
+        """The attention weights of a local ``deepseek_v4`` checkpoint directory (``config.json`` + safetensors):
+        DeepSeek's own names (``layers.{i}.attn.wq_a.weight``...; what transformers' save_pretrained writes too)
+        or transformers' (``layers.{i}.self_attn.q_a_proj.weight``...), with or without the ``model.`` prefix.
+        Block-scaled FP8 weights with ``weight_scale_inv`` are dequantized on load."""
+        import json
+        from pathlib import Path
+
+        from .checkpoint import CheckpointReader
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"checkpoint: {str(path)!r} has no config.json")
+        cfg = V4Config.from_dict(json.loads((path / "config.json").read_text()), name=path.name)
+        reader = CheckpointReader(path)
+        try:
+            prefix = next((p for p in ("model.", "") for a in ("attn.wq_a.weight", "self_attn.q_a_proj.weight")
+                           if f"{p}layers.0.{a}" in reader), None)
+            if prefix is None:
+                raise ValueError(f"checkpoint: {str(path)!r} has no layers.0.attn.wq_a.weight (nor transformers' "
+                                 "layers.0.self_attn.q_a_proj.weight): not a DeepSeek-V4 checkpoint?")
+            native = f"{prefix}layers.0.attn.wq_a.weight" in reader
+            model = cls(cfg, num_layers, **kw)
+            with torch.no_grad():
+                for i, blk in enumerate(model.layers):
+                    base = f"{prefix}layers.{i}."
+                    for name, p in blk.self_attn.named_parameters():
+                        key = base + ("attn." + NATIVE_NAMES[name] if native else "self_attn." + name)
+                        p.copy_(torch.as_tensor(reader.get(key)[:]).to(p.dtype))
+                    norm = base + ("attn_norm.weight" if native else "input_layernorm.weight")
+                    blk.input_layernorm.weight.copy_(torch.as_tensor(reader.get(norm)[:]).float())
+        finally:
+            reader.close()
+        return model
 
     def make_cache(self, num_pages: int, page_size: int, kv_format="bf16", **kw) -> V4Cache:
         """Row streams, indexer keys (in the model's dtype unless ``index_dtype`` says) and compressor states."""

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from .config import read_config_json
 
-__all__ = ["V4Config", "load_v4_config", "V4_CONFIG_NAMES", "LAYER_TYPES", "SLIDING", "CSA", "HCA"]
+__all__ = ["V4Config", "load_v4_config", "V4_CONFIG_NAMES", "LAYER_TYPES", "SLIDING", "CSA", "HCA", "NATIVE_NAMES"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -191,3 +191,21 @@ def load_v4_config(spec: str | os.PathLike | dict | V4Config) -> V4Config:
         return V4Config.from_dict(spec)
     d, name = read_config_json(spec, V4_CONFIG_NAMES)
     return V4Config.from_dict(d, name=name)
+
+
+# Checkpoint names of the attention parameters: DeepSeek's own (the published checkpoints, and what transformers'
+# save_pretrained writes back), under ``layers.{i}.attn.``, for fp8mla's (= transformers') names under
+# ``layers.{i}.self_attn.``. transformers' conversion_mapping.py ("deepseek_v4") is the inverse of this table.
+NATIVE_NAMES = {
+    "q_a_proj.weight": "wq_a.weight", "q_a_norm.weight": "q_norm.weight", "q_b_proj.weight": "wq_b.weight",
+    "kv_proj.weight": "wkv.weight", "kv_norm.weight": "norm.weight", "o_a_proj.weight": "wo_a.weight",
+    "o_b_proj.weight": "wo_b.weight", "sinks": "attn_sink",
+    "compressor.kv_proj.weight": "compressor.wkv.weight", "compressor.gate_proj.weight": "compressor.wgate.weight",
+    "compressor.position_bias": "compressor.ape", "compressor.kv_norm.weight": "compressor.norm.weight",
+    "compressor.indexer.kv_proj.weight": "indexer.compressor.wkv.weight",
+    "compressor.indexer.gate_proj.weight": "indexer.compressor.wgate.weight",
+    "compressor.indexer.position_bias": "indexer.compressor.ape",
+    "compressor.indexer.kv_norm.weight": "indexer.compressor.norm.weight",
+    "compressor.indexer.q_b_proj.weight": "indexer.wq_b.weight",
+    "compressor.indexer.scorer.weights_proj.weight": "indexer.weights_proj.weight",
+}
