@@ -27,6 +27,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask  # noqa
 
 from fp8mla.models.deepseek_v4 import V4Model  # noqa: E402
 from fp8mla.models.v4_config import CSA, HCA, SLIDING, load_v4_config  # noqa: E402
+from fp8mla.testing import compare  # noqa: E402
 
 # (rel_max, rel_l2) budgets per row format: float32 / float64 rows are exact up to summation order; bf16 rows and
 # queries; fp8: e4m3 NoPE values (3 mantissa bits) with power-of-two scales per 64 values, bf16 RoPE values
@@ -186,10 +187,10 @@ def run(kv_format: str, *, dtype=torch.float32, cfg=None, join=JOIN, steps=STEPS
                     csa_rows[r0:r1, : theirs.shape[1]] = theirs
                 q_resid = attn.q_a_norm(attn.q_a_proj(x))
             got = attn(x, st, csa_rows=csa_rows)
-            assert not torch.isnan(got).any(), f"step {step} layer {li}: NaN"
             for (r0, r1, p0), s, n in zip(st.seqs, names, counts):
-                d, w = (got[r0:r1] - want[r0:r1]).double(), want[r0:r1].double()
-                e = ((d.abs().max() / w.abs().max()).item(), (d.norm() / w.norm()).item())
+                c = compare(got[r0:r1], want[r0:r1])
+                assert c.nan_mismatch == 0, f"step {step} layer {li}: {c}"
+                e = (c.max_abs / want[r0:r1].abs().max().item(), c.rel_l2)
                 key = (attn.layer_type, mode_of(p0, n, first[s]))
                 errs[key] = tuple(map(max, errs.get(key, (0.0, 0.0)), e))
             if attn.layer_type == CSA:  # the indexer's own choice, on the rows the compressor wrote
