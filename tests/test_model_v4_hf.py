@@ -26,13 +26,22 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
 
 from fp8mla.models.deepseek_v4 import V4Model  # noqa: E402
+from fp8mla.models.v4_attend import attend_rows  # noqa: E402
 from fp8mla.models.v4_config import CSA, HCA, SLIDING, load_v4_config  # noqa: E402
+from fp8mla import available_backends  # noqa: E402
 from fp8mla.testing import compare  # noqa: E402
 
 # (rel_max, rel_l2) budgets per row format: float32 / float64 rows are exact up to summation order; bf16 rows and
-# queries; fp8: e4m3 NoPE values (3 mantissa bits) with power-of-two scales per 64 values, bf16 RoPE values
-BUDGET = {"float64": (1e-6, 1e-6), "float32": (2e-5, 1e-5), "bf16": (1.5e-2, 1e-2), "fp8": (1.2e-1, 1e-1)}
+# queries; fp8_v4: e4m3 NoPE values (3 mantissa bits) with power-of-two scales per 64 values and bf16 RoPE values;
+# fp8_v41: all 512 values in e4m3, scales per 32
+BUDGET = {"float64": (1e-6, 1e-6), "float32": (2e-5, 1e-5), "bf16": (1.5e-2, 1e-2), "fp8_v4": (1.2e-1, 1e-1),
+          "fp8_v41": (1.2e-1, 1e-1)}
+KERNEL_BUDGET = 1e-2  # the attention against float64 on the same dequantized rows (rel L2 of out, abs of lse)
 GAP = 1e-4
+
+
+TRITON = pytest.mark.skipif("triton" not in available_backends(), reason="triton cannot run here (no GPU, and "
+                            "TRITON_INTERPRET is not set)")
 
 
 @pytest.fixture(autouse=True)
@@ -109,8 +118,8 @@ class HFLayers:
         return out
 
 
-def load_ours(cfg, hf: HFLayers, dtype) -> V4Model:
-    ours = V4Model(cfg, dtype=dtype)
+def load_ours(cfg, hf: HFLayers, dtype, backend: str = "torch") -> V4Model:
+    ours = V4Model(cfg, dtype=dtype, backend=backend)
     for blk, a in zip(ours.layers, hf.attns):
         blk.self_attn.load_state_dict(a.state_dict(), strict=True)
     return ours
@@ -147,14 +156,36 @@ def selection_check(ours, scores, theirs, pos0, rate, topk):
     return choice, compared, differ
 
 
-def run(kv_format: str, *, dtype=torch.float32, cfg=None, join=JOIN, steps=STEPS, seed=0, page_size=4):
+def checked_attend(attn, into: list):
+    """``attn.attend`` that also runs the float64 torch code on the same queries (rounded as the kernel gets them)
+    over the same rows, dequantized, and appends the kernel's rel L2 to ``into``: the attention's own error, apart
+    from the rows' quantization."""
+    attend = type(attn).attend
+
+    def wrapped(q, segments, step):
+        out, lse = attend(attn, q, segments, step)
+        if step.cache.format is not None:
+            reads = [(lambda sl, st=st: step.cache.read_rows(st, attn.layer_idx, sl), idx) for st, idx in segments]
+            ref, ref_lse = attend_rows(q.to(step.attn_dtype).double(), reads, attn.sinks, attn.cfg.sm_scale,
+                                       compute_dtype=torch.float64)
+            c = compare(out, ref)
+            assert c.nan_mismatch == 0, c
+            into.append(max(c.rel_l2, (lse - ref_lse).abs().max().item()))
+        return out, lse
+    return wrapped
+
+
+def run(kv_format: str, *, dtype=torch.float32, cfg=None, join=JOIN, steps=STEPS, seed=0, page_size=4,
+        backend: str = "torch", kernel_errs: list | None = None):
     torch.manual_seed(seed)
     cfg = cfg or load_v4_config("tiny-v4")
     hf = HFLayers(cfg, seed, dtype)
-    ours = load_ours(cfg, hf, dtype)
+    ours = load_ours(cfg, hf, dtype, backend)
+    for blk in ours.layers:
+        blk.self_attn.attend = checked_attend(blk.self_attn, [] if kernel_errs is None else kernel_errs)
     cache = ours.make_cache(num_pages=256, page_size=page_size, kv_format=kv_format)
     with torch.no_grad():  # all-ones bytes are NaN in every format: an unselected or unwritten row read is seen
-        for pool in cache.pools.values():
+        for pool in (p for pools in cache.pools.values() for p in pools):
             pool.view(torch.uint8).fill_(0xFF)
         cache.index_pool.fill_(math.nan)
     for s in cache.streams.values():
@@ -210,9 +241,11 @@ def within(errs: dict, budget) -> bool:
     return all(e <= b for v in errs.values() for e, b in zip(v, budget))
 
 
-@pytest.mark.parametrize("kv_format", ["float32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv_format", ["float32", "bf16", "fp8_v4", "fp8_v41"])
 def test_layers_match_transformers(kv_format):
-    errs, (choice, compared, differ) = run(kv_format)
+    kernel = []
+    errs, (choice, compared, differ) = run(kv_format, kernel_errs=kernel)
+    assert kv_format == "float32" or (len(kernel) == 3 * STEPS and max(kernel) <= KERNEL_BUDGET), max(kernel)
     modes = {(t, m) for t in (SLIDING, CSA, HCA) for m in ("prefill", "chunk", "decode")}
     assert set(errs) == modes, sorted(errs)
     assert within(errs, BUDGET[kv_format]), errs
@@ -269,3 +302,14 @@ def test_save_pretrained_round_trip(tmp_path):
     assert any(".indexer.scorer.weights_proj." in n for n in names)
     for name, p in names.items():
         assert torch.equal(p, hf_sd["model." + name]), name
+
+
+@TRITON
+def test_layers_match_transformers_triton_kernel():
+    """The Triton V4 kernel and quantize-on-write in the same layers (the interpreter on a CPU: a short schedule):
+    a chunked prompt past the window and a one-token start, then decode tokens."""
+    kernel = []
+    errs, (choice, compared, differ) = run("fp8_v4", backend="triton", join={0: {"b": [3, 22, 9], "c": [1]}},
+                                           steps=4, kernel_errs=kernel)
+    assert within(errs, BUDGET["fp8_v4"]) and max(kernel) <= KERNEL_BUDGET, (errs, max(kernel))
+    assert choice >= 10 and differ == 0

@@ -3,7 +3,7 @@
 One step of a batch (any mix of new sequences, prefill chunks and decode tokens)::
 
     model = V4Model.random(load_v4_config("tiny-v4"))
-    cache = model.make_cache(num_pages=64, page_size=16, kv_format="fp8")
+    cache = model.make_cache(num_pages=64, page_size=16, kv_format="fp8_v4")
     a, b = cache.add_sequence(), cache.add_sequence()
     step = model.begin_step(cache, seq_ids=[a, b], num_tokens=[7, 1])
     out = model(hidden, step)                                   # hidden [8, hidden_size]
@@ -35,7 +35,8 @@ from torch import nn
 
 from .config import YarnRope
 from .v4_attend import attend_rows
-from .v4_cache import V4Cache
+from ..v4 import V4SparseAttention
+from .v4_cache import EXACT_FORMATS, V4Cache
 from .v4_compress import V4Compressor, V4RMSNorm, rope_tail, topk_rows, unweighted_rms_norm
 from .v4_config import CSA, HCA, NATIVE_NAMES, SLIDING, V4Config, load_v4_config
 
@@ -61,6 +62,8 @@ class V4Step:
     visible_idx: dict = field(default_factory=dict)  # stream -> [T, rows] int32: the rows each query may see
     states: dict = field(default_factory=dict)     # (seq, layer) -> the compressor states after this step
     selections: dict = field(default_factory=dict)  # CSA layer -> [T, index_topk] row ids (kept for tests)
+    plans: dict = field(default_factory=dict)      # layer type -> its V4SparseAttention, planned once a step
+    attn_dtype: torch.dtype = torch.bfloat16       # the queries' dtype in the attention
     committed: bool = False
 
     @property
@@ -93,9 +96,12 @@ def _rate(cfg: V4Config, stream: str) -> int:
     return cfg.compress_rates[CSA if stream == "csa" else HCA]
 
 
-def begin_v4_step(cache: V4Cache, seq_ids, num_tokens) -> V4Step:
-    """Reserve the step's window rows and compressed rows and build each query's window and visible-row lists.
-    All or nothing. Host work: O(batch) Python plus a few vectorized tables per sequence."""
+def begin_v4_step(cache: V4Cache, seq_ids, num_tokens, *, num_heads: int, attn_dtype=torch.bfloat16,
+                  backend: str = "auto") -> V4Step:
+    """Reserve the step's window rows and compressed rows, build each query's window and visible-row lists and
+    plan the attention of each layer type (:class:`fp8mla.V4SparseAttention`, ``num_heads`` heads, queries in
+    ``attn_dtype``, ``backend``). All or nothing. Host work: O(batch) Python plus a few vectorized tables per
+    sequence."""
     if not isinstance(cache, V4Cache):
         raise TypeError(f"cache: expected a V4Cache (V4Model.make_cache builds one), got {type(cache).__name__}")
     ids, counts = list(seq_ids), list(num_tokens)
@@ -132,6 +138,18 @@ def begin_v4_step(cache: V4Cache, seq_ids, num_tokens) -> V4Step:
     for kind, layer_type in (("main", SLIDING), ("compress", CSA)):
         rope = YarnRope(cfg.rope_spec(layer_type), device=dev)
         step.ropes[kind] = (rope, *rope.cos_sin(step.positions))
+    step.attn_dtype = attn_dtype
+    if cache.format is not None:
+        widths = {SLIDING: 0, CSA: cfg.index_topk, HCA: step.visible_idx["hca"].shape[1] if "hca" in
+                  step.visible_idx else 0}
+        for t in set(cfg.layer_types[: cache.num_layers]):
+            attn = V4SparseAttention(backend=backend)
+            attn.plan(num_heads, cfg.sm_scale, attn_dtype, cache.kv_format, window_topk=W,
+                      window_page_size=cache.page_size, compressed_topk=widths[t],
+                      compressed_page_size=cache.page_size if widths[t] else None,
+                      num_window_pages=cache.num_pages,
+                      num_compressed_pages=cache.num_compressed_pages if widths[t] else None, device=dev)
+            step.plans[t] = attn
     return step
 
 
@@ -148,7 +166,7 @@ def _reserve_compressed(step: V4Step, name: str) -> None:
         pos = torch.arange(p0, p0 + n, device=dev)
         see = torch.arange(after, device=dev)[None, :] < ((pos + 1) // m)[:, None]
         vis.append((see, step.all_rows[name][-1]))
-    width = max(s.shape[1] for s, _ in vis)
+    width = max(1, max(s.shape[1] for s, _ in vis))  # at least one (-1) column: the HCA plan has rows
     rows = [torch.full((s.shape[0], width), -1, dtype=torch.int32, device=dev) for s, _ in vis]
     for out, (see, slots) in zip(rows, vis):
         out[:, : see.shape[1]] = torch.where(see, slots[None, :], -1).to(torch.int32)
@@ -190,6 +208,7 @@ class V4Attention(nn.Module):
             else:
                 p.copy_(r if name == "sinks" else 0.1 * r)
 
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, step: V4Step, *, csa_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden_size]`` -> ``[T, hidden_size]``. ``csa_rows [T, k]`` int64 compressed-row ids (``-1``:
         none): attend to these instead of the indexer's on a CSA layer (tests hand in transformers' own)."""
@@ -205,7 +224,7 @@ class V4Attention(nn.Module):
         q = rope_tail(unweighted_rms_norm(self.q_b_proj(q_resid).view(T, H, D), c.rms_norm_eps), cos, sin)
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
         cache.write_rows("window", self.layer_idx, step.window_slots, kv)  # before any query reads it
-        segments = [(self._reader(cache, "window"), step.window_idx)]
+        segments = [("window", step.window_idx)]
         if self.compressor is not None:
             stream = cache.stream_of(self.layer_idx)
             self._compress(x, step, stream)
@@ -215,8 +234,8 @@ class V4Attention(nn.Module):
                 rows = self.select(x, q_resid, step) if csa_rows is None else csa_rows
                 step.selections[self.layer_idx] = rows
                 idx = self._row_slots(rows, step, stream)
-            segments.append((self._reader(cache, stream), idx))
-        out, _ = self.attend(q, segments, cache)
+            segments.append((stream, idx))
+        out, _ = self.attend(q, segments, step)
         out = rope_tail(out, cos, -sin)
         return self._project(out)
 
@@ -224,13 +243,23 @@ class V4Attention(nn.Module):
     def _reader(self, cache: V4Cache, stream: str):
         return lambda slots: cache.read_rows(stream, self.layer_idx, slots)
 
-    def attend(self, q: torch.Tensor, segments, cache: V4Cache):
-        """The seam to the attention kernels: ``(out [T, H, 512], lse [T, H])`` over the segments' rows."""
-        fmt = cache.kv_format
-        # the kernels take 16-bit queries; the float32 / float64 rows (tests) are read at their own precision
-        qdt = {"float32": torch.float32, "float64": torch.float64, "fp16": torch.float16}.get(fmt, torch.bfloat16)
-        out, lse = attend_rows(q.to(qdt), segments, self.sinks, self.cfg.sm_scale,
-                               compute_dtype=torch.float64 if fmt == "float64" else torch.float32)
+    def attend(self, q: torch.Tensor, segments, step: V4Step):
+        """The attention over the segments' rows: ``(out [T, H, 512] in q's dtype, lse [T, H] natural log)``.
+        The V4 formats go through the step's :class:`fp8mla.V4SparseAttention` plan for this layer type (queries in
+        the step's 16-bit dtype); the float32 / float64 rows through the torch code at their own precision."""
+        cache = step.cache
+        if cache.format is None:
+            wide = EXACT_FORMATS[cache.kv_format]
+            return attend_rows(q.to(wide), [(self._reader(cache, st), idx) for st, idx in segments], self.sinks,
+                               self.cfg.sm_scale, compute_dtype=wide)
+        (window, w_idx), extra = segments[0], segments[1:]
+        kw = {}
+        if extra:
+            stream, idx = extra[0]
+            kw = dict(compressed_pool=cache.pool(stream, self.layer_idx), compressed_indices=idx.contiguous())
+        out, lse = step.plans[self.layer_type].run(
+            q.to(step.attn_dtype).contiguous(), cache.pool(window, self.layer_idx), w_idx, sinks=self.sinks,
+            return_lse=True, return_lse_base_on_e=True, **kw)
         return out.to(q.dtype), lse
 
     def _compress(self, x: torch.Tensor, step: V4Step, stream: str) -> None:
@@ -267,14 +296,16 @@ class V4Attention(nn.Module):
         rows = torch.cat(out)
         return (rows, scores) if return_scores else rows
 
-    @staticmethod
-    def _row_slots(rows: torch.Tensor, step: V4Step, stream: str) -> torch.Tensor:
-        """Row ids ``[T, k]`` (per sequence) -> flat slots int32, -1 kept."""
-        out = torch.full(rows.shape, -1, dtype=torch.int32, device=rows.device)
+    def _row_slots(self, rows: torch.Tensor, step: V4Step, stream: str) -> torch.Tensor:
+        """Row ids ``[T, k]`` (per sequence) -> flat slots int32 ``[T, index_topk]``, -1 kept and padded."""
+        if rows.dim() != 2 or rows.shape[0] != step.num_rows or rows.shape[1] > self.cfg.index_topk:
+            raise ValueError(f"csa_rows: expected [{step.num_rows}, <= {self.cfg.index_topk}] row ids, got "
+                             f"{list(rows.shape)}")
+        out = torch.full((rows.shape[0], self.cfg.index_topk), -1, dtype=torch.int32, device=rows.device)
         for (r0, r1, _), slots in zip(step.seqs, step.all_rows[stream]):
             r = rows[r0:r1]
             if slots.numel():
-                out[r0:r1] = torch.where(r >= 0, slots[r.clamp(0, slots.numel() - 1)], -1).to(torch.int32)
+                out[r0:r1, : r.shape[1]] = torch.where(r >= 0, slots[r.clamp(0, slots.numel() - 1)], -1)
         return out
 
     def _project(self, out: torch.Tensor) -> torch.Tensor:
@@ -301,14 +332,15 @@ class V4Model(nn.Module):
     """A stack of V4 attention blocks with pre-norm residuals (attention only: no embedding, hyper-connections,
     MoE or head). ``cfg``: a :class:`V4Config` or anything :func:`load_v4_config` takes."""
 
-    def __init__(self, cfg, num_layers: int | None = None, *, dtype=torch.bfloat16, device="cpu"):
+    def __init__(self, cfg, num_layers: int | None = None, *, dtype=torch.bfloat16, device="cpu",
+                 backend: str = "auto"):
         super().__init__()
         self.cfg = cfg = load_v4_config(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.num_layers:
             raise ValueError(f"num_layers: expected an int in [1, {cfg.num_layers}], got {num_layers!r}")
         self.layers = nn.ModuleList(V4Block(cfg, i, dtype=dtype, device=device) for i in range(n))
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.backend = dtype, torch.device(device), backend
 
     @classmethod
     def random(cls, cfg, num_layers=None, *, seed: int = 0, **kw) -> "V4Model":
@@ -355,12 +387,16 @@ class V4Model(nn.Module):
     def make_cache(self, num_pages: int, page_size: int, kv_format="bf16", **kw) -> V4Cache:
         """Row streams, indexer keys (in the model's dtype unless ``index_dtype`` says) and compressor states."""
         kw.setdefault("index_dtype", self.dtype)
+        kw.setdefault("write_backend", "torch" if self.backend == "torch" else "auto")
         return V4Cache(self.cfg, len(self.layers), num_pages, page_size, kv_format, device=self.device, **kw)
 
     def begin_step(self, cache: V4Cache, seq_ids, num_tokens) -> V4Step:
         if cache.num_layers < len(self.layers):
             raise ValueError(f"cache: {cache.num_layers} layers, the model has {len(self.layers)}")
-        return begin_v4_step(cache, seq_ids, num_tokens)
+        # the attention takes 16-bit queries; an fp32 / fp64 model (tests) runs it in bf16 over the V4 formats
+        adt = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return begin_v4_step(cache, seq_ids, num_tokens, num_heads=self.cfg.num_heads, attn_dtype=adt,
+                             backend=self.backend)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: V4Step) -> torch.Tensor:

@@ -12,9 +12,10 @@ compressors' states.
 Each stream has its own pages (``num_pages`` of ``page_size`` rows) and one pool per layer that uses it; a row's
 flat slot is ``page * page_size + offset``, which is what the attention's index lists hold.
 
-Row formats (``kv_format``): ``"bf16"`` / ``"fp16"`` / ``"float32"`` / ``"float64"`` keep the 512 values, or
-``"fp8"``: 448 NoPE values in e4m3 with one power-of-two (ue8m0) scale per 64 of them and the 64 RoPE values in
-bf16, 584 bytes a row, the content of vLLM's V4 record (see :func:`encode_fp8_rows`).
+Row formats (``kv_format``): the V4 pool formats of :mod:`fp8mla.formats_v4` -- ``"fp8_v4"`` (vLLM's 584-byte
+record: 448 e4m3 NoPE values with one power-of-two scale per 64, 64 bf16 RoPE values), ``"fp8_v41"`` (FlashMLA's
+528-byte V4.1 record) or ``"bf16"`` -- read by :class:`fp8mla.V4SparseAttention`; or ``"float32"`` /
+``"float64"``, kept as they are and read by the torch code of :mod:`.v4_attend` (exactness tests).
 """
 from __future__ import annotations
 
@@ -23,42 +24,16 @@ import itertools
 import torch
 
 from ..cache import OutOfPagesError
+from ..formats_v4 import HEAD_DIM, V4_FORMATS, get_v4_format
+from ..v4 import write_v4_pool
 from .v4_compress import CompressorState
-from .v4_config import CSA, HCA, SLIDING, V4Config
+from .v4_config import CSA, HCA, V4Config
 
-__all__ = ["V4Cache", "ROW_FORMATS", "encode_fp8_rows", "decode_fp8_rows"]
+__all__ = ["V4Cache", "ROW_FORMATS", "EXACT_FORMATS"]
 
-ROW_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-               "fp8": torch.uint8}
-NOPE, ROPE, SCALE_GROUP = 448, 64, 64
-FP8_ROW_BYTES = NOPE + 2 * ROPE + NOPE // SCALE_GROUP + 1  # 584: values, bf16 rope, 7 ue8m0 scales, 1 pad byte
-E4M3_MAX = 448.0
+EXACT_FORMATS = {"float32": torch.float32, "float64": torch.float64}
+ROW_FORMATS = tuple(V4_FORMATS) + tuple(EXACT_FORMATS)
 _STREAM_OF = {CSA: "csa", HCA: "hca"}
-
-
-def encode_fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[n, 512]`` -> ``[n, 584]`` uint8: bytes ``[0, 448)`` e4m3 NoPE values, ``[448, 576)`` the RoPE values as
-    bf16, ``[576, 583)`` one ue8m0 exponent per 64 NoPE values (scale ``2 ** (byte - 127)``, the smallest power of
-    two with ``amax / scale <= 448``, amax floored at 1e-4 as vLLM's writer), one zero pad byte. Saturating."""
-    n = x.shape[0]
-    nope = x[:, :NOPE].float().view(n, NOPE // SCALE_GROUP, SCALE_GROUP)
-    amax = nope.abs().nan_to_num(nan=0.0, posinf=0.0).amax(-1).clamp_min(1e-4)
-    exp = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(-127, 127)
-    vals = (nope / torch.exp2(exp)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    out = torch.zeros(n, FP8_ROW_BYTES, dtype=torch.uint8, device=x.device)
-    out[:, :NOPE] = vals.view(n, NOPE).view(torch.uint8)
-    out[:, NOPE:NOPE + 2 * ROPE] = x[:, NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    out[:, NOPE + 2 * ROPE:FP8_ROW_BYTES - 1] = (exp + 127).to(torch.uint8)
-    return out
-
-
-def decode_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``[n, 584]`` uint8 -> ``[n, 512]`` fp32 (see :func:`encode_fp8_rows`)."""
-    n = rows.shape[0]
-    vals = rows[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float().view(n, NOPE // SCALE_GROUP, SCALE_GROUP)
-    scale = torch.exp2(rows[:, NOPE + 2 * ROPE:FP8_ROW_BYTES - 1].float() - 127)
-    rope = rows[:, NOPE:NOPE + 2 * ROPE].contiguous().view(torch.bfloat16).float()
-    return torch.cat([(vals * scale[..., None]).view(n, NOPE), rope], dim=1)
 
 
 class _RowStream:
@@ -120,18 +95,23 @@ class V4Cache:
         num_pages, page_size: geometry of each stream's pages (``compressed_pages``: of the CSA / HCA streams,
             default ``num_pages``).
         kv_format: the rows' format (:data:`ROW_FORMATS`); index_dtype: of the indexer keys.
+        write_backend: the quantize-on-write code of the V4 formats (:func:`fp8mla.v4.write_v4_pool`'s
+            ``backend``: ``"auto"``, ``"torch"``, ``"triton"``).
     """
 
     def __init__(self, cfg: V4Config, num_layers: int, num_pages: int, page_size: int, kv_format="bf16", *,
-                 compressed_pages: int | None = None, index_dtype=torch.bfloat16, device="cpu"):
+                 compressed_pages: int | None = None, index_dtype=torch.bfloat16, device="cpu",
+                 write_backend: str = "auto"):
         if kv_format not in ROW_FORMATS:
             raise ValueError(f"kv_format: expected one of {sorted(ROW_FORMATS)}, got {kv_format!r}")
         for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         self.cfg, self.num_layers, self.page_size = cfg, num_layers, page_size
-        self.kv_format, self.device = kv_format, torch.device(device)
+        self.kv_format, self.device, self.write_backend = kv_format, torch.device(device), write_backend
+        self.format = None if kv_format in EXACT_FORMATS else get_v4_format(kv_format)
         cpages = num_pages if compressed_pages is None else compressed_pages
+        self.num_pages, self.num_compressed_pages = num_pages, cpages
         types = cfg.layer_types[:num_layers]
         self.streams = {"window": _RowStream("window", num_pages, page_size)}
         self.layer_rows = {}  # layer -> (stream, pool index) of its compressed rows
@@ -140,13 +120,12 @@ class V4Cache:
             if layers:
                 self.streams[_STREAM_OF[t]] = _RowStream(_STREAM_OF[t], cpages, page_size)
             self.layer_rows.update({i: (_STREAM_OF[t], j) for j, i in enumerate(layers)})
-        width = FP8_ROW_BYTES if kv_format == "fp8" else cfg.head_dim
-        dt = ROW_FORMATS[kv_format]
-        self.pools = {"window": torch.zeros(num_layers, num_pages * page_size, width, dtype=dt, device=device)}
-        for name in ("csa", "hca"):
-            if name in self.streams:
-                n = sum(1 for s, _ in self.layer_rows.values() if s == name)
-                self.pools[name] = torch.zeros(n, cpages * page_size, width, dtype=dt, device=device)
+        # one pool per layer and stream: [pages, page_size, ...] in the format's shape (fp8_v4: a view of padded
+        # pages, which is why the layers are not stacked in one tensor)
+        self.pools = {name: [self._new_pool(cpages if name != "window" else num_pages)
+                             for _ in range(num_layers if name == "window" else
+                                            sum(1 for s_, _ in self.layer_rows.values() if s_ == name))]
+                      for name in self.streams}
         n_csa = sum(1 for s, _ in self.layer_rows.values() if s == "csa")
         self.index_pool = torch.zeros(n_csa, cpages * page_size, cfg.index_head_dim, dtype=index_dtype,
                                       device=device)
@@ -193,22 +172,30 @@ class V4Cache:
         return got
 
     # -- rows -----------------------------------------------------------------------------------------------
-    def rows(self, stream: str, layer: int) -> torch.Tensor:
-        """``[slots, width]`` storage rows of ``layer`` in ``stream`` (flat slot = page * page_size + offset)."""
+    def _new_pool(self, num_pages: int) -> torch.Tensor:
+        if self.format is not None:
+            return self.format.new_pool(num_pages, self.page_size, device=self.device)
+        return torch.zeros(num_pages, self.page_size, HEAD_DIM, dtype=EXACT_FORMATS[self.kv_format],
+                           device=self.device)
+
+    def pool(self, stream: str, layer: int) -> torch.Tensor:
+        """The pool of ``layer``'s rows in ``stream`` (a row's flat slot is ``page * page_size + offset``)."""
         return self.pools[stream][layer if stream == "window" else self.layer_rows[layer][1]]
 
     def write_rows(self, stream: str, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Store ``x [n, 512]`` at ``slots`` (quantized on write in the ``"fp8"`` format)."""
-        rows = self.rows(stream, layer)
-        rows[slots] = encode_fp8_rows(x) if self.kv_format == "fp8" else x.to(rows.dtype)
+        """Store ``x [n, 512]`` at ``slots`` (quantize-on-write in the V4 formats)."""
+        pool = self.pool(stream, layer)
+        if self.format is not None:
+            write_v4_pool(self.format, pool, slots, x, page_size=self.page_size, backend=self.write_backend)
+        else:
+            pool.view(-1, HEAD_DIM)[slots] = x.to(pool.dtype)
 
     def read_rows(self, stream: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """``[n, 512]`` rows at ``slots`` (gathered, then dequantized: never the pool)."""
-        raw = self.rows(stream, layer)[slots]
-        return decode_fp8_rows(raw) if self.kv_format == "fp8" else raw
+        """``[n, 512]`` rows at ``slots``, gathered, then dequantized (never the pool); fp32 for the V4 formats."""
+        pool = self.pool(stream, layer)
+        if self.format is not None:
+            return self.format.read(pool, slots, torch.float32, page_size=self.page_size)
+        return pool.view(-1, HEAD_DIM)[slots]
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index_pool[self.layer_rows[layer][1]]
-
-    def layer_types(self):
-        return [SLIDING if i not in self.layer_rows else self.cfg.layer_types[i] for i in range(self.num_layers)]
