@@ -124,3 +124,15 @@ def test_bad_input():
     with pytest.raises(OutOfPagesError, match="window"):
         m.begin_step(cache, [s], [40])
     assert cache.seq_len(s) == 2
+
+
+def test_docs_example_runs():
+    """The example at the top of docs/v4_model.md, as written."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "docs" / "v4_model.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/v4_model.md", "exec"), scope)
+    out = scope["out"]
+    assert out.shape == (31, scope["model"].cfg.hidden_size) and torch.isfinite(out).all()
