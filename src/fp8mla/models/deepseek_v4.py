@@ -130,27 +130,33 @@ def begin_v4_step(cache: V4Cache, seq_ids, num_tokens, *, num_heads: int, attn_d
         for name in ("csa", "hca"):
             if name in cache.streams:
                 _reserve_compressed(step, name)
+        step.positions = torch.cat(positions)
+        step.window_slots, step.window_idx = torch.cat(win_slots), torch.cat(win_idx)
+        for kind, layer_type in (("main", SLIDING), ("compress", CSA)):
+            rope = YarnRope(cfg.rope_spec(layer_type), device=dev)
+            step.ropes[kind] = (rope, *rope.cos_sin(step.positions))
+        step.attn_dtype = attn_dtype
+        if cache.format is not None:
+            _plan(step, num_heads, attn_dtype, backend)
     except BaseException:
         step.cancel()
         raise
-    step.positions = torch.cat(positions)
-    step.window_slots, step.window_idx = torch.cat(win_slots), torch.cat(win_idx)
-    for kind, layer_type in (("main", SLIDING), ("compress", CSA)):
-        rope = YarnRope(cfg.rope_spec(layer_type), device=dev)
-        step.ropes[kind] = (rope, *rope.cos_sin(step.positions))
-    step.attn_dtype = attn_dtype
-    if cache.format is not None:
-        widths = {SLIDING: 0, CSA: cfg.index_topk, HCA: step.visible_idx["hca"].shape[1] if "hca" in
-                  step.visible_idx else 0}
-        for t in set(cfg.layer_types[: cache.num_layers]):
-            attn = V4SparseAttention(backend=backend)
-            attn.plan(num_heads, cfg.sm_scale, attn_dtype, cache.kv_format, window_topk=W,
-                      window_page_size=cache.page_size, compressed_topk=widths[t],
-                      compressed_page_size=cache.page_size if widths[t] else None,
-                      num_window_pages=cache.num_pages,
-                      num_compressed_pages=cache.num_compressed_pages if widths[t] else None, device=dev)
-            step.plans[t] = attn
     return step
+
+
+def _plan(step: V4Step, num_heads: int, attn_dtype, backend: str) -> None:
+    """One V4SparseAttention plan per layer type: window rows only (sliding), plus ``index_topk`` selected rows
+    (CSA), plus every row a query of the step may see (HCA)."""
+    cache, cfg = step.cache, step.cache.cfg
+    widths = {SLIDING: 0, CSA: cfg.index_topk, HCA: step.visible_idx["hca"].shape[1] if "hca" in
+              step.visible_idx else 0}
+    for t in set(cfg.layer_types[: cache.num_layers]):
+        attn = V4SparseAttention(backend=backend)
+        attn.plan(num_heads, cfg.sm_scale, attn_dtype, cache.kv_format, window_topk=cfg.sliding_window,
+                  window_page_size=cache.page_size, compressed_topk=widths[t],
+                  compressed_page_size=cache.page_size if widths[t] else None, num_window_pages=cache.num_pages,
+                  num_compressed_pages=cache.num_compressed_pages if widths[t] else None, device=step.cache.device)
+        step.plans[t] = attn
 
 
 def _reserve_compressed(step: V4Step, name: str) -> None:
@@ -163,9 +169,12 @@ def _reserve_compressed(step: V4Step, name: str) -> None:
         assert stream.rows[sid] == before, (name, sid, stream.rows[sid], before)
         step.new_rows[name].append(stream.reserve(sid, after - before, dev))
         step.all_rows[name].append(stream.slots(sid, 0, after, dev))
-        pos = torch.arange(p0, p0 + n, device=dev)
-        see = torch.arange(after, device=dev)[None, :] < ((pos + 1) // m)[:, None]
-        vis.append((see, step.all_rows[name][-1]))
+        if name == "hca":  # HCA queries see every complete row; CSA queries get theirs from the indexer
+            pos = torch.arange(p0, p0 + n, device=dev)
+            see = torch.arange(after, device=dev)[None, :] < ((pos + 1) // m)[:, None]
+            vis.append((see, step.all_rows[name][-1]))
+    if not vis:
+        return
     width = max(1, max(s.shape[1] for s, _ in vis))  # at least one (-1) column: the HCA plan has rows
     rows = [torch.full((s.shape[0], width), -1, dtype=torch.int32, device=dev) for s, _ in vis]
     for out, (see, slots) in zip(rows, vis):
@@ -377,7 +386,11 @@ class V4Model(nn.Module):
                     base = f"{prefix}layers.{i}."
                     for name, p in blk.self_attn.named_parameters():
                         key = base + ("attn." + NATIVE_NAMES[name] if native else "self_attn." + name)
-                        p.copy_(torch.as_tensor(reader.get(key)[:]).to(p.dtype))
+                        w = torch.as_tensor(reader.get(key)[:])
+                        if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # its scales not found
+                            raise ValueError(f"checkpoint: {key} is FP8 without a {key}_scale_inv block scale; "
+                                             "other scale layouts are not read (the values would be wrong)")
+                        p.copy_(w.to(p.dtype))
                     norm = base + ("attn_norm.weight" if native else "input_layernorm.weight")
                     blk.input_layernorm.weight.copy_(torch.as_tensor(reader.get(norm)[:]).float())
         finally:

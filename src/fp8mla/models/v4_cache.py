@@ -107,6 +107,8 @@ class V4Cache:
         for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if num_layers > cfg.num_layers:
+            raise ValueError(f"num_layers: the config has {cfg.num_layers} layers, got {num_layers}")
         self.cfg, self.num_layers, self.page_size = cfg, num_layers, page_size
         self.kv_format, self.device, self.write_backend = kv_format, torch.device(device), write_backend
         self.format = None if kv_format in EXACT_FORMATS else get_v4_format(kv_format)
