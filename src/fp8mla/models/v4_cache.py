@@ -26,7 +26,6 @@ import torch
 from ..cache import OutOfPagesError
 from ..formats_v4 import HEAD_DIM, V4_FORMATS, get_v4_format
 from ..v4 import write_v4_pool
-from .v4_compress import CompressorState
 from .v4_config import CSA, HCA, V4Config
 
 __all__ = ["V4Cache", "ROW_FORMATS", "EXACT_FORMATS"]
