@@ -90,6 +90,7 @@ def test_window_pages_are_given_back_and_a_failed_step_rolls_back():
     torch.manual_seed(0)
     m = tiny_model()
     cache = m.make_cache(num_pages=32, page_size=4, kv_format="bf16")
+    empty = {k: len(v.free) for k, v in cache.streams.items()}
     s = cache.add_sequence()
     m(torch.randn(21, 64), m.begin_step(cache, [s], [21]))
     win = cache.streams["window"]
@@ -104,6 +105,8 @@ def test_window_pages_are_given_back_and_a_failed_step_rolls_back():
     assert {k: len(v.free) for k, v in cache.streams.items()} == free and cache.seq_len(s) == 51
     m(torch.randn(2, 64), m.begin_step(cache, [s], [2]))  # the sequence goes on where it was
     assert cache.seq_len(s) == 53
+    cache.free(s)
+    assert {k: len(v.free) for k, v in cache.streams.items()} == empty and not cache.states
 
 
 def test_bad_input():
@@ -116,6 +119,10 @@ def test_bad_input():
     s = cache.add_sequence()
     with pytest.raises(ValueError, match="num_tokens"):
         m.begin_step(cache, [s], [0])
+    step = m.begin_step(cache, [s], [2])
+    with pytest.raises(ValueError, match="csa_rows"):
+        m.layers[1].self_attn(torch.randn(2, 64), step, csa_rows=torch.zeros(2, 9, dtype=torch.int64))
+    step.cancel()
     step = m.begin_step(cache, [s], [2])
     m(torch.randn(2, 64), step)
     with pytest.raises(ValueError, match="step"):
