@@ -1,6 +1,6 @@
 """The DeepSeek V4 pool formats: their bytes (against layouts written out by hand here, not through
 formats_v4.py), the ue8m0 scale choice, the saturating write (torch and the Triton write kernel, same bytes) and
-named errors for pools of the wrong shape."""
+named errors for pools of the wrong shape; `fp8mla info` lists them."""
 from __future__ import annotations
 
 import math
@@ -152,3 +152,11 @@ def test_wrong_record_width_and_shapes_are_named():
         v4.write(v4.new_pool(1, 4), torch.tensor([4]), torch.zeros(1, 512))
     with pytest.raises(ValueError, match="kv_format"):
         get_v4_format("fp8_ds_mla")
+
+
+def test_info_lists_v4_formats_and_kernels(capsys):
+    from fp8mla.cli import main
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "fp8mla.V4SparseAttention" in text and "584 B/token" in text and "528 B/token" in text
+    assert "kernels/v4_attention.py" in text

@@ -65,9 +65,9 @@ class MLAPagedAttention:
             e4m3 wgmma, no K/V conversion; error budget rel L2 <= 2e-2 instead of the default 3e-3; per-tensor
             e4m3 only; a plan that would run elsewhere raises); ``heads_on_m``: the gluon kernel's heads-on-M build
             (64 heads on the MMA's M side; 33..128 heads, one query per request, per-tensor e4m3, pages of a
-            multiple of 64): None = the selector's choice (it for plain plans with host lengths, where the H200
-            measured it faster at every timed shape; CUDA-graph plans and device-only lengths keep the wide
-            build), False = the wide build,
+            multiple of 64): None = the selector's choice (it wherever it takes the plan, plain or CUDA-graph,
+            host or device-only lengths: the H200 measured it faster at every timed shape), False = the wide
+            build,
             True = required (a plan it cannot take raises with the reason); and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20).

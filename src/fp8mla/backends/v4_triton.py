@@ -10,7 +10,7 @@ from ..runtime import LN2, num_sms
 def prepare(p, kernel_options: dict) -> None:
     """Fix the launch configuration and the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``)."""
     from ..kernels import v4_attention
-    p.config = v4_attention.launch_config(p.num_heads, p.device, **kernel_options)
+    p.config = v4_attention.launch_config(p.fmt.kind, p.device, **kernel_options)
     cap = 0
     if p.num_splits is None:  # the largest tokens x (splits + sink part) any call needs: O(SMs), not O(batch)
         for n in range(1, 2 * num_sms(p.device) + 1):
@@ -27,10 +27,14 @@ def splits(p, n: int) -> int:
     at least ``min_split`` keys. Fixed per (plan, n): the same inputs split and merge the same way."""
     total = p.window_topk + p.compressed_topk
     if p.num_splits is not None:
-        return max(1, min(p.num_splits, total))
-    tiles = -(-p.num_heads // p.config["block_h"])
-    want = -(-2 * num_sms(p.device) // max(1, n * tiles))
-    return max(1, min(want, total // p.min_split))
+        want = max(1, min(p.num_splits, total))
+    else:
+        tiles = -(-p.num_heads // p.config["block_h"])
+        want = -(-2 * num_sms(p.device) // max(1, n * tiles))
+        want = max(1, min(want, total // p.min_split))
+    bn = p.config["block_n"]
+    chunk = -(-(-(-total // want)) // bn) * bn   # whole key blocks per split, as the launcher cuts them
+    return -(-total // chunk)
 
 
 def _kernel_segment(fmt, seg):

@@ -55,9 +55,20 @@ def _load_rows(p8, p16, row, srow, ok, FMT: tl.constexpr):
         fm = ok[:, None] & (col < NQ)[None, :]
         b = tl.load(p8 + row[:, None] + col[None, :], mask=fm, other=0)
         v = _bits_to_fp16(b, 1).to(tl.float32)
-        sb = tl.load(p8 + srow[:, None] + (col // G)[None, :], mask=fm, other=0)
-        # 2^(e - 127) from the byte's bits, times 256 for the fp16 conversion's value / 256
-        sc = ((sb.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+        if FMT == 1:
+            # one load of the row's 7 scale bytes, broadcast over their 64-value groups (triton 3.9: no spills
+            # on sm_89/90a/120, 16 B on sm_80, against up to 96 B for a 512-wide gather of the bytes)
+            NS: tl.constexpr = 512 // G
+            g = tl.arange(0, NS)
+            sb = tl.load(p8 + srow[:, None] + g[None, :], mask=ok[:, None] & (g < NQ // G)[None, :], other=0)
+            sc = ((sb.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [sc.shape[0], NS, G]), [sc.shape[0], 512])
+        else:
+            # fp8_v41's 16 bytes: the gathered form compiles with fewer spills than the broadcast one (8 vs 32 B
+            # on sm_89, triton 3.9)
+            sb = tl.load(p8 + srow[:, None] + (col // G)[None, :], mask=fm, other=0)
+            sc = ((sb.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+        # sc = 2^(e - 127) from the byte's bits, times 256 for the fp16 conversion's value / 256
         k = v * sc
         if FMT == 1:
             rm = ok[:, None] & (col >= NQ)[None, :]
@@ -193,13 +204,21 @@ class Segment:
     lengths: object = None
 
 
-def launch_config(num_heads: int, device, *, block_h: int | None = None, block_n: int | None = None,
+# Tiles per format (compiled for sm_80/89/90a/120 by tests/test_compile_v4.py, not yet timed on a GPU): 16 query
+# heads (the MMA's smallest M) x BLOCK_N keys. The FP8 formats dequantize a [BLOCK_N, 512] tile in fp32
+# registers: 16 keys a step keeps fp8_v4 (but 16 B on sm_80) spill-free at 4 warps and fp8_v41 at 8.
+DEFAULT_TILES = {FMT_BF16: dict(block_h=16, block_n=32, num_warps=4),
+                 FMT_V4: dict(block_h=16, block_n=16, num_warps=4),
+                 FMT_V41: dict(block_h=16, block_n=16, num_warps=8)}
+
+
+def launch_config(fmt: int, device, *, block_h: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None) -> dict:
-    """Launch settings (any of them overridable): 16 heads x 32 keys a step; 16 query rows is the MMA's
-    smallest M, and the [16, 512] fp32 accumulator plus a [32, 512] bf16 key tile fit 4 warps' registers."""
+    """Launch settings for format ``fmt`` (``DEFAULT_TILES``), any of them overridable."""
     import torch
-    cfg = dict(block_h=block_h or 16, block_n=block_n or 32, num_warps=num_warps or 4,
-               num_stages=num_stages or 1)
+    d = DEFAULT_TILES[fmt]
+    cfg = dict(block_h=block_h or d["block_h"], block_n=block_n or d["block_n"],
+               num_warps=num_warps or d["num_warps"], num_stages=num_stages or 1)
     for name in ("block_h", "block_n"):
         v = cfg[name]
         if v < 16 or v & (v - 1):
