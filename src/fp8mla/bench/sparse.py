@@ -98,11 +98,14 @@ def main(args) -> int:
                     # auto's pick (the Gluon build on Hopper for the plans it takes), then the portable Triton
                     # kernel unless that was the pick
                     attns = []
-                    for requested in ("auto", "triton"):
-                        attn = MLASparseAttention(backend=requested)
+                    modes = [("auto", False), ("triton", False)]
+                    if getattr(args, "batch_invariant", False):
+                        modes.append(("triton", True))
+                    for requested, invariant in modes:
+                        attn = MLASparseAttention(backend=requested, batch_invariant=invariant)
                         attn.plan(H, args.topk, page, 1.0 / math.sqrt(576), torch.bfloat16, fmt.name,
                                   num_pages=kv.shape[0])
-                        if attn.backend not in [a.backend for a in attns]:
+                        if invariant or attn.backend not in [a.backend for a in attns if not a.batch_invariant]:
                             attns.append(attn)
                     for attn in attns:
                         run = lambda a=attn: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra)  # noqa: E731
@@ -113,7 +116,7 @@ def main(args) -> int:
                         ms = time_ms(run, reps=args.reps)
                         ck = _last_compiled(attn.backend)
                         res = f"regs {ck.n_regs} spills {ck.n_spills}" if hasattr(ck, "n_regs") else ""
-                        name = f"fp8mla sparse [{attn.backend}]"
+                        name = f"fp8mla sparse [{attn.backend}{',invariant' if attn.batch_invariant else ''}]"
                         row = dict(kernel=name, kv=fmt.name, H=H, B=B, L=L, topk=args.topk, page=page,
                                    splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6,
                                    tflops=flops / ms / 1e9, pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
