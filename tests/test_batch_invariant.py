@@ -297,3 +297,32 @@ def test_captured_graph_replays_the_same_bits_after_replans():
             torch.cuda.synchronize()
         seen = {b: v[0] for b, v in alone.items()}
         assert_same_bits(seen, per_request(reqs, order, out, lse), f"replay of batch {order}")
+
+
+def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
+    """The decode runner's re-plan of a CUDA-graph plan (``backends.triton.replan_rows``) stages the same
+    invariant cut as a fresh schedule; a batch past the work-item capacity is refused naming ``max_partials``."""
+    tb = pytest.importorskip("fp8mla.backends.triton")
+    if "triton" not in fp8mla.available_backends(DEVICE):
+        pytest.skip("triton backend unavailable here")
+    from fp8mla.layout import PagedLayout
+    table = torch.arange(32, dtype=torch.int32).reshape(4, 8)
+    attn = fp8mla.MLAPagedAttention(backend="triton", use_cuda_graph=True, batch_invariant=True, invariant_chunk=64,
+                                    max_batch_size=4, max_kv_indices=32, max_partials=2)
+
+    def plan(lens):
+        attn.plan_layout(PagedLayout.from_block_table(table, torch.tensor(lens), 16), 16, 512, 64, True, 0.1,
+                         torch.bfloat16, "fp8_e4m3")
+    plan([100, 5, 64, 0])
+    impl, state = attn._plan.impl, attn._state["triton"]
+    layout = PagedLayout.from_block_table(table, torch.tensor([128, 6, 65, 1]), 16)
+    assert tb.replan_rows(impl, layout, state) is impl
+    want = tb.schedule_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
+                            fixed_chunk=64)
+    buf, n = state["graph"].buf, want["num_items"][0]
+    assert n == 6 and buf["num_items"].tolist() == [6]
+    for key in ("item_req", "item_start", "item_end", "item_part"):
+        assert buf[key][:n].tolist() == want[key][:n], key
+    assert buf["item_start"][:n].tolist() == [0, 64, 0, 0, 64, 0]
+    with pytest.raises(ValueError, match="batch_invariant: this batch cuts into 7 KV chunks .* max_partials"):
+        plan([128, 128, 128, 0])

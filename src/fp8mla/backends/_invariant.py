@@ -4,7 +4,9 @@ In this mode a request's output and lse are the same bits whatever shares its ba
 at boundaries that follow from its own length and a fixed chunk size, never from the batch size, the other
 requests or the GPU's SM count; the partials are merged in chunk order, and every chunk is reduced in one fixed
 order by one kernel configuration (which follows the heads, the format, the device and the options, never the
-batch). docs/batch_invariance.md states the contract.
+batch). docs/batch_invariance.md states the contract. Every API with the mode (dense, sparse, and the V4 API
+when it lands) takes it as the keyword ``batch_invariant=True``, cuts with these constants and refuses the Hopper
+builds with ``GLUON_REFUSAL``.
 """
 from __future__ import annotations
 
