@@ -141,15 +141,19 @@ def test_graph_plans_and_replans_give_the_same_bits(backend):
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_device_only_lengths(backend):
-    """Lengths only on the device (the kernels schedule there): the same bits as host lengths."""
+    """Lengths only on the device (the kernels schedule there; vLLM's path): the same bits as host lengths, plain
+    and CUDA-graph plans."""
     reqs = Requests(KV, [1] * len(KV), seed=9)
-    attn = fp8mla.MLAPagedAttention(backend=backend, batch_invariant=True, invariant_chunk=CHUNK, **SMALL)
+    plain = fp8mla.MLAPagedAttention(backend=backend, batch_invariant=True, invariant_chunk=CHUNK, **SMALL)
+    graph = fp8mla.MLAPagedAttention(backend=backend, use_cuda_graph=True, batch_invariant=True,
+                                     invariant_chunk=CHUNK, max_batch_size=8, max_qo_len=1, max_kv_indices=64,
+                                     max_partials=32, **SMALL)
     seen = {}
     for i, order in enumerate(ORDERS[2:4]):
         plan, run = reqs.batch(order, seed=300 + i)
         from fp8mla.layout import PagedLayout
         dev_len = plan["kv_len_arr"].to(DEVICE)
-        for host in (True, False):
+        for host, attn in ((True, plain), (False, plain), (False, graph)):
             layout = PagedLayout.from_csr(plan["qo_indptr"].cpu(), plan["kv_indptr"], plan["kv_indices"],
                                           plan["kv_len_arr"].cpu() if host else dev_len, plan["page_size"],
                                           device=DEVICE)
