@@ -17,7 +17,7 @@ INVARIANT_CHUNK = 1024
 # Index entries per split (sparse): a 2048-entry row runs on 4 programs.
 SPARSE_INVARIANT_SPLIT = 512
 # CUDA-graph plans: work items beyond one per request that the fixed buffers hold (fp32 partials of
-# [heads x max_qo_len, 512] each: 2048 of them are 64 MB at 16 heads); room for ~1M tokens of long requests.
+# [heads x max_qo_len, 512] each: 2048 of them are 64 MB at 16 heads): 1M-2M tokens of requests over a chunk.
 INVARIANT_PARTIALS = 2048
 # Both chunk sizes are multiples of the kernels' 64-entry blocks.
 CHUNK_MULTIPLE = 64
