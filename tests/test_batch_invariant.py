@@ -330,3 +330,15 @@ def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
     assert buf["item_start"][:n].tolist() == [0, 64, 0, 0, 64, 0]
     with pytest.raises(ValueError, match="batch_invariant: this batch cuts into 7 KV chunks .* max_partials"):
         plan([128, 128, 128, 0])
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_long_query_block_neighbour(backend):
+    """A neighbour with a long query block (which sends a default plan to the extend kernel) leaves a decode
+    request's bits as they are alone."""
+    reqs = Requests([65, 20], [2, 9], seed=13)
+    attn = fp8mla.MLAPagedAttention(backend=backend, batch_invariant=True, invariant_chunk=CHUNK, **SMALL)
+    seen = {}
+    for i, order in enumerate([[0], [1, 0]]):
+        out, lse = run_batch(attn, *reqs.batch(order, seed=500 + i))
+        assert_same_bits(seen, per_request(reqs, order, out, lse), f"batch {order}")
