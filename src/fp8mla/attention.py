@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from . import backends
-from ._checks import ArgumentTypeError, check_positive_int, check_tensor, same_device
+from ._checks import (ArgumentTypeError, as_int, check_int, check_positive_int, check_tensor, plain_number,
+                      same_device)
 from .backends import AttentionSpec
 from .backends._invariant import GLUON_REFUSAL, check_chunk
 from .formats import FORMATS, KVFormat, get_format
@@ -66,9 +67,9 @@ class MLAPagedAttention:
             e4m3 wgmma, no K/V conversion; error budget rel L2 <= 2e-2 instead of the default 3e-3; per-tensor
             e4m3 only; a plan that would run elsewhere raises); ``heads_on_m``: the gluon kernel's heads-on-M build
             (64 heads on the MMA's M side; 33..128 heads, one query per request, per-tensor e4m3, pages of a
-            multiple of 64): None = the selector's choice (it for plain plans with host lengths, where the H200
-            measured it faster at every timed shape; CUDA-graph plans and device-only lengths keep the wide
-            build), False = the wide build,
+            multiple of 64): None = the selector's choice (it wherever it takes the plan, plain or CUDA-graph,
+            host or device-only lengths: the H200 measured it faster at every timed shape), False = the wide
+            build,
             True = required (a plan it cannot take raises with the reason); and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
             ``max_kv_indices`` 2^20; ``max_partials`` 2048, the batch-invariant mode's work items beyond one per
@@ -213,12 +214,12 @@ class MLAPagedAttention:
         runner and the engine adapters)."""
         if not isinstance(layout, PagedLayout):
             raise TypeError(f"layout: expected a fp8mla.layout.PagedLayout, got {type(layout).__name__}")
-        for name, v in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv)):
-            check_positive_int(name, v)
-        if isinstance(head_dim_kpe, bool) or not isinstance(head_dim_kpe, int) or head_dim_kpe < 0:
-            raise ValueError(f"head_dim_kpe: expected a non-negative int (0: no rope part), got {head_dim_kpe!r}")
+        num_heads = check_positive_int("num_heads", num_heads)
+        head_dim_ckv = check_positive_int("head_dim_ckv", head_dim_ckv)
+        head_dim_kpe = check_int("head_dim_kpe", head_dim_kpe, 0, "a non-negative int (0: no rope part)")
         if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and sm_scale.device.type == "cpu":
             sm_scale = float(sm_scale)
+        sm_scale = plain_number(sm_scale)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
                 or not 0 < sm_scale <= MAX_SM_SCALE:
             raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g} (larger scales "
@@ -387,6 +388,7 @@ class MLAPagedAttention:
             raise RuntimeError("run: call plan() first")
         if profiler_buffer is not None:
             raise ValueError("profiler_buffer: fp8mla has no intra-kernel profiler; pass None")
+        o_scale = plain_number(o_scale)
         if o_scale is not None and (isinstance(o_scale, bool) or not isinstance(o_scale, (int, float))
                                     or not math.isfinite(o_scale)):
             raise ValueError(f"o_scale: expected a finite float (the output's multiplier) or None, got {o_scale!r}")
@@ -512,10 +514,11 @@ def _check_kernel_options(opts: dict) -> None:
     for name in ("block_m", "block_n", "ctas_per_sm", "min_chunk", "max_batch_size", "max_qo_len",
                  "max_kv_indices", "num_stages", "max_partials"):
         if opts.get(name) is not None:
-            check_positive_int(name, opts[name])
-    if opts.get("num_warps") is not None and (isinstance(opts["num_warps"], bool)
-                                              or opts["num_warps"] not in _WARPS):
-        raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+            opts[name] = check_positive_int(name, opts[name])  # numpy / 0-d tensor counts become ints here
+    if opts.get("num_warps") is not None:
+        if as_int(opts["num_warps"]) not in _WARPS:
+            raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+        opts["num_warps"] = as_int(opts["num_warps"])
     if opts.get("v_convert") is not None and opts["v_convert"] not in ("plain", "asm"):
         raise ValueError(f"v_convert: expected 'plain' or 'asm', got {opts['v_convert']!r}")
     for name in ("evict_first", "index64", "fp8_math", "heads_on_m"):
@@ -554,6 +557,7 @@ def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
         if not allowed:
             raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name}, got a tensor")
         return v.reshape(())
+    v = plain_number(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (FP32_TINY <= v <= FP32_MAX):
         raise ValueError(f"{name}: expected a positive finite float in fp32's normal range [{FP32_TINY:.3g}, "
                          f"{FP32_MAX:.3g}] (the kernels use it in fp32), got {v!r}")

@@ -26,13 +26,12 @@ has nothing to do with allocation); ``extend`` stays as an alias.
 from __future__ import annotations
 
 import itertools
-import numbers
 from array import array
 from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_positive_int, check_tensor
+from ._checks import as_int, as_real, check_int, check_positive_int, check_tensor
 from .formats import KVFormat, get_format
 
 
@@ -49,10 +48,25 @@ def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
                          f"{'bf16' if fmt.is_fp8 else 'it is'}); expected 1.0 (the default), got {kpe_scale!r}")
 
 
+def _check_scale(name: str, v) -> float:
+    x = as_real(v)
+    if x is None or not 0 < x < float("inf"):  # (NaN fails too)
+        raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+    return float(x)
+
+
 def _hashable(seq_id):
-    """``seq_id`` itself, or an error naming it when it cannot key the sequence table (a list, a set, ...). A tuple
-    is refused too: where one id or several are taken (``reserve``, ``plan_inputs``, ...), a tuple is a list of ids,
-    so a tuple id would be read as the ids it holds (a misleading "no sequence" KeyError, or another sequence)."""
+    """``seq_id`` as the sequence table's key, or an error naming it when it cannot key the table (a list, a set,
+    ...). Integer scalars (numpy's, 0-d CPU tensors) become ints: a tensor hashes by identity, so as a key it would
+    never be found again. A tuple is refused too: where one id or several are taken (``reserve``,
+    ``plan_inputs``, ...), a tuple is a list of ids, so a tuple id would be read as the ids it holds (a misleading
+    "no sequence" KeyError, or another sequence)."""
+    i = as_int(seq_id)
+    if i is not None:
+        return i
+    if isinstance(seq_id, torch.Tensor):
+        raise TypeError(f"seq_id: expected an int or a str, got a tensor of shape {tuple(seq_id.shape)} on "
+                        f"{seq_id.device} (one id: a 0-d integer tensor on the CPU, or int(t))")
     if isinstance(seq_id, tuple):
         raise TypeError(f"seq_id: expected an int or a str, got a tuple {seq_id!r} (seq_ids reads a tuple as a list "
                         f"of ids, so a tuple cannot be an id itself)")
@@ -139,12 +153,12 @@ class PagedMLACache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_format="fp8_e4m3", *,
                  head_dim_ckv: int = 512, head_dim_kpe: int = 64, device="cpu",
                  ckv_scale: float = 1.0, kpe_scale: float = 1.0):
-        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                        ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
-            check_positive_int(name, v)
-        for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
-                raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+        num_layers, num_pages, page_size, head_dim_ckv, head_dim_kpe = (
+            check_positive_int(name, v) for name, v in (
+                ("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)))
+        ckv_scale, kpe_scale = (_check_scale(name, v) for name, v in (("ckv_scale", ckv_scale),
+                                                                     ("kpe_scale", kpe_scale)))
         self.format: KVFormat = get_format(kv_format, arg="kv_format", sparse_ok=True)
         _check_unused_scales(self.format, ckv_scale, kpe_scale)
         device = _check_device(device)
@@ -173,11 +187,14 @@ class PagedMLACache:
                            *, head_dim_ckv: int = 512, head_dim_kpe: int = 64, **kw) -> "PagedMLACache":
         """The largest cache whose pool and scales fit in ``budget_bytes`` (an int, or a finite float rounded
         down; at most the device's memory). ``kw`` as in the constructor (``device``, ``ckv_scale``, ...)."""
-        for name, v in (("num_layers", num_layers), ("page_size", page_size)):
-            check_positive_int(name, v)
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):  # numpy numbers too
+        num_layers, page_size = (check_positive_int(name, v) for name, v in (("num_layers", num_layers),
+                                                                            ("page_size", page_size)))
+        head_dim_ckv, head_dim_kpe = (check_positive_int(name, v) for name, v in (("head_dim_ckv", head_dim_ckv),
+                                                                                 ("head_dim_kpe", head_dim_kpe)))
+        if as_real(budget_bytes) is None:  # numpy numbers and 0-d CPU tensors are numbers too
             raise TypeError(f"budget_bytes: expected a number of bytes (an int such as 2 * 1024**3), got "
                             f"{budget_bytes!r} ({type(budget_bytes).__name__})")
+        budget_bytes = as_real(budget_bytes)
         if not 0 < budget_bytes < float("inf"):  # NaN fails too
             raise ValueError(f"budget_bytes: expected a positive finite number of bytes, got {budget_bytes!r}")
         fmt = get_format(kv_format, arg="kv_format", sparse_ok=True)
@@ -198,9 +215,10 @@ class PagedMLACache:
 
     # -- views ----------------------------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        i = layer if type(layer) is int else as_int(layer)
+        if i is None or not 0 <= i < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
-        return layer
+        return i
 
     def _no_record(self, what: str) -> None:
         if self.is_record:
@@ -261,9 +279,12 @@ class PagedMLACache:
         return list(seq_ids)
 
     def _seq(self, seq_id) -> _Sequence:
-        if _hashable(seq_id) not in self._seqs:
+        if type(seq_id) is int and seq_id in self._seqs:
+            return self._seqs[seq_id]
+        key = _hashable(seq_id)
+        if key not in self._seqs:
             raise KeyError(f"seq_id: no sequence {seq_id!r} in the cache (live ids: {sorted(self._seqs)[:16]})")
-        return self._seqs[seq_id]
+        return self._seqs[key]
 
     def seq_len(self, seq_id) -> int:
         return self._seq(seq_id).length
@@ -275,8 +296,10 @@ class PagedMLACache:
         """Register a new sequence (an id is chosen when ``seq_id`` is None) and reserve ``num_tokens`` slots."""
         if seq_id is None:
             seq_id = next(i for i in self._ids if i not in self._seqs)
-        elif _hashable(seq_id) in self._seqs:
-            raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
+        else:
+            seq_id = _hashable(seq_id)
+            if seq_id in self._seqs:
+                raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
         self._seqs[seq_id] = _Sequence()
         if num_tokens:
             try:
@@ -319,15 +342,11 @@ class PagedMLACache:
                 return slots
         ids = self._id_list(seq_ids)
         if isinstance(num_tokens, (list, tuple)):
-            counts = list(num_tokens)
+            counts = [check_int("num_tokens", c, 0, "non-negative ints") for c in num_tokens]
             if len(counts) != len(ids):
                 raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-            check = counts
         else:
-            counts, check = [num_tokens] * len(ids), [num_tokens]
-        for c in check:
-            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
+            counts = [check_int("num_tokens", num_tokens, 0, "non-negative ints")] * len(ids)
         try:
             distinct = len(set(ids)) == len(ids)
         except TypeError:
@@ -403,7 +422,7 @@ class PagedMLACache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
-        del self._seqs[seq_id]
+        del self._seqs[_hashable(seq_id)]
 
     def fork(self, seq_id, new_id=None):
         """A new sequence sharing ``seq_id``'s pages (a common prefix). Shared pages are never written: a
@@ -507,16 +526,13 @@ class PagedMLACache:
         device), ``head_dim_ckv, head_dim_kpe, page_size, kv_data_type`` (the format's name).
         """
         ids = self._id_list(seq_ids)
-        if qo_lens is None or (isinstance(qo_lens, int) and not isinstance(qo_lens, bool)):
-            qo_lens = [1 if qo_lens is None else qo_lens] * len(ids)
+        if qo_lens is None or as_int(qo_lens) is not None:
+            qo_lens = [1 if qo_lens is None else check_int("qo_lens", qo_lens, 0, "non-negative ints")] * len(ids)
         elif isinstance(qo_lens, (list, tuple, range)):
-            qo_lens = list(qo_lens)
+            qo_lens = [check_int("qo_lens", n, 0, "non-negative ints") for n in qo_lens]
         else:
             raise TypeError(f"qo_lens: expected an int or a list of ints (one per sequence), got "
                             f"{type(qo_lens).__name__}")
-        for n in qo_lens:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"qo_lens: expected non-negative ints, got {n!r}")
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
         seqs = [self._seq(i) for i in ids]
@@ -544,8 +560,8 @@ class PagedMLACache:
         from .layout import PagedLayout
         args = self.plan_inputs(seq_ids, qo_lens, _device="cpu")
         idx = args["kv_indices"]
-        # The cache's page ids are valid by construction: the largest one is one vectorized max, not the layout's
-        # O(tokens) scan (what made a page-1 step cost O(context) on the host).
+        # The cache's page ids are valid by construction: the largest one is one vectorized max, which the layout
+        # confirms with one min/max of the listed ids.
         return PagedLayout.from_csr(args["qo_indptr"], args["kv_indptr"], idx, args["kv_len_arr"], self.page_size,
                                     device=self.device, max_page_id=int(idx.max()) if idx.numel() else -1)
 

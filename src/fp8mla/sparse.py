@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import ArgumentTypeError, check_positive_int, check_tensor
+from ._checks import ArgumentTypeError, check_positive_int, check_tensor, plain_number
 from ._softmax import softmax_rows
 from .attention import MAX_SM_SCALE, Q_DTYPES, _check_scale
 from .backends._invariant import GLUON_REFUSAL, SPARSE_INVARIANT_SPLIT
@@ -129,9 +129,10 @@ class MLASparseAttention:
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
                 ``v_convert``); the gluon build has none.
         """
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("topk", topk)
-        check_positive_int("page_size", page_size)
+        num_heads = check_positive_int("num_heads", num_heads)
+        topk = check_positive_int("topk", topk)
+        page_size = check_positive_int("page_size", page_size)
+        sm_scale = plain_number(sm_scale)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
                 not (0 < sm_scale <= MAX_SM_SCALE):
             raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g}, got {sm_scale!r}")
@@ -142,15 +143,19 @@ class MLASparseAttention:
             raise SparseKernelError(f"head_dim_ckv/head_dim_kpe: sparse MLA takes {HEAD_DIMS[0]} + {HEAD_DIMS[1]} "
                                     f"(GLM-5, DeepSeek-V3.2), got {head_dim_ckv} + {head_dim_kpe}")
         if num_pages is not None:
-            check_positive_int("num_pages", num_pages)
+            num_pages = check_positive_int("num_pages", num_pages)
         if num_splits is not None:
-            check_positive_int("num_splits", num_splits)
+            num_splits = check_positive_int("num_splits", num_splits)
+        min_split = plain_number(min_split)
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split <= 0 or \
                 min_split % INDEX_BLOCK:
             raise ValueError(f"min_split: expected a positive multiple of {INDEX_BLOCK}, got {min_split!r}")
         unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
+        for k in ("block_h", "block_n", "num_warps", "num_stages"):  # plain ints for the kernel's constexprs
+            if kernel_options.get(k) is not None:
+                kernel_options[k] = check_positive_int(k, kernel_options[k])
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)

@@ -15,7 +15,7 @@ import torch
 
 from .._softmax import softmax_rows
 from ..formats import expand_group_scales
-from ..layout import PagedLayout
+from .._checks import check_kv_lengths, check_page_ids
 from ..runtime import LOG2E
 from ._invariant import INVARIANT_CHUNK
 
@@ -62,8 +62,8 @@ def _host_lengths(layout):
     if kv_lens is None or max_page is None:
         h = [t.cpu() for t in (layout.kv_indptr, layout.kv_indices, layout.kv_len)]
         active = torch.tensor(qo_lens) > 0
-        kv_lens = PagedLayout._check_table(h[0], h[1].numel(), h[2], layout.page_size, active)
-        max_page = PagedLayout._max_page(h[0], h[1], h[2], layout.page_size, active)
+        kv_lens = check_kv_lengths(h[0], h[1].numel(), h[2], layout.page_size, active)
+        max_page = check_page_ids(h[0], h[1], h[2], layout.page_size, active)
     return qo_lens, kv_lens, max_page
 
 
@@ -80,12 +80,23 @@ class TorchPlan:
             if q:
                 groups.setdefault((_pow2(L), _pow2(q)), []).append(b)
         self.layout = layout
-        self.buckets = [_Bucket(reqs, qo_start, qo_lens, kv_lens, layout, spec.causal, spec.device)
-                        for reqs in groups.values() if max(kv_lens[b] for b in reqs) > 0]
+        self._bucket_args = ([reqs for reqs in groups.values() if max(kv_lens[b] for b in reqs) > 0],
+                             qo_start, qo_lens, kv_lens)
+        self._buckets = None
         # Requests with queries but no token at all: out 0, lse -inf.
         empty = [b for reqs in groups.values() if max(kv_lens[b] for b in reqs) == 0 for b in reqs]
         rows = [t for b in empty for t in range(qo_start[b], qo_start[b + 1])]
         self.empty_rows = torch.tensor(rows, dtype=torch.int64, device=spec.device)
+
+    @property
+    def buckets(self) -> list:
+        """The buckets' gather indices, built on first use: they are O(tokens) host work, so plan() stays
+        O(batch) and a plan that is never run costs none of it."""
+        if self._buckets is None:
+            groups, qo_start, qo_lens, kv_lens = self._bucket_args
+            self._buckets = [_Bucket(reqs, qo_start, qo_lens, kv_lens, self.layout, self.spec.causal,
+                                     self.spec.device) for reqs in groups]
+        return self._buckets
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         if self.max_page >= ckv_cache.shape[0]:

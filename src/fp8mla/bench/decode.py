@@ -33,8 +33,10 @@ def add_arguments(p):
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[], metavar="NAME",
-                   choices=["flashinfer", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
-                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
+                   choices=["flashinfer", "flashmla", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
+                   help="also time: flashinfer (fa3, fa2 on the same pool), flashmla (FlashMLA's BF16 decode on a BF16 "
+                        "copy of the pool and its FP8 path with Q quantized, vLLM's FLASHMLA; with --sparse its "
+                        "sparse decode: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
@@ -52,6 +54,11 @@ def add_arguments(p):
                    help="sparse (DSA) decode: each token over --topk selected tokens (fp8mla.bench.sparse)")
     p.add_argument("--topk", type=int, default=2048, help="with --sparse: selected tokens per query token")
     p.add_argument("--sparse-kv", nargs="+", default=["fp8_ds_mla"], help="with --sparse: KV formats")
+    p.add_argument("--v4", action="store_true",
+                   help="DeepSeek V4 decode: window + compressed rows + sinks (fp8mla.bench.v4)")
+    p.add_argument("--v4-kv", nargs="+", default=["fp8_v4", "fp8_v41"], help="with --v4: pool formats")
+    p.add_argument("--window", type=int, default=128, help="with --v4: window slots per query token")
+    p.add_argument("--compressed-topk", type=int, default=512, help="with --v4: compressed rows per query token")
 
 
 def make_pool(B, L, page, fmt_name, device, seed=0):
@@ -106,6 +113,19 @@ def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, 
     return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **kw)
 
 
+def _flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out, where: str) -> dict:
+    """FlashMLA's rows (``fp8mla.bench.flashmla``), or none with the reason printed."""
+    from . import flashmla
+    ops = flashmla.load_ops()
+    try:
+        if isinstance(ops, str):
+            raise RuntimeError(ops)
+        return flashmla.dense_runners(ops, plan_args, H, pool, fmt, q_nope, q_pe, out)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        print(f"  flashmla {where}: skipped: {_why(e)}", flush=True)
+        return {}
+
+
 VARIANTS = {
     "default": {},
     "n32": dict(block_n=32), "n32s3": dict(block_n=32, num_stages=3), "n32s4": dict(block_n=32, num_stages=4),
@@ -127,6 +147,9 @@ def main(args) -> int:
     if getattr(args, "sparse", False):
         from .sparse import main as sparse_main
         return sparse_main(args)
+    if getattr(args, "v4", False):
+        from .v4 import main as v4_main
+        return v4_main(args)
     ceil = start_run("decode", args.out)
     if ceil is None:
         return 2
@@ -219,6 +242,9 @@ def main(args) -> int:
                             except Exception as e:  # noqa: BLE001 - record and go on
                                 print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: not planned: "
                                       f"{_why(e)}", flush=True)
+                    if "flashmla" in args.compare:
+                        runners.update(_flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out,
+                                                         f"{fmt_name} H{H} B{B} L{L} page{page}"))
                     for name, fn in runners.items():
                         try:
                             out.fill_(float("nan"))

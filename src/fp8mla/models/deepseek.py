@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import MLAPagedAttention
+from .._checks import as_int
 from ..cache import PagedMLACache
 from ..gather import gather_dequant
 from ..ragged import MLARaggedPrefill, merge_state
@@ -192,8 +193,10 @@ def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -
         raise ValueError("seq_ids: expected at least one sequence")
     if len(counts) != len(ids):
         raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+    ints = [as_int(c) for c in counts]  # numpy and 0-d CPU tensor counts become ints
+    if any(c is None or c < 1 for c in ints):
         raise ValueError(f"num_tokens: expected positive ints, got {counts}")
+    counts = ints
     if (cache.head_dim_ckv, cache.head_dim_kpe) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
         raise ValueError(f"cache: head dims ({cache.head_dim_ckv}, {cache.head_dim_kpe}) differ from the model's "
                          f"kv_lora_rank/qk_rope_head_dim ({cfg.kv_lora_rank}, {cfg.qk_rope_head_dim})")
@@ -526,8 +529,8 @@ class DeepseekMLAModel(nn.Module):
                  backend: str = "auto", fused: bool | None = None):
         super().__init__()
         self.cfg = cfg = load_config(cfg)
-        n = cfg.num_layers if num_layers is None else num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        n = cfg.num_layers if num_layers is None else as_int(num_layers)
+        if n is None or n < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
         self.layers = nn.ModuleList(DeepseekMLABlock(cfg, i, dtype=dtype, device=device, tp_group=tp_group)
                                     for i in range(n))

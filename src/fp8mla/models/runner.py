@@ -28,6 +28,7 @@ import struct
 import torch
 
 from ..attention import MLAPagedAttention
+from .._checks import check_positive_int
 from ..cache import PagedMLACache
 from ..layout import PagedLayout, pack_ints
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
@@ -37,8 +38,7 @@ __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
 
 def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes a graph is captured for: powers of two below ``max_batch``, and ``max_batch`` itself."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
+    max_batch = check_positive_int("max_batch", max_batch)
     out, b = [], 1
     while b < max_batch:
         out.append(b)
@@ -112,8 +112,7 @@ class DecodeRunner:
         ps = cache.page_size
         if max_context is None:
             max_context = cache.num_pages * ps
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-            raise ValueError(f"max_context: expected a positive int, got {max_context!r}")
+        max_context = check_positive_int("max_context", max_context)
         self.max_context = max_context
         self.width = -(-max_context // ps)
         if use_cuda_graph is None:
