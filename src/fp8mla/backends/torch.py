@@ -142,23 +142,34 @@ class InvariantTorchPlan(TorchPlan):
     request only (a batched or padded matmul may block its reduction by the batch's shape)."""
 
     def __init__(self, layout, spec, chunk: int):
-        self.spec = spec
+        self.spec, self.layout, self.chunk = spec, layout, chunk
         qo_lens, kv_lens, self.max_page = _host_lengths(layout)
-        self.requests = []   # (rows [q], slots of its tokens [L] in the flat pool, q, L, chunk bounds)
-        kvp = layout.kv_indptr.to("cpu", torch.int64).tolist()
-        pages = layout.kv_indices.to("cpu", torch.int64)
+        self._lens, self._requests = (qo_lens, kv_lens), None
         q0, empty = 0, []
-        for b, q in enumerate(qo_lens):
-            L = kv_lens[b]
+        for q, L in zip(qo_lens, kv_lens):
             if q and not L:
                 empty += range(q0, q0 + q)
-            if q and L:
-                pos = torch.arange(L)
-                slots = pages[kvp[b] + pos // layout.page_size] * layout.page_size + pos % layout.page_size
-                self.requests.append((torch.arange(q0, q0 + q, device=spec.device), slots.to(spec.device), q, L,
-                                      chunk_bounds(L, chunk)))
             q0 += q
         self.empty_rows = torch.tensor(empty, dtype=torch.int64, device=spec.device)
+
+    @property
+    def requests(self) -> list:
+        """Per request with tokens: (rows [q], its tokens' slots [L] in the flat pool, q, L, chunk bounds). Built
+        on first use (O(tokens) host work, as the default plan's buckets)."""
+        if self._requests is None:
+            layout, dev = self.layout, self.spec.device
+            kvp = layout.kv_indptr.to("cpu", torch.int64).tolist()
+            pages = layout.kv_indices.to("cpu", torch.int64)
+            reqs, q0 = [], 0
+            for b, (q, L) in enumerate(zip(*self._lens)):
+                if q and L:
+                    pos = torch.arange(L)
+                    slots = pages[kvp[b] + pos // layout.page_size] * layout.page_size + pos % layout.page_size
+                    reqs.append((torch.arange(q0, q0 + q, device=dev), slots.to(dev), q, L,
+                                 chunk_bounds(L, self.chunk)))
+                q0 += q
+            self._requests = reqs
+        return self._requests
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         if self.max_page >= ckv_cache.shape[0]:
