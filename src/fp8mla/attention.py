@@ -18,6 +18,7 @@ from . import backends
 from ._checks import (ArgumentTypeError, as_int, check_int, check_positive_int, check_tensor, plain_number,
                       same_device)
 from .backends import AttentionSpec
+from .backends._invariant import GLUON_REFUSAL, check_chunk
 from .formats import FORMATS, KVFormat, get_format
 from .layout import PagedLayout, debug_checks
 from .runtime import available_backends, choose_backend
@@ -26,9 +27,9 @@ __all__ = ["MLAPagedAttention", "available_backends"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 STRATEGIES = ("native", "gather_cast")
-CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices")  # CUDA-graph buffer sizes
+CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices", "max_partials")  # CUDA-graph buffer sizes
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64", "v_convert", "fp8_math", "heads_on_m") + CAPACITY_OPTIONS
+                  "index64", "v_convert", "fp8_math", "heads_on_m", "invariant_chunk") + CAPACITY_OPTIONS
 FLASHINFER_BACKENDS = ("fa2", "fa3")
 # Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
 MAX_SM_SCALE = 1e6
@@ -71,7 +72,14 @@ class MLAPagedAttention:
             build,
             True = required (a plan it cannot take raises with the reason); and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
-            ``max_kv_indices`` 2^20).
+            ``max_kv_indices`` 2^20; ``max_partials`` 2048, the batch-invariant mode's work items beyond one per
+            request). ``invariant_chunk``: tokens per KV chunk in the batch-invariant mode (a multiple of 64,
+            default 1024).
+        batch_invariant: each request's output and lse are the same bits whatever shares its batch (its size,
+            order, the other requests' lengths and pages): its KV is cut in chunks of ``invariant_chunk`` tokens
+            (balanced within its own length), partials merged in chunk order, one kernel configuration per heads /
+            format / device; long requests are still split. Backends torch and triton; the gluon builds are refused
+            (``auto`` picks triton). docs/batch_invariance.md has the contract.
 
     Example:
         >>> import torch, fp8mla
@@ -91,7 +99,8 @@ class MLAPagedAttention:
     def __init__(self, float_workspace_buffer: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
                  kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
-                 backend: str = "auto", *, strategy: str = "native", **kernel_options):
+                 backend: str = "auto", *, strategy: str = "native", batch_invariant: bool = False,
+                 **kernel_options):
         if backend in FLASHINFER_BACKENDS:
             backend = "auto"  # FlashInfer's kernel names: engines and FlashInfer's tests pass them as is
         if not isinstance(backend, str) or backend not in ("auto", "torch", "triton", "gluon"):
@@ -109,6 +118,7 @@ class MLAPagedAttention:
             raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
                             f"{sorted(KERNEL_OPTIONS)}")
         _check_kernel_options(kernel_options)
+        _check_invariant(batch_invariant, backend, kernel_options)
         if kernel_options.get("fp8_math") and (backend in ("torch", "triton") or strategy != "native"):
             # never the default numerics under a flag that promises FP8 tensor-core math
             raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only (sm_90; backend 'gluon' "
@@ -136,6 +146,8 @@ class MLAPagedAttention:
         self._workspace = float_workspace_buffer
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = backend
+        if batch_invariant:
+            kernel_options["batch_invariant"] = True
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
         self._rows_fast = None       # replan_rows' per-table constants
@@ -147,6 +159,11 @@ class MLAPagedAttention:
     def backend(self) -> str | None:
         """The backend chosen by the last plan() (None before the first plan)."""
         return None if self._plan is None else self._plan.backend
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this wrapper runs in the batch-invariant mode (constructor's ``batch_invariant``)."""
+        return bool(self._kernel_options.get("batch_invariant"))
 
     @property
     def layout(self) -> PagedLayout | None:
@@ -307,7 +324,10 @@ class MLAPagedAttention:
         verdict = []  # the gluon check's answer, when asked: build() need not repeat it for this layout
 
         def supports_gluon():
-            verdict.append(backends.supports_gluon(spec, layout, opts))
+            if opts.get("batch_invariant"):
+                verdict.append((False, GLUON_REFUSAL))
+            else:
+                verdict.append(backends.supports_gluon(spec, layout, opts))
             return verdict[-1]
         # CUDA-graph wrappers re-plan every step with the same spec: the choice (which asks the device's
         # capability, a few microseconds each) is kept for the spec and whether every request has one query,
@@ -500,7 +520,7 @@ _WARPS = (1, 2, 4, 8, 16)
 
 def _check_kernel_options(opts: dict) -> None:
     for name in ("block_m", "block_n", "ctas_per_sm", "min_chunk", "max_batch_size", "max_qo_len",
-                 "max_kv_indices", "num_stages"):
+                 "max_kv_indices", "num_stages", "max_partials"):
         if opts.get(name) is not None:
             opts[name] = check_positive_int(name, opts[name])  # numpy / 0-d tensor counts become ints here
     if opts.get("num_warps") is not None:
@@ -512,6 +532,25 @@ def _check_kernel_options(opts: dict) -> None:
     for name in ("evict_first", "index64", "fp8_math", "heads_on_m"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
+
+
+def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
+    """The batch-invariant mode's arguments: the gluon builds and the options that require them are refused by
+    name, and its tuning options are taken only with the mode on."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
+    if not batch_invariant:
+        for name in ("invariant_chunk", "max_partials"):
+            if opts.get(name) is not None:
+                raise ValueError(f"{name}: an option of the batch-invariant mode; pass batch_invariant=True with it")
+        return
+    if backend == "gluon":
+        raise ValueError(GLUON_REFUSAL)
+    for name in ("fp8_math", "heads_on_m"):
+        if opts.get(name):
+            raise ValueError(f"{name}: runs on the gluon kernel only, and {GLUON_REFUSAL}")
+    if opts.get("invariant_chunk") is not None:
+        check_chunk("invariant_chunk", opts["invariant_chunk"])
 
 
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):

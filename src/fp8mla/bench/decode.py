@@ -41,6 +41,10 @@ def add_arguments(p):
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
                         "plan)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also time the batch-invariant mode (MLAPagedAttention(batch_invariant=True): the Triton "
+                        "kernel with each request cut in fixed chunks; plain and CUDA-graph plans) beside the "
+                        "default; with --sparse: MLASparseAttention(batch_invariant=True)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -217,6 +221,9 @@ def main(args) -> int:
                                     lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                             except ValueError as e:
                                 print(f"  fp8mla gluon fp8_math H{H} B{B} L{L} page{page}: not taken ({e})")
+                    if getattr(args, "batch_invariant", False):
+                        for name, attn in invariant_attentions(plan_args, H, fmt_name, args.strategy).items():
+                            runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
@@ -270,6 +277,21 @@ def main(args) -> int:
     print(f"wrote {path}")
     _plot(rows, os.path.join(args.out, "decode.png"), ceil)
     return 0
+
+
+def invariant_attentions(plan_args, H, fmt_name, strategy="native", backend="auto") -> dict:
+    """The batch-invariant runs beside the default: ``{row name: planned MLAPagedAttention}``, a plain plan and
+    (native strategy) a CUDA-graph one sized for this batch."""
+    B = plan_args["kv_len_arr"].numel()
+    made = {}
+    for graph in (False, True) if strategy == "native" else (False,):
+        opts = dict(max_batch_size=max(1, B), max_kv_indices=max(1, plan_args["kv_indices"].numel())) if graph \
+            else {}
+        attn = MLAPagedAttention(backend=backend, strategy=strategy, use_cuda_graph=graph, batch_invariant=True,
+                                 **opts)
+        attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+        made[f"fp8mla {attn.backend}[invariant{',graph' if graph else ''}]"] = attn
+    return made
 
 
 def _plot(rows, path, ceil):

@@ -98,13 +98,16 @@ def main(args) -> int:
                     # auto's pick (the Gluon build on Hopper for the plans it takes), then the portable Triton
                     # kernel unless that was the pick
                     attns = []
-                    for requested in ("auto", "triton"):
-                        attn = MLASparseAttention(backend=requested)
+                    modes = [("auto", False), ("triton", False)]
+                    if getattr(args, "batch_invariant", False):
+                        modes.append(("triton", True))
+                    for requested, invariant in modes:
+                        attn = MLASparseAttention(backend=requested, batch_invariant=invariant)
                         attn.plan(H, args.topk, page, 1.0 / math.sqrt(576), torch.bfloat16, fmt.name,
                                   num_pages=kv.shape[0])
-                        if attn.backend not in [a.backend for a in attns]:
+                        if invariant or attn.backend not in [a.backend for a in attns if not a.batch_invariant]:
                             attns.append(attn)
-                    timed = [(f"fp8mla sparse [{a.backend}]", a,
+                    timed = [(f"fp8mla sparse [{a.backend}{',invariant' if a.batch_invariant else ''}]", a,
                               lambda a=a: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra))  # noqa: E731
                              for a in attns]
                     if "flashmla" in getattr(args, "compare", []):

@@ -43,6 +43,7 @@ import fp8mla  # noqa: E402
 from fp8mla.formats import get_format  # noqa: E402
 
 from ._options import backend as _backend  # noqa: E402
+from ._options import vllm_batch_invariant as _batch_invariant  # noqa: E402
 
 __all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "STATS",
            "latent_width_error"]
@@ -156,7 +157,8 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             if self._graphs:  # fixed buffers for the widest batch of the full-width table (no copy per plan)
                 opts = dict(max_batch_size=self._max_batch, max_qo_len=1,
                             max_kv_indices=self._max_batch * max(1, block_table.shape[1]))
-            self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=self._graphs, backend=_backend(), **opts)
+            self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=self._graphs, backend=_backend(),
+                                                  batch_invariant=_batch_invariant(), **opts)
         return self._attn
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
