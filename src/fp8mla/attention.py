@@ -42,6 +42,7 @@ class _Plan:
     backend: str
     impl: object                  # the backend's plan object (has .run)
     group_impl: object = None     # built on the first run that passes ckv_scale_arr under a plain FP8 dtype
+    given_rows: int = 0           # requests plan() was given, where trailing ones without queries were left out
 
 
 class MLAPagedAttention:
@@ -152,6 +153,7 @@ class MLAPagedAttention:
         self._plan: _Plan | None = None
         self._rows_fast = None       # replan_rows' per-table constants
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
+        self._graph_backend = None   # CUDA graphs: the backend run() last launched (a capture holds its launches)
         self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
         self._scales_host = None     # what _scales holds, when it came from host floats
 
@@ -230,8 +232,24 @@ class MLAPagedAttention:
         fmt.num_groups(head_dim_ckv)  # validates head_dim_ckv for the group format
         spec = AttentionSpec(num_heads, head_dim_ckv, head_dim_kpe, layout.page_size, bool(causal),
                              float(sm_scale), q_data_type, fmt, layout.device, self._use_cuda_graph)
+        given_rows = layout.batch_size
+        if self._use_cuda_graph and layout.qo_lens:
+            # Trailing requests without queries (an engine's padding rows of a captured batch size) produce no
+            # output: planned without them, the batch keeps the backend of the wrapper's other plans (the Gluon
+            # builds refuse rows without queries, and a captured launch reads only its own backend's buffers)
+            rows = len(layout.qo_lens)
+            while rows and not layout.qo_lens[rows - 1]:
+                rows -= 1
+            if 0 < rows < given_rows:
+                layout = layout.head(rows)
         name, impl = self._build(layout, spec)
+        ran = self._graph_backend
+        if spec.use_cuda_graph and ran is not None and name != ran:
+            raise ValueError(f"plan: this CUDA-graph wrapper has run the {ran!r} backend, and a captured run() "
+                             f"replays only that backend's launches, which a plan on {name!r} would not update; "
+                             f"plan this batch with another wrapper (or backend={ran!r} if it takes it)")
         prev, self._plan = self._plan, _Plan(layout, spec, name, impl)
+        self._plan.given_rows = given_rows
         if spec.use_cuda_graph and prev is not None and prev.group_impl is not None and self._takes_group(fmt):
             # A CUDA-graph wrapper run with group scales FlashInfer's way (an e4m3 plan, ckv_scale_arr at run): its
             # captured run replays the group plan's kernels, which read the arrays a plan stages, and a replay calls
@@ -415,7 +433,7 @@ class MLAPagedAttention:
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             if t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
-        self._check_given_table(kv_len, page_table, layout)
+        self._check_given_table(kv_len, page_table, layout, p.given_rows or layout.batch_size)
 
         impl, fmt = p.impl, spec.kv_format
         if ckv_scale_arr is not None and self._takes_group(fmt):
@@ -438,26 +456,29 @@ class MLAPagedAttention:
                 raise ValueError(f"lse: expected a contiguous last dimension (heads), got strides {lse.stride()}")
         if hasattr(impl, "scale_values"):
             impl.scale_values = self._scales_host
+        if spec.use_cuda_graph:
+            self._graph_backend = p.backend   # (plan() keeps later plans of the wrapper on it)
         impl.run(q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, bool(return_lse_base_on_e))
         if o_scale is not None and o_scale != 1.0:
             out.mul_(o_scale)  # checked above: a finite float
         return (out, lse) if return_lse else out
 
     @staticmethod
-    def _check_given_table(kv_len, page_table, layout: PagedLayout) -> None:
+    def _check_given_table(kv_len, page_table, layout: PagedLayout, given_rows: int) -> None:
         """FlashInfer's run() takes kv_len/page_table for another backend; fp8mla reads the planned table. A
-        different table given here would be ignored silently, so it is compared where that costs no sync."""
+        different table given here would be ignored silently, so it is compared where that costs no sync.
+        (``given_rows``: the batch plan() was given; trailing requests without queries may not be in ``layout``.)"""
+        B = layout.batch_size
         if kv_len is not None:
             check_tensor("kv_len", kv_len, ndim=1)
-            if kv_len.numel() != layout.batch_size:
-                raise ValueError(f"kv_len: expected {layout.batch_size} entries (the planned batch), got "
-                                 f"{kv_len.numel()}")
-            if kv_len.device.type == "cpu" and layout.kv_lens is not None and kv_len.tolist() != layout.kv_lens:
+            if kv_len.numel() != given_rows:
+                raise ValueError(f"kv_len: expected {given_rows} entries (the planned batch), got {kv_len.numel()}")
+            if kv_len.device.type == "cpu" and layout.kv_lens is not None and kv_len[:B].tolist() != layout.kv_lens:
                 raise ValueError("kv_len: differs from the planned kv_len_arr; re-plan to change lengths")
         if page_table is not None:
             check_tensor("page_table", page_table, ndim=2)
-            if page_table.shape[0] != layout.batch_size:
-                raise ValueError(f"page_table: expected {layout.batch_size} rows (the planned batch), got "
+            if page_table.shape[0] != given_rows:
+                raise ValueError(f"page_table: expected {given_rows} rows (the planned batch), got "
                                  f"{page_table.shape[0]}")
 
     def _resolve_scales(self, fmt: KVFormat, ckv_scale, kpe_scale, ckv_scale_arr, P: int,

@@ -308,6 +308,24 @@ class PagedLayout:
         return cls(d[: B + 1], d[B + 1: 2 * B + 2], block_table.view(-1).to(device, non_blocking=True),
                    d[2 * B + 2:], page_size, device, [1] * B, lens, None, host)
 
+    def head(self, rows: int) -> "PagedLayout":
+        """The layout of the first ``rows`` requests (the same page ids; no copy). A CUDA-graph wrapper plans a
+        batch whose trailing requests have no queries (an engine's padding rows: they produce no output) as this,
+        so every plan of the wrapper stays on the backend its captured launches read."""
+        if not 0 <= rows <= self.batch_size:
+            raise ValueError(f"rows: expected 0..{self.batch_size}, got {rows}")
+        host = None
+        if self.host is not None:
+            host = dict(qo_indptr=self.host["qo_indptr"][: rows + 1], kv_indptr=self.host["kv_indptr"][: rows + 1],
+                        kv_len=self.host["kv_len"][:rows])
+            if "lists" in self.host:
+                qo, kvp, lens = self.host["lists"]
+                host["lists"] = (qo[: rows + 1], kvp[: rows + 1], lens[:rows])
+        return PagedLayout(self.qo_indptr[: rows + 1], self.kv_indptr[: rows + 1], self.kv_indices,
+                           self.kv_len[:rows], self.page_size, self.device,
+                           None if self.qo_lens is None else self.qo_lens[:rows],
+                           None if self.kv_lens is None else self.kv_lens[:rows], self.max_page_id, host)
+
     # -- checks ---------------------------------------------------------------------------------------------
     @classmethod
     def _check_hint(cls, hint, kv_indptr, kv_indices, kv_len, page_size, active=None,
