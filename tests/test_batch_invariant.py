@@ -310,7 +310,7 @@ def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
     if "triton" not in fp8mla.available_backends(DEVICE):
         pytest.skip("triton backend unavailable here")
     from fp8mla.layout import PagedLayout
-    table = torch.arange(32, dtype=torch.int32).reshape(4, 8)
+    table = torch.arange(32, dtype=torch.int32, device=DEVICE).reshape(4, 8)   # (a CPU table would plan on the CPU)
     attn = fp8mla.MLAPagedAttention(backend="triton", use_cuda_graph=True, batch_invariant=True, invariant_chunk=64,
                                     max_batch_size=4, max_kv_indices=32, max_partials=2)
 
