@@ -47,7 +47,7 @@ def register() -> None:
         _vllm_logger().warning(
             "fp8mla %s: vLLM %s is installed, but fp8mla's FP8MLA attention backend supports vLLM %s; it is not "
             "registered, and vLLM runs with its own attention backends. Install a supported vLLM to use FP8MLA "
-            "(%s=1 registers it anyway, at your own risk).", fp8mla_version(), version, describe("vllm"),
+            "(%s=1 registers it anyway, at your own risk).", _fp8mla_version(), version, describe("vllm"),
             SKIP_ENV)
         return
     try:
@@ -55,7 +55,7 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - a registry this plugin does not know must not stop vLLM
         _declined = True
         _vllm_logger().warning("fp8mla %s: could not register the FP8MLA attention backend in vLLM %s (%s: %s); "
-                               "vLLM runs with its own attention backends.", fp8mla_version(), version,
+                               "vLLM runs with its own attention backends.", _fp8mla_version(), version,
                                type(e).__name__, e)
         return
     _make_spawn_safe(member)
@@ -79,7 +79,7 @@ def _vllm_logger():
         return logger
 
 
-def fp8mla_version() -> str:
+def _fp8mla_version() -> str:
     from fp8mla import __version__
     return __version__
 
