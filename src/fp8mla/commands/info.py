@@ -36,7 +36,24 @@ def main(args) -> int:
               f"{f.bytes_per_token():5d} B/token")
     _sparse_info(device)
     _v4_info(device)
+    _engines_info()
     return 0
+
+
+def _engines_info() -> None:
+    """The serving engines installed here (read from package metadata: nothing of them is imported) and whether
+    fp8mla's backend supports that version (docs/engines.md)."""
+    from ..integrations.versions import SUPPORTED, describe, engine_version, is_supported
+    print("engines (fp8mla's attention backend inside them; docs/engines.md):")
+    for engine in SUPPORTED:
+        version = engine_version(engine)
+        if version is None:
+            state = f"not installed (fp8mla supports {engine} {describe(engine)})"
+        elif is_supported(engine, version):
+            state = f"{version}: supported"
+        else:
+            state = f"{version}: NOT supported (fp8mla supports {describe(engine)})"
+        print(f"  {engine:14s} {state}")
 
 
 def _sparse_info(device) -> None:
