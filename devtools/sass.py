@@ -286,6 +286,19 @@ MH_KERNEL_SIGNATURE = {
     "stride_lse_t": "i32", "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "NHG": "constexpr"}
 
 
+# The sparse kernel's (``sparse_partitions.sparse_mla_kernel``): contiguous bf16 [n, H, 512] / [n, H, 64] queries,
+# the record pool's three views, int32 index rows; every other argument an i32 but the two float scales.
+SPARSE_POINTERS = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "kpe_ptr": "*bf16",
+                   "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
+SPARSE_FLOATS = ("sm_scale_log2", "lse_scale")
+# Ints a launch sees divisible by 16 (topk as 2048; the lse rows at H = 8 and the partial-lse rows are not);
+# stride_lse_h is 1, which triton makes a constant.
+SPARSE_DIV16 = ("topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t",
+                "stride_o_t", "stride_o_h", "stride_po_i", "stride_po_h")
+# The sparse builds the golden record keeps beside the dense ones: {name: SPLIT}
+SPARSE_BUILDS = {"sparse_split": True, "sparse_nosplit": False}
+
+
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
 # H % 16 == 0 (triton specializes such ints): the strides and H itself.
 _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
@@ -357,7 +370,30 @@ def _compile_heads_on_m(build, q_dtype: str, aligned_ints: bool, sass_path) -> d
     return sass_report(src, sass_path)
 
 
-def sass_report(src, sass_path=None) -> dict:
+def sparse_source(split: bool):
+    """The ``GluonASTSource`` of the Hopper sparse kernel as a launch with ``SPLIT=split`` compiles it (bf16
+    queries, ``sparse_partitions.REGS``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels.sm90 import sparse_partitions as mod
+    if mod.gluon is None:
+        raise RuntimeError(f"gluon is not importable: {mod.GLUON_IMPORT_ERROR}")
+    fn = mod.sparse_mla_kernel
+    names = fn.arg_names
+    consts = dict(SPLIT=split, REGS=mod.REGS, stride_lse_h=1)
+    sig = {n: "constexpr" if n in consts else SPARSE_POINTERS.get(n, "fp32" if n in SPARSE_FLOATS else "i32")
+           for n in names}
+    return GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                 if sig[n].startswith("*") or n in SPARSE_DIV16})
+
+
+def compile_sparse(split: bool, sass_path=None) -> dict:
+    """``sass_report`` of the Hopper sparse kernel (``sparse_source``), launched with ``NUM_WARPS`` warps."""
+    from fp8mla.kernels.sm90.sparse_partitions import NUM_WARPS
+    return sass_report(sparse_source(split), sass_path, num_warps=NUM_WARPS)
+
+
+def sass_report(src, sass_path=None, num_warps: int = 4) -> dict:
     """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
     SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
     (SASS op counts), ``loops`` (per warp-specialized partition, the HGMMA, STL, LDL and LDS.U8 between its first
@@ -370,7 +406,7 @@ def sass_report(src, sass_path=None) -> dict:
     import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
@@ -415,10 +451,11 @@ def sass_report(src, sass_path=None) -> dict:
 # The sm_90 decode builds and their golden record
 # ---------------------------------------------------------------------------------------------------------------
 def sm90_builds() -> dict:
-    """The named builds the golden record keeps: ``fp8mla.kernels.sm90.KNOWN_BUILDS`` (bf16 queries, contiguous
-    tensors: the strides and H specialized divisible by 16, as a launch with H 16 or 128 has them)."""
+    """The named builds the golden record keeps: the dense ``fp8mla.kernels.sm90.KNOWN_BUILDS`` (bf16 queries,
+    contiguous tensors: the strides and H specialized divisible by 16, as a launch with H 16 or 128 has them) and
+    the sparse ``SPARSE_BUILDS`` (split and not, ``sparse_source``)."""
     from fp8mla.kernels.sm90.config import KNOWN_BUILDS
-    return KNOWN_BUILDS
+    return {**KNOWN_BUILDS, **SPARSE_BUILDS}
 
 
 def compile_sm90(name: str) -> tuple[dict, str]:
@@ -427,7 +464,10 @@ def compile_sm90(name: str) -> tuple[dict, str]:
         raise RuntimeError("TRITON_INTERPRET=1: nothing compiles in this process (run it in one without)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.sass")
-        r = compile_build(sm90_builds()[name], aligned_ints=True, sass_path=path)
+        if name in SPARSE_BUILDS:
+            r = compile_sparse(SPARSE_BUILDS[name], sass_path=path)
+        else:
+            r = compile_build(sm90_builds()[name], aligned_ints=True, sass_path=path)
         with open(path) as f:
             sass = f.read()
     return summary(sass, r["ptxas"], r["smem"]), sass

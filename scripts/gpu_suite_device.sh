@@ -2,7 +2,7 @@
 # The test suite on a GPU machine, in the layout that passed whole on an nvidia-h200-x2 (2026-11-30,
 # lab/notebook/gpu_suite_runs.md): two phases of <= 10 min each, each split over two GPUs (one GPU: both parts on it).
 #   files: every GPU-relevant file except the attention grid's torch-backend cases, in two parts (A, B) (~4 min)
-#   grid:  the grid's 2,000 torch-backend cases, SHARDS-way over the GPUs (~13 min of GPU time: give it two calls,
+#   grid:  the grid's 2,000 torch-backend cases, SHARDS-way over the GPUs (~13 min of GPU time: give it two runs,
 #          the second with DONE_IDS=<file of node ids that passed> to run only the rest; see scripts/pytest_shard.py)
 # CPU-only files (audit, doctor, compile targets, README) are left out: CI runs them.
 #
@@ -65,14 +65,14 @@ if [ "$phase" = files ]; then
   wait
 else
   # SHARDS parts (default 2: one per GPU of an x2, both on the one GPU otherwise), each with WORKERS workers;
-  # SHARDS=1 runs one part with all the workers (a remainder call with DONE_IDS).
+  # SHARDS=1 runs one part with all the workers (a remainder run with DONE_IDS).
   export SHARDS=${SHARDS:-2}
   for s in $(seq 0 $(( SHARDS - 1 ))); do
     SHARD=$s part grid$s $(( s % (ngpu >= 2 ? 2 : 1) )) $G::test_batch1_h16 $G::test_batched_h16 \
         $G::test_batch1_h128 $G::test_batched_h128 &
   done
   wait
-  # this call's passes plus those of DONE_IDS: feed the file to the next call whatever number of calls it takes
+  # this run's passes plus those of DONE_IDS: feed the file to the next run whatever number of runs it takes
   { grep -h " PASSED" "$out"/grid*.log | grep -o "tests/[^ ]*::[^ ]*"; [ -n "${DONE_IDS:-}" ] && cat "$DONE_IDS"; } \
       | sort -u > "$out/passed_ids.new" && mv "$out/passed_ids.new" "$out/passed_ids.txt"
 fi

@@ -1,6 +1,6 @@
-"""pytest plugin for the GPU suite's device calls (scripts/gpu_suite_device.sh): keep shard $SHARD of $SHARDS
+"""pytest plugin for the GPU suite's time-limited runs (scripts/gpu_suite_device.sh): keep shard $SHARD of $SHARDS
 (every SHARDS-th item of the collected order, so each shard gets a mix of the grid's axes) and deselect the node ids
-listed in the file $DONE_IDS (cases an earlier, time-capped call already passed). Load with
+listed in the file $DONE_IDS (cases an earlier, time-capped run already passed). Load with
 ``-p pytest_shard`` and scripts/ on PYTHONPATH; without the variables it keeps everything."""
 import os
 

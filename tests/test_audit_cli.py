@@ -25,7 +25,7 @@ def _twins():
 
 
 def test_false_alarm_fixtures_have_buggy_twins():
-    # each false-alarm pattern of issue 14 has a twin that must be flagged (marks checked in test_audit.py)
+    # each false-alarm pattern the audit once raised has a twin that must be flagged (marks checked in test_audit.py)
     assert {"ctor_kv_dtype.py", "engine_wrapper_kwargs.py", "guarded_cache_cast.py", "library_cached_module.py",
             "model_dtype_positional.py"} <= set(_twins())
     for name in _twins():
@@ -260,7 +260,7 @@ class Updater{i}:
 
 
 def test_tree_of_3000_files(tmp_path):
-    """The speed target of issue 14 (an engine tree of ~3,400 files in <= 20 s on 2 cores) is a benchmark
+    """The audit's speed target (an engine tree of ~3,400 files in <= 20 s on 2 cores) is a benchmark
     figure in docs/tools.md, not an assertion here: this prints the time and checks the results. Every file
     names a pool, so none is skipped unparsed (the worst case; real trees skip most files)."""
     for i in range(3000):

@@ -1,4 +1,4 @@
-"""fp8mla audit at its edges (issue 25): an empty rule selection, files with no finding to look for that do not
+"""fp8mla audit at its edges: an empty rule selection, files with no finding to look for that do not
 parse, things in a tree that are not regular files, files too large to read, the worker count, PEP 263 source
 encodings, and a conversion whose target dtype is the pool's own."""
 from __future__ import annotations

@@ -28,14 +28,7 @@ if __name__ == "__main__":   # the compile child runs this file as a script: dev
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]   # package in src/ (an installed fp8mla comes first otherwise)
 from devtools import sass as ck  # noqa: E402
 
-# Argument types of a real launch: contiguous bf16 [n, H, 512] / [n, H, 64] queries, the record pool's three views,
-# int32 index rows. Ints the launcher sees divisible by 16 get that hint; the lse rows (H = 8) and partial-lse rows
-# are not; stride_lse_h is 1 (triton makes it a constant); topk as 2048 (a launch with topk % 16 != 0 compiles
-# its own specialization, not checked here).
-_PTR = {"q_nope": "*bf16", "q_pe": "*bf16", "ckv_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "kpe_ptr": "*bf16",
-        "indices": "*i32", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32"}
-_DIV16 = {"topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
-          "stride_o_h", "stride_po_i", "stride_po_h"}
+# The launch's argument types and divisibility: devtools.sass.sparse_source (the SASS record's sparse builds).
 CASES = {"split": dict(SPLIT=True), "nosplit": dict(SPLIT=False)}
 # the whole opcode of an instruction line, modifiers included (HGMMA.64x64x16.F32.BF16)
 _OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
@@ -58,17 +51,8 @@ def _innermost_loops(sass: str) -> list[collections.Counter]:
 def compile_case(case: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     mod = importlib.import_module("fp8mla.kernels.sm90.sparse_partitions")
-    fn = mod.sparse_mla_kernel
-    names = fn.arg_names
-    const = dict(CASES[case], REGS=mod.REGS, stride_lse_h=1)
-    sig = {n: "constexpr" if n in const else _PTR.get(n, "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n in _DIV16}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                         attrs=attrs)
+    src = ck.sparse_source(CASES[case]["SPLIT"])
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mod.NUM_WARPS))
     r = ck.analyse(k)
     sass = r.pop("sass")

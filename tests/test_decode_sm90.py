@@ -173,7 +173,7 @@ def _early_waits(ns: int, barrier, tiles: int = 40, trials: int = 200, seed: int
 def test_ready_barriers_never_pass_early(ns):
     """The kernel's ready-barrier protocol (decode_sm90.ready_barrier) on random schedules: no wait passes before
     its tile landed, at any depth; and the test can fail: one barrier per stage passes waits early at an odd depth
-    (what the H200 showed at NS 3: kernel log 25), never at an even one."""
+    (what the H200 showed at NS 3), never at an even one."""
     assert _early_waits(ns, k.ready_barrier) == 0
     single = _early_waits(ns, lambda g, n: (g % n, (g // n) & 1))
     assert (single > 0) == (ns % 2 == 1), single

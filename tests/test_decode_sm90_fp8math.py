@@ -88,7 +88,7 @@ def test_model_of_the_roundings_is_inside_the_budget(H, page, value, scales):
     (value 4-8: scores in the tens, a few tokens dominate) attention: rel L2 4-8e-3, nearly all of it P's rounding.
     Not modelled: the e4m3 tensor core accumulates the scores in fewer bits than fp32 (lse moves by up to ~1e-3
     of its size); the kernel measured 9.4e-3 on the H200 grid and up to 1.4e-2 on the side-by-side's long random
-    requests (kernel log 30), so the model is a lower bound. The same model with P rounded to a power of two (0 mantissa bits) is outside the
+    requests (lab/notebook/sm90_kernel_log.md), so the model is a lower bound. The same model with P rounded to a power of two (0 mantissa bits) is outside the
     budget (4.5-5.6e-2), so this check can fail."""
     b = make_paged_batch([1, 63, 65, 514, 0, 300], [1] * 6, H, page, "fp8_e4m3", seed=H + page, value_scale=value,
                          ckv_scale=scales[0], kpe_scale=scales[1])

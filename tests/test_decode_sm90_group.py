@@ -218,7 +218,7 @@ def test_group_scales_spread_within_tiles(H):
 @gpu
 def test_group_fp16_queries_and_four_stages_asked():
     """fp16 queries with k_pe scaled; num_stages=4 (fits per-tensor at 16 heads, not with the group tiles) is
-    lowered to what fits (3: an odd depth has per-consumer ready barriers, kernel log 29), instead of failing the
+    lowered to what fits (3: an odd depth has per-consumer ready barriers, kernels/sm90/ring.py), instead of failing the
     plan."""
     b = make_paged_batch([777, 65, 2500], [1] * 3, 16, 64, "fp8_e4m3_group", q_dtype=torch.float16, device=DEVICE,
                          seed=6, kpe_scale=7.0, value_scale=3.0)

@@ -102,21 +102,19 @@ def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
                      (dict(fp8_math=True), "fp8_math"), (dict(num_stages=4), "num_stages 4")):
         why = case(heads_on_m=True, **kw)
         assert isinstance(why, str) and why.startswith("heads_on_m=True: ") and word in why, (kw, why)
-    # where auto keeps the wide build (gluon._auto_keeps_wide): CUDA-graph plans and device-only lengths (the
-    # request-order cut, measured slower at spread lengths); heads_on_m=True still takes them. With host lengths a
-    # plain plan takes heads-on-M whatever the batch (its longest-first schedule measured faster at every timed shape)
+    # auto takes heads-on-M wherever it takes the plan: CUDA-graph plans and device-only lengths too (its
+    # longest-first schedule is made on the device then), whatever the batch
     graph = gb.select_build(_spec(128, graph=True), _layout(64, (1,)), {})
-    assert graph == k.KNOWN_BUILDS["h128_p64"], graph
-    assert gb.select_build(_spec(128, graph=True), _layout(64, (1,)), dict(heads_on_m=True)) == k.KNOWN_BUILDS["mh128_p64"]
+    assert graph == k.KNOWN_BUILDS["mh128_p64"], graph
+    assert gb.select_build(_spec(128, graph=True), _layout(64, (1,)), dict(heads_on_m=False)) == k.KNOWN_BUILDS["h128_p64"]
     for n in (1, 66, 67, 200):   # fewer and more requests than the 66 schedule slots at H128
         assert case(qo_lens=(1,) * n) == k.KNOWN_BUILDS["mh128_p64"], n
     assert case(H=64, qo_lens=(1,) * 133) == k.KNOWN_BUILDS["mh64_p64"]
     spread = [64 * (1 + (i * 37) % 128) for i in range(64)]
-    assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread), {}) == k.KNOWN_BUILDS["mh128_p64"]
-    assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread, host=False), {}) == k.KNOWN_BUILDS["h128_p64"]
-    assert gb.select_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=False), {}) == k.KNOWN_BUILDS["h128_p64"]
-    assert gb.select_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=False),
-                           dict(heads_on_m=True)) == k.KNOWN_BUILDS["mh128_p64"]
+    for host in (True, False):
+        assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread, host=host), {}) == k.KNOWN_BUILDS["mh128_p64"]
+        assert gb.select_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=host),
+                               dict(heads_on_m=False)) == k.KNOWN_BUILDS["h128_p64"]
     # what the Gluon kernel refuses anyway is refused as before, whatever heads_on_m says
     assert "num_heads" in case(H=129, heads_on_m=True) and "kv format" in case(fmt="bf16", heads_on_m=None)
 
@@ -139,7 +137,8 @@ def test_heads_on_m_option_is_checked():
 @pytest.mark.usefixtures("sm90_compile_tools")
 def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     """gluon.build / GluonPlan.run of heads-on-M plans on CPU tensors (the kernel never runs): host lengths give the
-    host schedule's real item count, device-only tables the cap slots + B, CUDA graphs slots + max_batch; the
+    host schedule's real item count, device-only tables (heads-on-M also there by default) the cap slots + B and
+    the same items, CUDA graphs slots + max_batch; the
     schedule is the request-aligned one where it fits (H128 B64 L8k: 64 whole requests on 66 slots, no partial)."""
     calls = []
     monkeypatch.setattr(k, "launch_heads_on_m", lambda *a, **kw: calls.append((a, kw)))
@@ -149,8 +148,10 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     assert p.build == k.KNOWN_BUILDS["mh128_p64"] and p.slots == 66 and p.n_items == 64
     assert p.t["cta_ptr"][66].item() == 64 and p.t["item_t1"][:64].tolist() == [128] * 64
     assert p.t["m_ptr"].tolist() == list(range(65)) and p.t["part_o"].shape[1:] == (128, 512)
-    assert gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {}).build == k.KNOWN_BUILDS["h128_p64"]
-    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, dict(heads_on_m=True), {})
+    assert gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, dict(heads_on_m=False),
+                    {}).build == k.KNOWN_BUILDS["h128_p64"]
+    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {})
+    assert d.build == k.KNOWN_BUILDS["mh128_p64"]
     assert d.n_items == 66 + 64 and d.t["cta_ptr"][66].item() == d.t["m_ptr"][64].item() == 64
     for key in ("item_req", "item_t0", "item_t1"):
         assert torch.equal(d.t[key][:64], p.t[key][:64]), key
@@ -186,8 +187,7 @@ def test_aligned_slack_is_a_parameter():
 
 # -- GPU --------------------------------------------------------------------------------------------------------
 def run_case(batch, backend="gluon", **opts):
-    # (these batches' lengths are device tensors: auto keeps the wide build where it cannot see the balance on the
-    # host, gluon._auto_keeps_wide, so the build under test is asked for; test_host_lengths_... checks auto's pick)
+    # (the build under test is asked for by name; test_host_lengths_... and the selection test check auto's pick)
     if backend == "gluon":
         opts.setdefault("heads_on_m", True)
     attn = fp8mla.MLAPagedAttention(backend=backend, **opts)
@@ -263,7 +263,7 @@ def test_query_magnitudes_and_an_all_empty_batch(H, qmag):
     # x 300: scores span ~2,400 log2 units, and the per-tensor scale folded into Q before its fp16 rounding (every
     # fp8mla fast kernel's scheme) moves them by up to ~0.7; where a head's top scores nearly tie that is the
     # error: on this batch 3.8e-3 on the H200 (2026-12-02), 3.83e-3 in the float model of the roundings
-    # (lab/many_heads/check_device.py numerics_model), 4.7e-3 from the Triton kernel; 1.6e-3 from the torch
+    # (the lab prototype's numerics_model: lab/many_heads/check_device.py at commit 80896ec), 4.7e-3 from the Triton kernel; 1.6e-3 from the torch
     # backend's fp32 math. The point of this case is range (no overflow, no NaN), so its budget is 1e-2.
     check(b, out, lse, tol=1e-2 if qmag > 1 else 3e-3, lse_tol=2e-4)
     e = make_paged_batch([0, 0, 0], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=3, extra_pages=1)
@@ -309,9 +309,10 @@ def test_cuda_graph_host_lengths_longest_first_capture_then_replan(H):
     kw = dict(ckv_cache=b1.pool[..., :512], kpe_cache=b1.pool[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
     g = capture_then_replay(lambda: attn.run(q_nope, q_pe, out=out, lse=lse, **kw), out)
     assert_close(out, b1.reference()[0], 3e-3, "first replay")
-    a = host(b1.plan_args)   # same pool and pages, other (shorter) lengths: 0 to 5000 tokens
+    a = host(b1.plan_args)   # same pool and pages, other lengths within each request's written tokens (the
+    # slots past them hold NaN: a length over them would attend to NaN), one of them empty
     a["kv_len_arr"] = torch.tensor([5000, 1, 0, 64, 3000, 17, 900, 1], dtype=torch.int32).clamp(
-        max=(a["kv_indptr"][1:] - a["kv_indptr"][:-1]).clamp(min=0) * 64)
+        max=torch.tensor(lens1, dtype=torch.int32))
     attn.plan(**a)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
@@ -339,7 +340,7 @@ def test_request_without_queries_is_refused_by_gluon_and_right_on_auto():
 @gpu
 @pytest.mark.parametrize("H", [64, 128])
 def test_cuda_graph_capture_then_replan(H):
-    # (heads_on_m=True: auto keeps the wide build for CUDA-graph plans, gluon._auto_keeps_wide)
+    # (heads_on_m=True: the build under test by name, whatever auto picks)
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="gluon", max_batch_size=8, heads_on_m=True)
     b1 = make_paged_batch([100, 3000, 17], [1, 1, 1], H, 64, "fp8_e4m3", device=DEVICE, seed=H, spare_pages=60)
     attn.plan(**b1.plan_args)

@@ -461,7 +461,7 @@ def test_host_schedule_memos_match_fresh_schedules():
 
 @pytest.mark.skipif("triton" not in fp8mla.available_backends("cpu"), reason="needs the triton backend here")
 def test_runner_fast_plan_still_refuses_bad_lengths(monkeypatch):
-    """The runner's trusted re-plan (MLAPagedAttention._replan_rows) skips re-validating the spec and the table it
+    """The runner's trusted re-plan (MLAPagedAttention.replan_rows) skips re-validating the spec and the table it
     made, not the lengths: a length past the block table's rows is refused naming the request, the reservation is
     given back, and an unknown sequence id is refused by the cache (its own error)."""
     from fp8mla.models import DeepseekMLAModel

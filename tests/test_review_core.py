@@ -168,7 +168,7 @@ def test_causal_nan_in_a_token_the_query_cannot_see(backend, qo):
     of token 11 (the last): only the last query sees it, yet every query row comes out NaN on torch, triton
     (decode and extend kernels) and in mla_reference itself (softmax_rows does p @ v with p = 0 on the NaN row:
     0 x NaN = NaN). Expected: rows 0..qo-2 finite and equal to the reference computed without the NaN.
-    (Lead: fixed in the torch paths and the reference; the Triton kernels keep the 0 x NaN of P.V for now --
+    (Fixed in the torch paths and the reference; the Triton kernels keep the 0 x NaN of P.V for now --
     documented in run(): such a NaN never leaves its request -- so they are not parametrized here.)"""
     b = _batch([12], [qo], causal=True)
     clean_out, clean_lse = b.reference()
@@ -202,7 +202,7 @@ def test_graph_mode_replan_with_more_query_tokens():
         pytest.skip("triton cannot run here")
     bufs = dict(qo_indptr=torch.zeros(5, dtype=I32), kv_indptr=torch.zeros(5, dtype=I32),
                 kv_indices=torch.zeros(256, dtype=I32), kv_len_arr=torch.zeros(4, dtype=I32))
-    # Lead's decision: growing the row buffers would leave an already captured graph replaying stale buffers,
+    # Growing the row buffers would leave an already captured graph replaying stale buffers,
     # so a longer plan is a clear error naming max_qo_len, and max_qo_len sizes them for MTP up front.
     attn = fp8mla.MLAPagedAttention(None, True, **bufs, backend="triton")
     first = _batch([5, 9], [1, 1], "fp8_e4m3", ckv_scale=0.5)

@@ -1,5 +1,6 @@
-"""Guard of the Hopper decode kernel's SASS: every named build (``fp8mla.kernels.sm90.KNOWN_BUILDS``) compiled for sm_90a
-with this environment's triton must match the golden record of that triton version
+"""Guard of the Hopper decode kernels' SASS: every named build (``devtools.sass.sm90_builds``: the dense
+``fp8mla.kernels.sm90.KNOWN_BUILDS`` and the sparse kernel split and not, ``sparse_split`` / ``sparse_nosplit``)
+compiled for sm_90a with this environment's triton must match the golden record of that triton version
 (``tests/golden/sm90_triton-<version>.json``): registers, spills, shared memory, MMA and LDS.U8 counts and the
 SHA-256 of the instruction stream (addresses, branch targets and names stripped). A change that moves the SASS of
 a build is a kernel change: re-record (``python -m devtools.sass record``) in the commit that makes it, and say so.

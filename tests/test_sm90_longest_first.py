@@ -53,7 +53,7 @@ def test_longest_first_is_a_reordered_real_schedule(min_tiles):
         T = sum(tiles)
         G = min(max(-(-T // min_tiles), 1), ctas)
         share = -(-T // G)
-        slack = max(k.ALIGNED_SLACK, hs.ONE_WAVE_SLACK, share // hs.BALANCE)
+        slack = max(k.ALIGNED_SLACK, k.ONE_WAVE_SLACK, share // k.BALANCE)
         assert max(sizes, default=0) <= share + slack, (lens, ctas)
         # and the same items as the unordered schedule of the same cut
         hs._LAST_ITEMS = None
@@ -86,7 +86,7 @@ def test_spread_lengths_leave_the_unbalanced_aligned_cut():
 def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
     """gluon.build for a heads-on-M plan with host lengths (on CPU tensors, never launched), plain and into a CUDA-
     graph wrapper's buffers (m_list among the staged arrays), stages the longest-first items and their m_list; the
-    device-only-lengths plan of the same batch keeps the request-order cut with the identity m_list."""
+    device-only-lengths plan of the same batch schedules the very same arrays on the device."""
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
@@ -103,6 +103,7 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
         spec = AttentionSpec(128, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
                              torch.device("cpu"), graph)
         opts = dict(heads_on_m=True, **(dict(max_batch_size=64, max_kv_indices=bt.numel()) if graph else {}))
+        staged = {}
         for lay in (host_lay, dev_lay):
             hs._LAST_ITEMS = None
             p = gb.build(lay, spec, opts, {})
@@ -110,8 +111,9 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
             n = int(p.t["m_ptr"][64])
             sizes = (p.t["item_t1"][:n] - p.t["item_t0"][:n]).tolist()
             m_list = p.t["m_list"][:n].tolist()
+            staged[lay is dev_lay] = [p.t[key][:n].tolist() for key in ("item_req", "item_t0", "item_t1", "m_list")]
             if lay is dev_lay:
-                assert m_list == list(range(n)), graph
+                assert staged[True] == staged[False], graph
                 continue
             assert sizes == sorted(sizes, reverse=True) and sorted(m_list) == list(range(n)), graph
             assert m_list != list(range(n)), graph   # spread lengths: the order did change
@@ -119,3 +121,31 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
             m_ptr = p.t["m_ptr"].tolist()
             assert all(req[m_list[j]] == b for b in range(64) for j in range(m_ptr[b], m_ptr[b + 1])), graph
             assert p.n_items == (n if not graph else 66 + 64)
+
+
+@pytest.mark.parametrize("min_tiles", [1, 8])
+def test_device_longest_first_equals_the_host_schedule(min_tiles):
+    """``schedule_device(longest_first=True)`` (torch ops: CUDA-graph plans and device-only lengths) gives the host
+    schedule's items in the host's order, its m_ptr and its m_list, on the same random and edge lengths; padding past
+    the item count stays at the end."""
+    for lens, ctas in cases():
+        host, tiles = host_of(lens)
+        hs._LAST_ITEMS = None
+        h = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
+                             longest_first=True)
+        d = k.schedule_device(torch.tensor(lens, dtype=torch.int32), ctas, min_tiles, longest_first=True)
+        n = h["m_ptr"][-1]
+        assert d["m_ptr"].tolist() == h["m_ptr"], (lens, ctas)
+        for key in ("item_req", "item_t0", "item_t1", "m_list"):
+            assert d[key][:n].tolist() == h[key][:n], (lens, ctas, key)
+        assert (d["item_t1"][n:] == d["item_t0"][n:]).all(), (lens, ctas)   # the padding: empty, after the items
+
+
+def test_device_longest_first_into_graph_buffers():
+    """The same schedule written into larger preallocated buffers (a CUDA-graph wrapper's) equals the returned one."""
+    lens = torch.tensor([5000, 1, 0, 64, 3000, 17, 900, 1], dtype=torch.int32)
+    want = k.schedule_device(lens, 66, 1, longest_first=True)
+    out = {key: torch.full((v.numel() + 8,), -7, dtype=torch.int32) for key, v in want.items()}
+    k.schedule_device(lens, 66, 1, out=out, longest_first=True)
+    for key, v in want.items():
+        assert out[key][: v.numel()].tolist() == v.tolist(), key

@@ -1,7 +1,8 @@
-"""A CPU torch model of lab/sparse_ws/kernel.py's arithmetic and index handling, against the float64 reference.
+"""A CPU torch model of the sparse prototype's arithmetic and index handling (its kernel.py, now the product's
+``kernels/sm90/sparse_partitions.py``; the prototype at commit 80896ec), against the float64 reference.
 
 It follows the kernel step by step per (token, 64-head group, split), vectorized over tokens and heads: the split
-geometry (``kernel.split_geometry``), entry validity (-1, out of the pool, past the split's end), the per-token
+geometry (``fp8mla.kernels.sm90.sparse.split_geometry``), entry validity (-1, out of the pool, past the split's end), the per-token
 scale T_t (exponent bits), the converter's fp16(fp16(e4m3) x fp16(s_g / T_t)) and bf16(k_pe / T_t), Q x f in
 fp16 / bf16, fp32 scores x row scale x T_t, the owner's online softmax with F folded into the exponent, P' =
 fp16((p / F) x T_t), fp32 P'.V, the epilogue O / l (bf16, or fp32 partials and a log-sum-exp merge in split order).
@@ -19,8 +20,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel import split_geometry  # noqa: E402  (importable without Gluon)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"))
+from fp8mla.kernels.sm90.sparse import split_geometry  # noqa: E402  (importable without Gluon)
 
 LOG2E = 1.4426950408889634
 

@@ -1,7 +1,7 @@
 """Build, in parallel, the FlashInfer batch-MLA JIT variants that the selected tests use (one ninja run), so
 the FlashInfer run does not compile them one by one inside the tests (18-27 s each on the H200).
 ``--bench``: only the two that ``fp8mla bench decode --kv fp8_e4m3 --compare flashinfer`` plans (bf16 queries
-over e4m3 KV, rope 64, fa3 and fa2), so a device call can build them while an earlier phase runs; ``--bench-bf16``
+over e4m3 KV, rope 64, fa3 and fa2), so a GPU run can build them while an earlier phase runs; ``--bench-bf16``
 likewise for ``--kv bf16`` (bf16 queries and KV)."""
 import sys
 import time

@@ -3,14 +3,14 @@
 # fp8mla.MLAPagedAttention swapped in for BatchMLAPagedAttentionWrapper (fi_swap.py). Prints both counts and the
 # fp8mla failures grouped by cause; writes flashinfer.{txt,xml}, fp8mla.{txt,xml} and summary.md to OUTDIR.
 #
-# Needs, in the repo root (both git-ignored, both carried by the device call):
+# Needs, in the repo root (both git-ignored, both copied to the GPU machine with the tree):
 #   .whl/        FlashInfer wheels:  bash /work/shared/tools/flashinfer-wheels
 #   .fi_tests/   FlashInfer's test files + a conftest-free harness (see README.md; checked by sha256 below)
-# Device call (repo root):  bash scripts/flashinfer_swap/run.sh "$OUT"   with carry [".whl", ".fi_tests"]
-# FI_MODES="flashinfer fp8mla" (default) picks the runs; one of them alone fits a shorter call. FI_CONTRACT=0
+# On the GPU machine (repo root):  bash scripts/flashinfer_swap/run.sh "$OUT"
+# FI_MODES="flashinfer fp8mla" (default) picks the runs; one of them alone fits a shorter run. FI_CONTRACT=0
 # skips fp8mla's own tests/test_flashinfer_contract.py, which otherwise runs last, in what is left of the budget.
-# FI_RUN_CAP (s, default 240) caps each test run on top of FI_BUDGET: raise both for a call that has the time to
-# finish the whole selection in one mode (e.g. FI_MODES=fp8mla FI_BUDGET=330 FI_RUN_CAP=320 in a 6-minute call).
+# FI_RUN_CAP (s, default 240) caps each test run on top of FI_BUDGET: raise both for a run that has the time to
+# finish the whole selection in one mode (e.g. FI_MODES=fp8mla FI_BUDGET=330 FI_RUN_CAP=320 in a 6-minute run).
 set -u
 root=$(pwd)
 here=$root/scripts/flashinfer_swap

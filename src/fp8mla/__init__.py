@@ -8,6 +8,7 @@ _LAZY = {"FORMATS": "formats", "KVFormat": "formats", "get_format": "formats",
          "MLAPagedAttention": "attention", "available_backends": "attention",
          "MLARaggedPrefill": "ragged", "merge_state": "ragged", "merge_state_in_place": "ragged",
          "gather_dequant": "gather", "MLASparseAttention": "sparse",
+         "V4SparseAttention": "v4", "write_v4_pool": "v4", "V4_FORMATS": "formats_v4", "get_v4_format": "formats_v4",
          "sentinel": None}  # fp8mla.sentinel.forbid_pool_casts: the submodule itself
 
 
@@ -27,4 +28,4 @@ def __dir__():
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "KVFormat", "get_format", "PagedMLACache", "OutOfPagesError", "MLAPagedAttention",
            "available_backends", "MLARaggedPrefill", "merge_state", "merge_state_in_place", "gather_dequant",
-           "MLASparseAttention", "__version__"]
+           "MLASparseAttention", "V4SparseAttention", "write_v4_pool", "V4_FORMATS", "get_v4_format", "__version__"]

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from . import backends
-from ._checks import ArgumentTypeError, check_positive_int, check_tensor, same_device
+from ._checks import (ArgumentTypeError, as_int, check_int, check_positive_int, check_tensor, plain_number,
+                      same_device)
 from .backends import AttentionSpec
+from .backends._invariant import GLUON_REFUSAL, check_chunk
 from .formats import FORMATS, KVFormat, get_format
 from .layout import PagedLayout, debug_checks
 from .runtime import available_backends, choose_backend
@@ -25,9 +27,9 @@ __all__ = ["MLAPagedAttention", "available_backends"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 STRATEGIES = ("native", "gather_cast")
-CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices")  # CUDA-graph buffer sizes
+CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices", "max_partials")  # CUDA-graph buffer sizes
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64", "v_convert", "fp8_math", "heads_on_m") + CAPACITY_OPTIONS
+                  "index64", "v_convert", "fp8_math", "heads_on_m", "invariant_chunk") + CAPACITY_OPTIONS
 FLASHINFER_BACKENDS = ("fa2", "fa3")
 # Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
 MAX_SM_SCALE = 1e6
@@ -40,6 +42,7 @@ class _Plan:
     backend: str
     impl: object                  # the backend's plan object (has .run)
     group_impl: object = None     # built on the first run that passes ckv_scale_arr under a plain FP8 dtype
+    given_rows: int = 0           # requests plan() was given, where trailing ones without queries were left out
 
 
 class MLAPagedAttention:
@@ -65,12 +68,19 @@ class MLAPagedAttention:
             e4m3 wgmma, no K/V conversion; error budget rel L2 <= 2e-2 instead of the default 3e-3; per-tensor
             e4m3 only; a plan that would run elsewhere raises); ``heads_on_m``: the gluon kernel's heads-on-M build
             (64 heads on the MMA's M side; 33..128 heads, one query per request, per-tensor e4m3, pages of a
-            multiple of 64): None = the selector's choice (it for plain plans with host lengths, where the H200
-            measured it faster at every timed shape; CUDA-graph plans and device-only lengths keep the wide
-            build), False = the wide build,
+            multiple of 64): None = the selector's choice (it wherever it takes the plan, plain or CUDA-graph,
+            host or device-only lengths: the H200 measured it faster at every timed shape), False = the wide
+            build,
             True = required (a plan it cannot take raises with the reason); and the CUDA-graph
             capacities (``max_batch_size`` 256, ``max_qo_len`` = the first plan's longest request,
-            ``max_kv_indices`` 2^20).
+            ``max_kv_indices`` 2^20; ``max_partials`` 2048, the batch-invariant mode's work items beyond one per
+            request). ``invariant_chunk``: tokens per KV chunk in the batch-invariant mode (a multiple of 64,
+            default 1024).
+        batch_invariant: each request's output and lse are the same bits whatever shares its batch (its size,
+            order, the other requests' lengths and pages): its KV is cut in chunks of ``invariant_chunk`` tokens
+            (balanced within its own length), partials merged in chunk order, one kernel configuration per heads /
+            format / device; long requests are still split. Backends torch and triton; the gluon builds are refused
+            (``auto`` picks triton). docs/batch_invariance.md has the contract.
 
     Example:
         >>> import torch, fp8mla
@@ -90,7 +100,8 @@ class MLAPagedAttention:
     def __init__(self, float_workspace_buffer: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
                  kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
-                 backend: str = "auto", *, strategy: str = "native", **kernel_options):
+                 backend: str = "auto", *, strategy: str = "native", batch_invariant: bool = False,
+                 **kernel_options):
         if backend in FLASHINFER_BACKENDS:
             backend = "auto"  # FlashInfer's kernel names: engines and FlashInfer's tests pass them as is
         if not isinstance(backend, str) or backend not in ("auto", "torch", "triton", "gluon"):
@@ -108,6 +119,7 @@ class MLAPagedAttention:
             raise TypeError(f"MLAPagedAttention: unknown keyword(s) {sorted(unknown)}; kernel options are "
                             f"{sorted(KERNEL_OPTIONS)}")
         _check_kernel_options(kernel_options)
+        _check_invariant(batch_invariant, backend, kernel_options)
         if kernel_options.get("fp8_math") and (backend in ("torch", "triton") or strategy != "native"):
             # never the default numerics under a flag that promises FP8 tensor-core math
             raise ValueError(f"fp8_math: FP8 tensor-core math runs on the gluon kernel only (sm_90; backend 'gluon' "
@@ -135,10 +147,13 @@ class MLAPagedAttention:
         self._workspace = float_workspace_buffer
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = backend
+        if batch_invariant:
+            kernel_options["batch_invariant"] = True
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
-        self._rows_fast = None       # _replan_rows' per-table constants
+        self._rows_fast = None       # replan_rows' per-table constants
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
+        self._graph_backend = None   # CUDA graphs: the backend run() last launched (a capture holds its launches)
         self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
         self._scales_host = None     # what _scales holds, when it came from host floats
 
@@ -146,6 +161,11 @@ class MLAPagedAttention:
     def backend(self) -> str | None:
         """The backend chosen by the last plan() (None before the first plan)."""
         return None if self._plan is None else self._plan.backend
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this wrapper runs in the batch-invariant mode (constructor's ``batch_invariant``)."""
+        return bool(self._kernel_options.get("batch_invariant"))
 
     @property
     def layout(self) -> PagedLayout | None:
@@ -196,12 +216,12 @@ class MLAPagedAttention:
         runner and the engine adapters)."""
         if not isinstance(layout, PagedLayout):
             raise TypeError(f"layout: expected a fp8mla.layout.PagedLayout, got {type(layout).__name__}")
-        for name, v in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv)):
-            check_positive_int(name, v)
-        if isinstance(head_dim_kpe, bool) or not isinstance(head_dim_kpe, int) or head_dim_kpe < 0:
-            raise ValueError(f"head_dim_kpe: expected a non-negative int (0: no rope part), got {head_dim_kpe!r}")
+        num_heads = check_positive_int("num_heads", num_heads)
+        head_dim_ckv = check_positive_int("head_dim_ckv", head_dim_ckv)
+        head_dim_kpe = check_int("head_dim_kpe", head_dim_kpe, 0, "a non-negative int (0: no rope part)")
         if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and sm_scale.device.type == "cpu":
             sm_scale = float(sm_scale)
+        sm_scale = plain_number(sm_scale)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
                 or not 0 < sm_scale <= MAX_SM_SCALE:
             raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g} (larger scales "
@@ -212,8 +232,24 @@ class MLAPagedAttention:
         fmt.num_groups(head_dim_ckv)  # validates head_dim_ckv for the group format
         spec = AttentionSpec(num_heads, head_dim_ckv, head_dim_kpe, layout.page_size, bool(causal),
                              float(sm_scale), q_data_type, fmt, layout.device, self._use_cuda_graph)
+        given_rows = layout.batch_size
+        if self._use_cuda_graph and layout.qo_lens:
+            # Trailing requests without queries (an engine's padding rows of a captured batch size) produce no
+            # output: planned without them, the batch keeps the backend of the wrapper's other plans (the Gluon
+            # builds refuse rows without queries, and a captured launch reads only its own backend's buffers)
+            rows = len(layout.qo_lens)
+            while rows and not layout.qo_lens[rows - 1]:
+                rows -= 1
+            if 0 < rows < given_rows:
+                layout = layout.head(rows)
         name, impl = self._build(layout, spec)
+        ran = self._graph_backend
+        if spec.use_cuda_graph and ran is not None and name != ran:
+            raise ValueError(f"plan: this CUDA-graph wrapper has run the {ran!r} backend, and a captured run() "
+                             f"replays only that backend's launches, which a plan on {name!r} would not update; "
+                             f"plan this batch with another wrapper (or backend={ran!r} if it takes it)")
         prev, self._plan = self._plan, _Plan(layout, spec, name, impl)
+        self._plan.given_rows = given_rows
         if spec.use_cuda_graph and prev is not None and prev.group_impl is not None and self._takes_group(fmt):
             # A CUDA-graph wrapper run with group scales FlashInfer's way (an e4m3 plan, ckv_scale_arr at run): its
             # captured run replays the group plan's kernels, which read the arrays a plan stages, and a replay calls
@@ -222,8 +258,16 @@ class MLAPagedAttention:
             self._plan.group_impl = self._build_group(layout, spec)
 
     # -- the decode runner's re-plan: every step, trusted ---------------------------------------------------------
+    @property
+    def graph_buffers(self):
+        """The CUDA-graph buffers of the last plan's backend when a caller can stage their small arrays with its
+        own (they have ``rebase``: the decode runner moves them into its staging buffer, then re-plans through
+        :meth:`replan_rows`), else None."""
+        buf = self._state.get(self.backend, {}).get("graph")
+        return buf if callable(getattr(buf, "rebase", None)) else None
+
     def _rows_buffers(self):
-        """The backend's CUDA-graph buffers when :meth:`_replan_rows` can re-plan this wrapper (the last plan used
+        """The backend's CUDA-graph buffers when :meth:`replan_rows` can re-plan this wrapper (the last plan used
         CUDA-graph buffers whose small arrays a caller can stage: ``rebase`` / ``sink``), else None."""
         p = self._plan
         if p is None or not p.spec.use_cuda_graph or self._strategy != "native":
@@ -231,22 +275,22 @@ class MLAPagedAttention:
         buf = self._state.get(p.backend, {}).get("graph")
         return buf if getattr(buf, "rebased", False) else None
 
-    def _replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
+    def replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
         """Plan the last plan's block table again (its rows, one query each: ``PagedLayout.decode_rows``), with
         new lengths ``lens`` (a list of B ints, B = its rows), on the host only: the decode runner's every step.
 
-        A trusted internal path: the caller (``models.runner.DecodeRunner``) made the block table from the cache
-        and the spec (heads, dims, scale, dtypes, format) was validated by this wrapper's first
-        :meth:`plan_layout`, so neither is re-validated; the lengths still are (O(batch), against the rows). The
-        backend's small arrays are appended to ``sink`` as ``[(values, capacity), ...]`` in the order of its flat
-        buffer, not copied: the caller copies them with its own arrays in one host -> device copy into the buffer
-        it gave ``rebase``. The layout's device arrays are views of that buffer (they hold these values once the
-        caller's copy ran). ``fixed``: the plan was captured in a CUDA graph (which replays right after any
-        re-plan, with the launch configuration it holds): the backend may keep the plan object and only stage the
-        new schedule."""
+        A trusted path for a caller that made the block table from the cache itself and staged the buffers
+        (:attr:`graph_buffers`, ``rebase``; ``models.runner.DecodeRunner``): the spec (heads, dims, scale, dtypes,
+        format) was validated by this wrapper's first :meth:`plan_layout`, so neither is re-validated; the
+        lengths still are (O(batch), against the rows). The backend's small arrays are appended to ``sink`` as
+        ``[(values, capacity), ...]`` in the order of its flat buffer, not copied: the caller copies them with its
+        own arrays in one host -> device copy into the buffer it gave ``rebase``. The layout's device arrays are
+        views of that buffer (they hold these values once the caller's copy ran). ``fixed``: the plan was
+        captured in a CUDA graph (which replays right after any re-plan, with the launch configuration it holds):
+        the backend may keep the plan object and only stage the new schedule."""
         p, buf = self._plan, self._rows_buffers()
         if buf is None:
-            raise RuntimeError("_replan_rows: plan once with CUDA-graph buffers and rebase them first")
+            raise RuntimeError("replan_rows: plan once with CUDA-graph buffers and rebase them first")
         fast = self._rows_fast
         if fast is None or fast[0] is not p.layout.kv_indices:
             lay = p.layout
@@ -255,7 +299,7 @@ class MLAPagedAttention:
             qo, kvp = list(range(B + 1)), list(range(0, (B + 1) * W, W))
             h = lay.host
             if h is None or h["qo_indptr"].tolist() != qo or h["kv_indptr"].tolist() != kvp:  # (once per table)
-                raise RuntimeError("_replan_rows: the last plan must be the rows of a block table, one query each "
+                raise RuntimeError("replan_rows: the last plan must be the rows of a block table, one query each "
                                    "(PagedLayout.decode_rows / from_block_table)")
             views = (buf.buf["qo_indptr"][: B + 1], buf.buf["kv_indptr"][: B + 1], buf.buf["kv_len"][:B])
             mod = backends._module(p.backend)  # its replan_rows (only the schedule is new), else build
@@ -298,7 +342,10 @@ class MLAPagedAttention:
         verdict = []  # the gluon check's answer, when asked: build() need not repeat it for this layout
 
         def supports_gluon():
-            verdict.append(backends.supports_gluon(spec, layout, opts))
+            if opts.get("batch_invariant"):
+                verdict.append((False, GLUON_REFUSAL))
+            else:
+                verdict.append(backends.supports_gluon(spec, layout, opts))
             return verdict[-1]
         # CUDA-graph wrappers re-plan every step with the same spec: the choice (which asks the device's
         # capability, a few microseconds each) is kept for the spec and whether every request has one query,
@@ -367,6 +414,7 @@ class MLAPagedAttention:
             raise RuntimeError("run: call plan() first")
         if profiler_buffer is not None:
             raise ValueError("profiler_buffer: fp8mla has no intra-kernel profiler; pass None")
+        o_scale = plain_number(o_scale)
         if o_scale is not None and (isinstance(o_scale, bool) or not isinstance(o_scale, (int, float))
                                     or not math.isfinite(o_scale)):
             raise ValueError(f"o_scale: expected a finite float (the output's multiplier) or None, got {o_scale!r}")
@@ -385,7 +433,7 @@ class MLAPagedAttention:
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             if t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
-        self._check_given_table(kv_len, page_table, layout)
+        self._check_given_table(kv_len, page_table, layout, p.given_rows or layout.batch_size)
 
         impl, fmt = p.impl, spec.kv_format
         if ckv_scale_arr is not None and self._takes_group(fmt):
@@ -408,26 +456,29 @@ class MLAPagedAttention:
                 raise ValueError(f"lse: expected a contiguous last dimension (heads), got strides {lse.stride()}")
         if hasattr(impl, "scale_values"):
             impl.scale_values = self._scales_host
+        if spec.use_cuda_graph:
+            self._graph_backend = p.backend   # (plan() keeps later plans of the wrapper on it)
         impl.run(q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, bool(return_lse_base_on_e))
         if o_scale is not None and o_scale != 1.0:
             out.mul_(o_scale)  # checked above: a finite float
         return (out, lse) if return_lse else out
 
     @staticmethod
-    def _check_given_table(kv_len, page_table, layout: PagedLayout) -> None:
+    def _check_given_table(kv_len, page_table, layout: PagedLayout, given_rows: int) -> None:
         """FlashInfer's run() takes kv_len/page_table for another backend; fp8mla reads the planned table. A
-        different table given here would be ignored silently, so it is compared where that costs no sync."""
+        different table given here would be ignored silently, so it is compared where that costs no sync.
+        (``given_rows``: the batch plan() was given; trailing requests without queries may not be in ``layout``.)"""
+        B = layout.batch_size
         if kv_len is not None:
             check_tensor("kv_len", kv_len, ndim=1)
-            if kv_len.numel() != layout.batch_size:
-                raise ValueError(f"kv_len: expected {layout.batch_size} entries (the planned batch), got "
-                                 f"{kv_len.numel()}")
-            if kv_len.device.type == "cpu" and layout.kv_lens is not None and kv_len.tolist() != layout.kv_lens:
+            if kv_len.numel() != given_rows:
+                raise ValueError(f"kv_len: expected {given_rows} entries (the planned batch), got {kv_len.numel()}")
+            if kv_len.device.type == "cpu" and layout.kv_lens is not None and kv_len[:B].tolist() != layout.kv_lens:
                 raise ValueError("kv_len: differs from the planned kv_len_arr; re-plan to change lengths")
         if page_table is not None:
             check_tensor("page_table", page_table, ndim=2)
-            if page_table.shape[0] != layout.batch_size:
-                raise ValueError(f"page_table: expected {layout.batch_size} rows (the planned batch), got "
+            if page_table.shape[0] != given_rows:
+                raise ValueError(f"page_table: expected {given_rows} rows (the planned batch), got "
                                  f"{page_table.shape[0]}")
 
     def _resolve_scales(self, fmt: KVFormat, ckv_scale, kpe_scale, ckv_scale_arr, P: int,
@@ -490,17 +541,37 @@ _WARPS = (1, 2, 4, 8, 16)
 
 def _check_kernel_options(opts: dict) -> None:
     for name in ("block_m", "block_n", "ctas_per_sm", "min_chunk", "max_batch_size", "max_qo_len",
-                 "max_kv_indices", "num_stages"):
+                 "max_kv_indices", "num_stages", "max_partials"):
         if opts.get(name) is not None:
-            check_positive_int(name, opts[name])
-    if opts.get("num_warps") is not None and (isinstance(opts["num_warps"], bool)
-                                              or opts["num_warps"] not in _WARPS):
-        raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+            opts[name] = check_positive_int(name, opts[name])  # numpy / 0-d tensor counts become ints here
+    if opts.get("num_warps") is not None:
+        if as_int(opts["num_warps"]) not in _WARPS:
+            raise ValueError(f"num_warps: expected one of {_WARPS}, got {opts['num_warps']!r}")
+        opts["num_warps"] = as_int(opts["num_warps"])
     if opts.get("v_convert") is not None and opts["v_convert"] not in ("plain", "asm"):
         raise ValueError(f"v_convert: expected 'plain' or 'asm', got {opts['v_convert']!r}")
     for name in ("evict_first", "index64", "fp8_math", "heads_on_m"):
         if opts.get(name) is not None and not isinstance(opts[name], bool):
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
+
+
+def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
+    """The batch-invariant mode's arguments: the gluon builds and the options that require them are refused by
+    name, and its tuning options are taken only with the mode on."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
+    if not batch_invariant:
+        for name in ("invariant_chunk", "max_partials"):
+            if opts.get(name) is not None:
+                raise ValueError(f"{name}: an option of the batch-invariant mode; pass batch_invariant=True with it")
+        return
+    if backend == "gluon":
+        raise ValueError(GLUON_REFUSAL)
+    for name in ("fp8_math", "heads_on_m"):
+        if opts.get(name):
+            raise ValueError(f"{name}: runs on the gluon kernel only, and {GLUON_REFUSAL}")
+    if opts.get("invariant_chunk") is not None:
+        check_chunk("invariant_chunk", opts["invariant_chunk"])
 
 
 def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
@@ -515,6 +586,7 @@ def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
         if not allowed:
             raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name}, got a tensor")
         return v.reshape(())
+    v = plain_number(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (FP32_TINY <= v <= FP32_MAX):
         raise ValueError(f"{name}: expected a positive finite float in fp32's normal range [{FP32_TINY:.3g}, "
                          f"{FP32_MAX:.3g}] (the kernels use it in fp32), got {v!r}")

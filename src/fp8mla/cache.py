@@ -26,13 +26,13 @@ has nothing to do with allocation); ``extend`` stays as an alias.
 from __future__ import annotations
 
 import itertools
-import numbers
 from array import array
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
-from ._checks import check_positive_int, check_tensor
+from ._checks import as_int, as_real, check_int, check_positive_int, check_tensor
 from .formats import KVFormat, get_format
 
 
@@ -49,10 +49,25 @@ def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
                          f"{'bf16' if fmt.is_fp8 else 'it is'}); expected 1.0 (the default), got {kpe_scale!r}")
 
 
+def _check_scale(name: str, v) -> float:
+    x = as_real(v)
+    if x is None or not 0 < x < float("inf"):  # (NaN fails too)
+        raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+    return float(x)
+
+
 def _hashable(seq_id):
-    """``seq_id`` itself, or an error naming it when it cannot key the sequence table (a list, a set, ...). A tuple
-    is refused too: where one id or several are taken (``reserve``, ``plan_inputs``, ...), a tuple is a list of ids,
-    so a tuple id would be read as the ids it holds (a misleading "no sequence" KeyError, or another sequence)."""
+    """``seq_id`` as the sequence table's key, or an error naming it when it cannot key the table (a list, a set,
+    ...). Integer scalars (numpy's, 0-d CPU tensors) become ints: a tensor hashes by identity, so as a key it would
+    never be found again. A tuple is refused too: where one id or several are taken (``reserve``,
+    ``plan_inputs``, ...), a tuple is a list of ids, so a tuple id would be read as the ids it holds (a misleading
+    "no sequence" KeyError, or another sequence)."""
+    i = as_int(seq_id)
+    if i is not None:
+        return i
+    if isinstance(seq_id, torch.Tensor):
+        raise TypeError(f"seq_id: expected an int or a str, got a tensor of shape {tuple(seq_id.shape)} on "
+                        f"{seq_id.device} (one id: a 0-d integer tensor on the CPU, or int(t))")
     if isinstance(seq_id, tuple):
         raise TypeError(f"seq_id: expected an int or a str, got a tuple {seq_id!r} (seq_ids reads a tuple as a list "
                         f"of ids, so a tuple cannot be an id itself)")
@@ -113,7 +128,10 @@ assert array("i").itemsize == 4, "page tables are int32 (array typecode 'i')"
 
 
 @dataclass
-class _Sequence:
+class SequenceState:
+    """The cache's state of one sequence (``PagedMLACache.seq_state``): its pages, in token order, and its
+    lengths. Read it, never change it (the cache does). One object per life of an id: a sequence freed and added
+    again gets a new one, so a caller that kept the old one tells them apart by identity (``is``)."""
     pages: array = field(default_factory=_page_array)
     length: int = 0          # tokens reserved, including the pending ones
     pending: int = 0         # tokens reserved by the last reserve(), written by append()
@@ -131,20 +149,20 @@ class PagedMLACache:
         ckv_scale, kpe_scale: per-tensor scales (real = stored x scale) of the FP8 formats; the group format uses
             ``kpe_scale`` only, its c_kv scales are computed per token on write. A scale other than 1.0 that
             the format has no use for (``ckv_scale`` of the group and 16-bit formats, ``kpe_scale`` of the
-            16-bit formats) is an error: it used to be dropped silently, leaving a caller who meant it to scale
-            the values with unscaled ones.
+            16-bit formats) is an error: dropped silently, it would leave a caller who meant it to scale the
+            values with unscaled ones.
         device: where the pool lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); it must exist.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_format="fp8_e4m3", *,
                  head_dim_ckv: int = 512, head_dim_kpe: int = 64, device="cpu",
                  ckv_scale: float = 1.0, kpe_scale: float = 1.0):
-        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                        ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
-            check_positive_int(name, v)
-        for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
-                raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
+        num_layers, num_pages, page_size, head_dim_ckv, head_dim_kpe = (
+            check_positive_int(name, v) for name, v in (
+                ("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)))
+        ckv_scale, kpe_scale = (_check_scale(name, v) for name, v in (("ckv_scale", ckv_scale),
+                                                                     ("kpe_scale", kpe_scale)))
         self.format: KVFormat = get_format(kv_format, arg="kv_format", sparse_ok=True)
         _check_unused_scales(self.format, ckv_scale, kpe_scale)
         device = _check_device(device)
@@ -165,7 +183,7 @@ class PagedMLACache:
         self._refs = [0] * num_pages
         self._forked = False  # a page may be shared (refs > 1) only after a fork: reserve's fast path checks this
         self._forks = 0  # forks made so far: a step planned before the last one checks that its pages are its own
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count()
 
     @classmethod
@@ -173,11 +191,14 @@ class PagedMLACache:
                            *, head_dim_ckv: int = 512, head_dim_kpe: int = 64, **kw) -> "PagedMLACache":
         """The largest cache whose pool and scales fit in ``budget_bytes`` (an int, or a finite float rounded
         down; at most the device's memory). ``kw`` as in the constructor (``device``, ``ckv_scale``, ...)."""
-        for name, v in (("num_layers", num_layers), ("page_size", page_size)):
-            check_positive_int(name, v)
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):  # numpy numbers too
+        num_layers, page_size = (check_positive_int(name, v) for name, v in (("num_layers", num_layers),
+                                                                            ("page_size", page_size)))
+        head_dim_ckv, head_dim_kpe = (check_positive_int(name, v) for name, v in (("head_dim_ckv", head_dim_ckv),
+                                                                                 ("head_dim_kpe", head_dim_kpe)))
+        if as_real(budget_bytes) is None:  # numpy numbers and 0-d CPU tensors are numbers too
             raise TypeError(f"budget_bytes: expected a number of bytes (an int such as 2 * 1024**3), got "
                             f"{budget_bytes!r} ({type(budget_bytes).__name__})")
+        budget_bytes = as_real(budget_bytes)
         if not 0 < budget_bytes < float("inf"):  # NaN fails too
             raise ValueError(f"budget_bytes: expected a positive finite number of bytes, got {budget_bytes!r}")
         fmt = get_format(kv_format, arg="kv_format", sparse_ok=True)
@@ -198,9 +219,10 @@ class PagedMLACache:
 
     # -- views ----------------------------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        i = layer if type(layer) is int else as_int(layer)
+        if i is None or not 0 <= i < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
-        return layer
+        return i
 
     def _no_record(self, what: str) -> None:
         if self.is_record:
@@ -244,8 +266,32 @@ class PagedMLACache:
     def sequences(self) -> list[int]:
         return list(self._seqs)
 
+    @property
+    def seq_states(self):
+        """Every live sequence's state, ``{seq_id: SequenceState}``: a read-only view that follows the cache
+        (``seq_states.get(seq_id)`` is None for an id not here)."""
+        return MappingProxyType(self._seqs)
+
+    @property
+    def fork_count(self) -> int:
+        """Forks made so far: a step planned before the last fork checks that the pages it writes are its own
+        (``shared_page``)."""
+        return self._forks
+
+    def shared_page(self, seq_id, start: int, num_tokens: int):
+        """The first page holding tokens ``[start, start + num_tokens)`` of ``seq_id`` that another sequence
+        shares too (a fork), or None: writing such a page would change the other sequence's tokens."""
+        pages = self.seq_state(seq_id).pages
+        if num_tokens <= 0:
+            return None
+        ps, refs = self.page_size, self._refs
+        for i in range(start // ps, min((start + num_tokens - 1) // ps + 1, len(pages))):
+            if refs[pages[i]] > 1:
+                return pages[i]
+        return None
+
     @staticmethod
-    def _id_list(seq_ids) -> list:
+    def id_list(seq_ids) -> list:
         """One id (an int, a str, ...) or an ordered collection of ids (list, tuple, range, 1-D tensor, any other
         iterable), as a list. Sets and dicts are refused: their order is not the caller's, and the rows of c_kv,
         the slots returned and the plan follow the order of ``seq_ids``."""
@@ -260,24 +306,30 @@ class PagedMLACache:
             return [seq_ids]
         return list(seq_ids)
 
-    def _seq(self, seq_id) -> _Sequence:
-        if _hashable(seq_id) not in self._seqs:
+    def seq_state(self, seq_id) -> SequenceState:
+        """The live state of ``seq_id`` (its pages and lengths); KeyError naming the id when it is not here."""
+        if type(seq_id) is int and seq_id in self._seqs:
+            return self._seqs[seq_id]
+        key = _hashable(seq_id)
+        if key not in self._seqs:
             raise KeyError(f"seq_id: no sequence {seq_id!r} in the cache (live ids: {sorted(self._seqs)[:16]})")
-        return self._seqs[seq_id]
+        return self._seqs[key]
 
     def seq_len(self, seq_id) -> int:
-        return self._seq(seq_id).length
+        return self.seq_state(seq_id).length
 
     def pages(self, seq_id) -> list[int]:
-        return list(self._seq(seq_id).pages)
+        return list(self.seq_state(seq_id).pages)
 
     def add_sequence(self, seq_id=None, num_tokens: int = 0):
         """Register a new sequence (an id is chosen when ``seq_id`` is None) and reserve ``num_tokens`` slots."""
         if seq_id is None:
             seq_id = next(i for i in self._ids if i not in self._seqs)
-        elif _hashable(seq_id) in self._seqs:
-            raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
-        self._seqs[seq_id] = _Sequence()
+        else:
+            seq_id = _hashable(seq_id)
+            if seq_id in self._seqs:
+                raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
+        self._seqs[seq_id] = SequenceState()
         if num_tokens:
             try:
                 self.reserve(seq_id, num_tokens)
@@ -295,7 +347,7 @@ class PagedMLACache:
             self._refs[p] = 1
         return pages
 
-    def _pages_needed(self, seq: _Sequence, n: int) -> int:
+    def _pages_needed(self, seq: SequenceState, n: int) -> int:
         return max(0, -(-(seq.length + n) // self.page_size) - len(seq.pages))
 
     def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
@@ -317,17 +369,13 @@ class PagedMLACache:
             slots = self._reserve_decode(seq_ids)
             if slots is not None:
                 return slots
-        ids = self._id_list(seq_ids)
+        ids = self.id_list(seq_ids)
         if isinstance(num_tokens, (list, tuple)):
-            counts = list(num_tokens)
+            counts = [check_int("num_tokens", c, 0, "non-negative ints") for c in num_tokens]
             if len(counts) != len(ids):
                 raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-            check = counts
         else:
-            counts, check = [num_tokens] * len(ids), [num_tokens]
-        for c in check:
-            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                raise ValueError(f"num_tokens: expected non-negative ints, got {c!r}")
+            counts = [check_int("num_tokens", num_tokens, 0, "non-negative ints")] * len(ids)
         try:
             distinct = len(set(ids)) == len(ids)
         except TypeError:
@@ -335,7 +383,7 @@ class PagedMLACache:
         if not distinct:
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         table = self._seqs
-        seqs = [table[i] if i in table else self._seq(i) for i in ids]  # _seq: the error naming a missing id
+        seqs = [table[i] if i in table else self.seq_state(i) for i in ids]  # (seq_state: the error for a bad id)
         ps, refs = self.page_size, self._refs
         # A shared (forked) partly filled last page must not be written: it is copied first, which takes a page
         # too. Count those copies before touching anything, so that a full pool leaves the state unchanged.
@@ -398,12 +446,12 @@ class PagedMLACache:
 
     def free(self, seq_id) -> None:
         """Drop a sequence; its pages go back to the pool once no forked sequence shares them."""
-        seq = self._seq(seq_id)
+        seq = self.seq_state(seq_id)
         for p in seq.pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
-        del self._seqs[seq_id]
+        del self._seqs[_hashable(seq_id)]
 
     def fork(self, seq_id, new_id=None):
         """A new sequence sharing ``seq_id``'s pages (a common prefix). Shared pages are never written: a
@@ -412,7 +460,7 @@ class PagedMLACache:
         Append every layer of ``seq_id``'s reserved tokens before forking: the fork shares them, and an append
         of ``seq_id`` after the fork (without a new :meth:`extend`) is refused instead of writing shared pages.
         """
-        src = self._seq(seq_id)
+        src = self.seq_state(seq_id)
         new_id = self.add_sequence(new_id)
         dst = self._seqs[new_id]
         dst.pages, dst.length = _page_array(src.pages), src.length
@@ -423,7 +471,7 @@ class PagedMLACache:
         src.pending = 0  # its pending slots now lie in shared pages
         return new_id
 
-    def _unshare_last_page(self, seq: _Sequence) -> None:
+    def _unshare_last_page(self, seq: SequenceState) -> None:
         (new,) = self._take_pages(1)
         old = seq.pages[-1]
         self.pool[:, new] = self.pool[:, old]
@@ -436,8 +484,8 @@ class PagedMLACache:
     def pending_slots(self, seq_ids) -> torch.Tensor:
         """Flat slot ids of the tokens reserved by the last :meth:`reserve` of each sequence, in order."""
         slots = []
-        for i in self._id_list(seq_ids):
-            s = self._seq(i)
+        for i in self.id_list(seq_ids):
+            s = self.seq_state(i)
             for t in range(s.length - s.pending, s.length):
                 slots.append(s.pages[t // self.page_size] * self.page_size + t % self.page_size)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
@@ -450,7 +498,7 @@ class PagedMLACache:
             c_kv: ``[T, head_dim_ckv]``, k_pe: ``[T, head_dim_kpe]`` (any float dtype); T = tokens reserved by
                 the last reserve() of these sequences, in the order of ``seq_ids``.
         """
-        self.write(layer, self.pending_slots(self._id_list(seq_ids)), c_kv, k_pe)
+        self.write(layer, self.pending_slots(self.id_list(seq_ids)), c_kv, k_pe)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, *,
               use_triton: bool | None = None) -> None:
@@ -506,20 +554,17 @@ class PagedMLACache:
         decode; an int for all). Returns ``qo_indptr, kv_indptr, kv_indices, kv_len_arr`` (int32, on the cache's
         device), ``head_dim_ckv, head_dim_kpe, page_size, kv_data_type`` (the format's name).
         """
-        ids = self._id_list(seq_ids)
-        if qo_lens is None or (isinstance(qo_lens, int) and not isinstance(qo_lens, bool)):
-            qo_lens = [1 if qo_lens is None else qo_lens] * len(ids)
+        ids = self.id_list(seq_ids)
+        if qo_lens is None or as_int(qo_lens) is not None:
+            qo_lens = [1 if qo_lens is None else check_int("qo_lens", qo_lens, 0, "non-negative ints")] * len(ids)
         elif isinstance(qo_lens, (list, tuple, range)):
-            qo_lens = list(qo_lens)
+            qo_lens = [check_int("qo_lens", n, 0, "non-negative ints") for n in qo_lens]
         else:
             raise TypeError(f"qo_lens: expected an int or a list of ints (one per sequence), got "
                             f"{type(qo_lens).__name__}")
-        for n in qo_lens:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"qo_lens: expected non-negative ints, got {n!r}")
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
-        seqs = [self._seq(i) for i in ids]
+        seqs = [self.seq_state(i) for i in ids]
         ps = self.page_size
         kv_pages, table = [], _page_array()
         for s in seqs:  # O(batch) Python; the page ids are copied as array slices (memcpy)
@@ -544,8 +589,8 @@ class PagedMLACache:
         from .layout import PagedLayout
         args = self.plan_inputs(seq_ids, qo_lens, _device="cpu")
         idx = args["kv_indices"]
-        # The cache's page ids are valid by construction: the largest one is one vectorized max, not the layout's
-        # O(tokens) scan (what made a page-1 step cost O(context) on the host).
+        # The cache's page ids are valid by construction: the largest one is one vectorized max, which the layout
+        # confirms with one min/max of the listed ids.
         return PagedLayout.from_csr(args["qo_indptr"], args["kv_indptr"], idx, args["kv_len_arr"], self.page_size,
                                     device=self.device, max_page_id=int(idx.max()) if idx.numel() else -1)
 
@@ -574,7 +619,7 @@ class PagedMLACache:
         dropped and the pages they alone took go back to the pool. Tokens written before stay as they were.
         (A shared last page copied by that reservation stays the sequence's private copy, with equal contents.)"""
         ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
-        for s in [self._seq(i) for i in ids]:  # all ids checked before anything changes
+        for s in [self.seq_state(i) for i in ids]:  # all ids checked before anything changes
             s.length -= s.pending
             s.pending = 0
             keep = -(-s.length // self.page_size)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import plain_number
+
 __all__ = ["KVFormat", "FORMATS", "get_format", "GROUP_SIZE", "DSMLAFormat", "FP8_DS_MLA", "SPARSE_FORMATS"]
 
 GROUP_SIZE = 128  # channels of c_kv that share one scale in the group format
@@ -132,6 +134,7 @@ def _check_scale(scale) -> None:
                                                    "with zero, negative or non-finite values"
             raise ValueError(f"scale: expected positive finite values, got {bad}")
         return
+    scale = plain_number(scale)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a positive finite float or a float tensor, got {type(scale).__name__}")
     if not (0 < scale < float("inf")):  # NaN fails too

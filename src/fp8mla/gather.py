@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_indptr, check_page_table, check_tensor
+from ._checks import INDEX_DTYPES, check_indptr, check_kv_lengths, check_page_ids, check_tensor, plain_number
 from .runtime import triton_usable
 
 __all__ = ["gather_dequant", "token_slots"]
@@ -72,7 +72,8 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
     if dtype not in OUT_DTYPES:
         raise TypeError(f"dtype: expected one of {list(OUT_DTYPES)}, got {dtype}")
     fp8 = ckv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    ckv_scale = 1.0 if ckv_scale is None else ckv_scale  # None: no per-tensor scale (e.g. with ckv_scale_arr)
+    ckv_scale = 1.0 if ckv_scale is None else plain_number(ckv_scale)  # None: no per-tensor scale (ckv_scale_arr)
+    kpe_scale = plain_number(kpe_scale)
     for name, s in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf"):
             raise ValueError(f"{name}: expected a positive finite float, got {s!r}")
@@ -90,8 +91,8 @@ def gather_dequant(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indptr: 
                              f"{ckv_scale!r}")
 
     # Host checks: a page id outside the pool or a kv_len past a request's pages would read garbage silently.
-    lens = kv_len_arr.tolist()
-    check_page_table(kv_indptr.tolist(), lens, kv_indices.tolist(), page_size, num_pages=P)
+    lens = check_kv_lengths(kv_indptr, kv_indices.numel(), kv_len_arr, page_size)
+    check_page_ids(kv_indptr, kv_indices, kv_len_arr, page_size, num_pages=P)
     T = sum(lens)
 
     if (out_ckv is None) != (out_kpe is None):

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_positive_int, check_tensor
+from ._checks import (INDEX_DTYPES, INT32_MAX, as_int, check_indptr_values, check_kv_lengths, check_page_ids,
+                      check_positive_int, check_tensor)
 
 __all__ = ["PagedLayout"]
 
@@ -90,9 +91,6 @@ def stage_ints(segments, dtype=torch.int32, pin: bool = False) -> torch.Tensor:
     return packed(*pack_ints(segments, "i" if dtype == torch.int32 else "q"), dtype=dtype, pin=pin)
 
 
-INT32_MAX = 2**31 - 1
-
-
 def int32_saturated(t: torch.Tensor) -> torch.Tensor:
     """``t`` as int32, values outside int32 clamped to its range instead of wrapped: a page id ``p + 2**32`` stays
     out of the pool (the kernels never read it) instead of becoming page ``p``. No sync; int32 comes as it is."""
@@ -134,16 +132,6 @@ def resolve_device(device, tensor: torch.Tensor) -> torch.device:
 def debug_checks() -> bool:
     """``FP8MLA_CHECK=1``: check device-only page tables too, at the price of a device-to-host sync."""
     return os.environ.get("FP8MLA_CHECK") == "1"
-
-
-def _check_indptr_values(name: str, h: torch.Tensor) -> None:
-    if int(h[0]) != 0:
-        raise ValueError(f"{name}: expected to start at 0, got {int(h[0])}")
-    d = h[1:] - h[:-1]
-    if bool((d < 0).any()):
-        i = int(torch.nonzero(d < 0)[0])
-        raise ValueError(f"{name}: expected non-decreasing values, got {name}[{i}]={int(h[i])} > "
-                         f"{name}[{i + 1}]={int(h[i + 1])}")
 
 
 @dataclass(eq=False)
@@ -193,12 +181,16 @@ class PagedLayout:
                  indices_name: str = "kv_indices") -> "PagedLayout":
         """A layout from FlashInfer's arrays.
 
+        Host page ids are checked in full, vectorized (``fp8mla._checks.check_page_ids``): every id a token uses
+        must be >= 0 and < 2**31, and the largest is kept for the pool check of ``run()``; ids that no token uses
+        (past a request's kv_len, rows without queries) are not read. One min/max pass over the ids when each
+        request lists exactly its pages, a masked pass otherwise; a bad id is then located and named.
+
         ``max_page_id``: the largest page id in ``kv_indices``, when the caller knows it (the cache, from its own
-        tables): the O(tokens) host scan of the page ids is skipped (the O(batch) length checks still run). A hint
-        is still checked, by one vectorized min/max of the listed ids (the scan runs only when that bound says the
-        hint may be low): an understated hint would pass the pool check and let a kernel meet a page past the
-        pool (NaN rows) or a torch index error. With CUDA page ids the hint is taken as given (reading them would
-        sync; ``FP8MLA_CHECK=1`` checks it).
+        tables). A hint is still checked, by one vectorized min/max of the listed ids (the full check runs only
+        when that bound says the hint may be low): an understated hint would pass the pool check and let a kernel
+        meet a page past the pool (NaN rows) or a torch index error. With CUDA page ids the hint is taken as given
+        (reading them would sync; ``FP8MLA_CHECK=1`` checks it).
 
         Page ids and lengths may be int64; values past int32 are refused on the host (they used to wrap around:
         page ``p + 2**32`` read as page ``p``) and clamped, never wrapped, on the device.
@@ -207,7 +199,7 @@ class PagedLayout:
         allows): B = ``kv_len.numel()`` and only their first B + 1 entries are read. CPU tensors are checked
         on the host; CUDA tensors are never read on the host (no sync), unless ``FP8MLA_CHECK=1``.
         """
-        check_positive_int("page_size", page_size)
+        page_size = check_positive_int("page_size", page_size)
         check_tensor(len_name, kv_len, dtype=INDEX_DTYPES, ndim=1)
         B = kv_len.numel()
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
@@ -222,12 +214,12 @@ class PagedLayout:
         qo_lens = kv_lens = max_page = active = None
         checked = False  # the page ids a token uses were checked (and max_page is their largest)
         if _on_host(qo_indptr):
-            _check_indptr_values("qo_indptr", qo_indptr)
+            check_indptr_values("qo_indptr", qo_indptr)
             qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
             # Rows without queries are never read: engines pad them with any kv_len (vLLM's sparse backend).
             active = (qo_indptr[1:] - qo_indptr[:-1]) > 0
         if _on_host(kv_indptr) and _on_host(kv_len):  # lengths against pages: needs only these two
-            kv_lens = cls._check_table(kv_indptr, kv_indices.numel(), kv_len, page_size, active, len_name)
+            kv_lens = check_kv_lengths(kv_indptr, kv_indices.numel(), kv_len, page_size, active, len_name)
             if _on_host(kv_indices):
                 max_page = cls._check_hint(max_page_id, kv_indptr, kv_indices, kv_len, page_size, active,
                                            indices_name)
@@ -240,7 +232,7 @@ class PagedLayout:
                 raise ValueError(f"{len_name}: expected non-negative lengths, got {min(kv_lens)}")
         if not checked and debug_checks():
             h = [t.cpu() for t in (kv_indptr, kv_indices, kv_len)]
-            cls._check_table(h[0], h[1].numel(), h[2], page_size, active, len_name)
+            check_kv_lengths(h[0], h[1].numel(), h[2], page_size, active, len_name)
             max_page = cls._check_hint(max_page_id, h[0], h[1], h[2], page_size, active, indices_name)
 
         i32 = dict(dtype=torch.int32, device=device, non_blocking=True)  # host -> device never syncs
@@ -266,6 +258,7 @@ class PagedLayout:
         """
         check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2)
         check_tensor("kv_len", kv_len, dtype=INDEX_DTYPES, ndim=1)
+        page_size = check_positive_int("page_size", page_size)
         resolve_device(device, block_table)  # (the error naming ``device``, before any copy)
         B, W = block_table.shape
         if kv_len.numel() != B:
@@ -315,70 +308,43 @@ class PagedLayout:
         return cls(d[: B + 1], d[B + 1: 2 * B + 2], block_table.view(-1).to(device, non_blocking=True),
                    d[2 * B + 2:], page_size, device, [1] * B, lens, None, host)
 
+    def head(self, rows: int) -> "PagedLayout":
+        """The layout of the first ``rows`` requests (the same page ids; no copy). A CUDA-graph wrapper plans a
+        batch whose trailing requests have no queries (an engine's padding rows: they produce no output) as this,
+        so every plan of the wrapper stays on the backend its captured launches read."""
+        if not 0 <= rows <= self.batch_size:
+            raise ValueError(f"rows: expected 0..{self.batch_size}, got {rows}")
+        host = None
+        if self.host is not None:
+            host = dict(qo_indptr=self.host["qo_indptr"][: rows + 1], kv_indptr=self.host["kv_indptr"][: rows + 1],
+                        kv_len=self.host["kv_len"][:rows])
+            if "lists" in self.host:
+                qo, kvp, lens = self.host["lists"]
+                host["lists"] = (qo[: rows + 1], kvp[: rows + 1], lens[:rows])
+        return PagedLayout(self.qo_indptr[: rows + 1], self.kv_indptr[: rows + 1], self.kv_indices,
+                           self.kv_len[:rows], self.page_size, self.device,
+                           None if self.qo_lens is None else self.qo_lens[:rows],
+                           None if self.kv_lens is None else self.kv_lens[:rows], self.max_page_id, host)
+
     # -- checks ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_table(kv_indptr, num_indices: int, kv_len, page_size, active=None,
-                     len_name: str = "kv_len_arr") -> list:
-        """Host check (vectorized): kv_indptr is an index pointer into the ``num_indices`` page ids, and every
-        kv_len fits its pages (rows with queries only). A kv_len past a request's pages would read another
-        request's pages silently."""
-        _check_indptr_values("kv_indptr", kv_indptr)
-        if int(kv_indptr[-1]) > num_indices:
-            raise ValueError(f"kv_indices: kv_indptr[-1]={int(kv_indptr[-1])} but kv_indices has "
-                             f"{num_indices} entries")
-        have = (kv_indptr[1:] - kv_indptr[:-1]).long()
-        L = kv_len.long()
-        bad = (L < 0) | (L > have * page_size)
-        if active is not None:
-            bad &= active
-        if bool(bad.any()):
-            b = int(torch.nonzero(bad)[0])
-            raise ValueError(f"{len_name}: request {b} has kv_len {int(L[b])}, expected 0 <= kv_len <= its "
-                             f"{int(have[b])} pages x page_size {page_size} = {int(have[b]) * page_size}")
-        return L.tolist()
-
-    @staticmethod
-    def _used_pages(kv_indptr, kv_indices, kv_len, page_size, active=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page ids used by tokens, request of each), vectorized over the table (rows with queries only)."""
-        need = torch.div(kv_len.long() + page_size - 1, page_size, rounding_mode="floor")
-        if active is not None:
-            need = need * active
-        total = int(need.sum())
-        B = kv_len.numel()
-        req = torch.repeat_interleave(torch.arange(B), need, output_size=total)
-        start = torch.zeros(B + 1, dtype=torch.long)
-        torch.cumsum(need, 0, out=start[1:])
-        pos = kv_indptr.long()[req] + torch.arange(total) - start[req]
-        return kv_indices.long()[pos], req
-
-    @classmethod
-    def _max_page(cls, kv_indptr, kv_indices, kv_len, page_size, active=None, name: str = "kv_indices") -> int:
-        used, req = cls._used_pages(kv_indptr, kv_indices, kv_len, page_size, active)
-        if used.numel() == 0:
-            return -1
-        bad = (used < 0) | (used > INT32_MAX)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(f"{name}: request {int(req[i])} references page {int(used[i])}, expected page ids >= 0 "
-                             f"and < 2**31 (int32)")
-        return int(used.max())
-
     @classmethod
     def _check_hint(cls, hint, kv_indptr, kv_indices, kv_len, page_size, active=None,
                     name: str = "kv_indices") -> int:
         """The largest page id a token uses (host tables): ``hint`` when it holds (a caller's ``max_page_id``,
-        confirmed by one vectorized min/max of the listed ids), else from the scan, which refuses a low hint."""
+        confirmed by one vectorized min/max of the listed ids), else from the full check, which refuses a low
+        hint."""
         if hint is None:
-            return cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active, name)
-        if isinstance(hint, bool) or not isinstance(hint, int):
+            return check_page_ids(kv_indptr, kv_indices, kv_len, page_size, active, name=name)
+        if as_int(hint) is None:
             raise TypeError(f"max_page_id: expected an int (the largest page id in {name}) or None, got "
                             f"{type(hint).__name__}: {hint!r}")
+        hint = as_int(hint)
         n = min(int(kv_indptr[-1]), kv_indices.numel())
         if n:
             lo, hi = torch.aminmax(kv_indices[:n])
             if int(lo) >= 0 and int(hi) <= hint:  # every listed id is within the hint: so is every used one
                 return hint
-        top = cls._max_page(kv_indptr, kv_indices, kv_len, page_size, active, name)
+        top = check_page_ids(kv_indptr, kv_indices, kv_len, page_size, active, name=name)
         if top > hint:
             raise ValueError(f"max_page_id: {hint} was given as the largest page id, but {name} has a token in page "
                              f"{top}; expected a hint >= every page id in use (or None: the layout finds it)")

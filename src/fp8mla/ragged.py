@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_indptr, check_positive_int, check_tensor
+from ._checks import check_indptr, check_positive_int, check_tensor, plain_number
 from ._softmax import softmax_rows
 from .runtime import LOG2E, interpreting, triton_usable
 
@@ -122,15 +122,14 @@ class MLARaggedPrefill:
         check_indptr("qo_indptr", qo_indptr)
         B = qo_indptr.numel() - 1
         check_indptr("kv_indptr", kv_indptr, B + 1)  # host or device tensors: plan() copies them to the device
-        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim_qk", head_dim_qk)):
-            check_positive_int(name, v)
+        num_qo_heads, num_kv_heads, head_dim_qk = (check_positive_int(name, v) for name, v in (
+            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim_qk", head_dim_qk)))
         head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
-        check_positive_int("head_dim_vo", head_dim_vo)
+        head_dim_vo = check_positive_int("head_dim_vo", head_dim_vo)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads ({num_kv_heads}), got "
                              f"{num_qo_heads}")
-        sm_scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else sm_scale
+        sm_scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else plain_number(sm_scale)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
                 or sm_scale <= 0:
             raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")

@@ -108,3 +108,46 @@ def sparse_mla_reference(q_nope, q_pe, kv_cache, indices, *, sm_scale: float, kv
         o, ls = softmax_rows(s, ckv)
         out[t], lse[t] = o, ls * LOG2E
     return out, lse
+
+
+def v4_attention_reference(q, window_pool, window_indices, *, sm_scale: float, kv_format, window_page_size: int,
+                           window_lengths=None, compressed_pool=None, compressed_indices=None,
+                           compressed_lengths=None, compressed_page_size: int | None = None, sinks=None):
+    """DeepSeek V4 attention in float64 (loop per token): each query token over the window slots and then the
+    compressed-row slots its index rows name (K = V: the 512 dequantized values of a row), with the per-head
+    sink ``exp(sinks[h])`` in the softmax denominator (as Hugging Face's ``eager_attention_forward``).
+
+    Args:
+        q ``[n, H, 512]``; pools in a ``fp8mla.formats_v4`` format; indices ``[n, topk]`` global slots, -1 (or a
+        value outside the pool, or a position at or past the row's length) = no token; lengths ``[n]`` or None.
+    Returns:
+        ``(out [n, H, 512] float64, lse [n, H] float64, base 2, the sink included)``; a row with no token gets
+        out 0 and lse -inf, or with a sink out 0 and lse = sink / ln 2.
+    """
+    from .formats_v4 import get_v4_format
+    fmt = get_v4_format(kv_format)
+    n, H, D = q.shape
+    out = torch.zeros(n, H, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((n, H), -math.inf, dtype=torch.float64, device=q.device)
+    segments = [(window_pool, window_indices, window_lengths, window_page_size)]
+    if compressed_indices is not None:
+        segments.append((compressed_pool, compressed_indices, compressed_lengths, compressed_page_size))
+    for t in range(n):
+        rows = []
+        for pool, idx, lengths, page_size in segments:
+            num_slots = pool.shape[0] * page_size
+            end = idx.shape[1] if lengths is None else max(0, min(int(lengths[t]), idx.shape[1]))
+            ids = [int(i) for i in idx[t, :end].tolist() if 0 <= int(i) < num_slots]
+            if ids:
+                slots = torch.tensor(ids, dtype=torch.long, device=pool.device)
+                rows.append(fmt.read(pool, slots, torch.float64, page_size=page_size).to(q.device))
+        kv = torch.cat(rows) if rows else torch.zeros(0, D, dtype=torch.float64, device=q.device)
+        s = (q[t].double() @ kv.T) * sm_scale  # [H, k]
+        if sinks is not None:  # the sink: one more key with score sinks[h] and value 0
+            s = torch.cat([s, sinks.double().to(q.device)[:, None]], dim=1)
+            kv = torch.cat([kv, torch.zeros(1, D, dtype=torch.float64, device=q.device)])
+        if s.shape[1] == 0:
+            continue
+        o, ls = softmax_rows(s, kv)
+        out[t], lse[t] = o, ls * LOG2E
+    return out, lse

@@ -12,13 +12,14 @@ check of the index values), so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import ArgumentTypeError, check_positive_int, check_tensor
+from ._checks import ArgumentTypeError, check_positive_int, check_tensor, plain_number
 from ._softmax import softmax_rows
 from .attention import MAX_SM_SCALE, Q_DTYPES, _check_scale
+from .backends._invariant import GLUON_REFUSAL, SPARSE_INVARIANT_SPLIT
 from .formats import KVFormat, get_format
 from .layout import debug_checks
 from .runtime import LN2, LOG2E, choose_backend, num_sms
@@ -49,9 +50,11 @@ class _SparsePlan:
     backend: str
     num_splits: int | None
     min_split: int
+    invariant: bool = False           # the batch-invariant mode: splits follow topk only
     config: dict | None = None        # the Triton launch configuration
     part_o: torch.Tensor | None = None    # split workspace (fixed at plan: CUDA-graph safe)
     part_lse: torch.Tensor | None = None
+    retired: list = field(default_factory=list)   # the invariant mode's outgrown workspaces (kept alive)
 
 
 class MLASparseAttention:
@@ -63,6 +66,11 @@ class MLASparseAttention:
             ``fp8mla.kernels.sparse_decode``; on the CPU under ``TRITON_INTERPRET=1``), ``"gluon"`` (the
             warp-specialized Hopper build, ``fp8mla.kernels.sm90.sparse``: sm_90, fp8_ds_mla records, bf16
             queries, H <= 128; refused by name elsewhere).
+        batch_invariant: each query token's output and lse are the same bits whatever else the call holds (its
+            number of tokens, their order and index rows): every row is split in the same ``num_splits`` (default
+            ``ceil(topk / 512)``) whatever the call's size, partials merged in split order; the torch code runs
+            row by row. Backends torch and triton; the gluon build is refused (``auto`` picks triton).
+            docs/batch_invariance.md has the contract.
 
     Example:
         >>> import torch, fp8mla
@@ -81,10 +89,15 @@ class MLASparseAttention:
         (torch.Size([1, 8, 512]), torch.Size([1, 8]))
     """
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", *, batch_invariant: bool = False):
         if not isinstance(backend, str) or backend not in SPARSE_BACKENDS:
             raise ValueError(f"backend: expected one of {SPARSE_BACKENDS}, got {backend!r}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
+        if batch_invariant and backend == "gluon":
+            raise ValueError(GLUON_REFUSAL)
         self._backend = backend
+        self._invariant = batch_invariant
         self._plan: _SparsePlan | None = None
         self._scales = None
         self._scales_host = None
@@ -111,14 +124,15 @@ class MLASparseAttention:
                 whenever the pool may not be on the default device, e.g. a CPU pool on a GPU machine.
             num_splits: fix the number of programs an index row is split over (default: chosen per call
                 from the number of tokens, so that small batches still fill the GPU: twice the SM count for
-                triton, one wave of one CTA per SM for gluon).
+                triton, one wave of one CTA per SM for gluon; in the batch-invariant mode ``ceil(topk / 512)``).
             min_split: fewest index entries one split program walks (a multiple of 64).
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
                 ``v_convert``); the gluon build has none.
         """
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("topk", topk)
-        check_positive_int("page_size", page_size)
+        num_heads = check_positive_int("num_heads", num_heads)
+        topk = check_positive_int("topk", topk)
+        page_size = check_positive_int("page_size", page_size)
+        sm_scale = plain_number(sm_scale)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
                 not (0 < sm_scale <= MAX_SM_SCALE):
             raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g}, got {sm_scale!r}")
@@ -129,26 +143,30 @@ class MLASparseAttention:
             raise SparseKernelError(f"head_dim_ckv/head_dim_kpe: sparse MLA takes {HEAD_DIMS[0]} + {HEAD_DIMS[1]} "
                                     f"(GLM-5, DeepSeek-V3.2), got {head_dim_ckv} + {head_dim_kpe}")
         if num_pages is not None:
-            check_positive_int("num_pages", num_pages)
+            num_pages = check_positive_int("num_pages", num_pages)
         if num_splits is not None:
-            check_positive_int("num_splits", num_splits)
+            num_splits = check_positive_int("num_splits", num_splits)
+        min_split = plain_number(min_split)
         if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split <= 0 or \
                 min_split % INDEX_BLOCK:
             raise ValueError(f"min_split: expected a positive multiple of {INDEX_BLOCK}, got {min_split!r}")
         unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages", "v_convert"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
+        for k in ("block_h", "block_n", "num_warps", "num_stages"):  # plain ints for the kernel's constexprs
+            if kernel_options.get(k) is not None:
+                kernel_options[k] = check_positive_int(k, kernel_options[k])
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         backend = choose_backend(self._backend, device, _gluon_support(self._backend, num_heads, fmt,
-                                                                       q_data_type, topk))
+                                                                       q_data_type, topk, self._invariant))
         if backend == "triton" and topk % INDEX_BLOCK:
             # No quiet fallback to the torch code on a GPU: padding the rows costs nothing, the torch path a lot.
             raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the index "
                                     f"rows with -1, or plan backend='torch'), got {topk}")
         p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
-                        num_pages, device, backend, num_splits, min_split)
+                        num_pages, device, backend, num_splits, min_split, self._invariant)
         if backend == "triton":
             from .kernels import sparse_decode
             p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
@@ -172,6 +190,11 @@ class MLASparseAttention:
         self._plan = p
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether this object runs in the batch-invariant mode (constructor's ``batch_invariant``)."""
+        return self._invariant
+
+    @property
     def backend(self) -> str:
         """The backend the last plan chose."""
         return self._require_plan().backend
@@ -184,7 +207,7 @@ class MLASparseAttention:
     def _split_capacity(self, p: _SparsePlan) -> int:
         """Largest ``tokens x splits`` any call can need: splits > 1 only while tokens x head tiles is under the
         GPU's target program count, so this is bounded by O(SMs) and independent of the batch."""
-        if p.num_splits is not None:
+        if p.num_splits is not None or p.invariant:
             return 0  # a fixed split count: the workspace is sized per call (see _run_kernel)
         cap = 0
         for n in range(1, _target_programs(p) + 1):
@@ -345,9 +368,15 @@ class MLASparseAttention:
         splits = _splits(p, n)
         part_o, part_lse = p.part_o, p.part_lse
         if splits > 1 and (part_o is None or part_o.shape[0] < n * splits):
-            # only with a fixed num_splits (plan sized nothing): allocated per call, not graph-safe
-            part_o = torch.empty(n * splits, p.num_heads, p.head_dim_ckv, dtype=torch.float32, device=p.device)
-            part_lse = torch.empty(n * splits, p.num_heads, dtype=torch.float32, device=p.device)
+            # only with a fixed split count (plan sized nothing). The batch-invariant mode keeps its workspace,
+            # grown to a power of two of the largest call; a replaced one stays alive (a graph captured on it
+            # replays on it, never on freed memory). A pinned num_splits allocates per call.
+            rows = n * splits if not p.invariant else 1 << (n * splits - 1).bit_length()
+            part_o = torch.empty(rows, p.num_heads, p.head_dim_ckv, dtype=torch.float32, device=p.device)
+            part_lse = torch.empty(rows, p.num_heads, dtype=torch.float32, device=p.device)
+            if p.invariant:
+                p.retired.append((p.part_o, p.part_lse))
+                p.part_o, p.part_lse = part_o, part_lse
         if p.backend == "gluon":
             from .kernels.sm90 import sparse as sm90_sparse
             sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
@@ -358,11 +387,15 @@ class MLASparseAttention:
                                  lse_scale=LN2 if base_e else 1.0, **p.config)
 
 
-def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int):
+def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int,
+                   invariant: bool = False):
     """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
     raises, naming why), for "auto" while ``kernels.sm90.sparse.AUTO_SELECT`` is on (``choose_backend`` asks only
-    on an sm_90 GPU with Gluon). Imported only when asked (a torch-only install has no triton)."""
+    on an sm_90 GPU with Gluon). Imported only when asked (a torch-only install has no triton). The
+    batch-invariant mode: refused (its wave of splits follows the call's token count)."""
     def check():
+        if invariant:
+            return False, GLUON_REFUSAL
         from .kernels.sm90 import sparse as sm90_sparse
         if requested == "auto" and not sm90_sparse.AUTO_SELECT:
             return False, "the gluon sparse build is not auto-selected"
@@ -382,6 +415,8 @@ def _splits(p: _SparsePlan, n: int) -> int:
         return 1
     if p.num_splits is not None:
         return min(p.num_splits, -(-p.topk // INDEX_BLOCK))
+    if p.invariant:  # the same for every call: the row's cut never follows the call's size
+        return -(-p.topk // SPARSE_INVARIANT_SPLIT)
     if p.backend == "gluon":
         from .kernels.sm90 import sparse as sm90_sparse
         return sm90_sparse.wave_splits(num_sms(p.device), n, p.num_heads, p.topk, p.min_split)
@@ -408,6 +443,8 @@ def _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e)
     num_slots = ckv.shape[0] * page
     c_scale, k_scale = scales[0], scales[1]
     step = max(1, (1 << 24) // (p.topk * (Dc + p.head_dim_kpe)))  # ~64 MB of gathered fp32 per chunk
+    if p.invariant:
+        step = 1  # row by row: every op's shapes follow the row, never the call's token count
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
         ids = indices[t0:t1].long()

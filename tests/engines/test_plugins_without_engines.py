@@ -21,5 +21,19 @@ def test_register_without_the_engine_names_it_and_how_to_install(engine, module,
     with pytest.raises(EngineNotInstalled, match=rf"register\(\): .* is not installed .*{install}") as e:
         plugin.register()
     assert isinstance(e.value, ImportError) and e.value.name == engine
-    assert "0.32.x or 0.33.x" in str(e.value) if engine == "vllm" else "0.5.23" in str(e.value)
+    assert "0.26.x through 0.34.x" in str(e.value) if engine == "vllm" else "0.5.23" in str(e.value)
     assert not plugin._registered
+
+
+def test_info_names_each_engine_and_whether_it_is_supported(monkeypatch, capsys):
+    from fp8mla.commands import info
+    from fp8mla.integrations import versions
+    installed = {"vllm": "0.24.0", "sglang": None}
+    monkeypatch.setattr(versions, "engine_version", lambda engine: installed[engine])
+    info._engines_info()
+    out = capsys.readouterr().out
+    assert "vllm           0.24.0: NOT supported (fp8mla supports 0.26.x through 0.34.x)" in out
+    assert "sglang         not installed (fp8mla supports sglang 0.5.23)" in out
+    installed["vllm"] = "0.34.0"
+    info._engines_info()
+    assert "vllm           0.34.0: supported" in capsys.readouterr().out

@@ -241,9 +241,11 @@ def test_every_decode_call_went_through_fp8mla_on_the_fp8_pool(runs, backend):
 
 def test_unsupported_vllm_version_is_refused_by_name(monkeypatch):
     monkeypatch.delenv(versions.SKIP_ENV, raising=False)
-    with pytest.raises(versions.UnsupportedEngineVersion, match=r"supports vllm 0\.32\.x or 0\.33\.x"):
-        versions.check_version("vllm", "0.31.2")
-    assert versions.check_version("vllm", "0.33.1+cpu") == "0.33.1+cpu"
+    for version in ("0.25.1", "0.35.0"):
+        with pytest.raises(versions.UnsupportedEngineVersion, match=r"supports vllm 0\.26\.x through 0\.34\.x"):
+            versions.check_version("vllm", version)
+    assert versions.check_version("vllm", "0.26.0") == "0.26.0"
+    assert versions.check_version("vllm", "0.34.1+cpu") == "0.34.1+cpu"
 
 
 def test_plugin_entry_point_registers_the_backend_and_routes_the_cpu_platform():

@@ -6,13 +6,8 @@ backend's own host schedule is ``triton.schedule_host``.)"""
 from __future__ import annotations
 
 
-# One CTA per item (``longest_first``): the request-aligned cut (one wave, whole requests unmerged) is kept where
-# its longest piece is within max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise
-# the contiguous cut, whose pieces are at most a share but which splits more requests (partials and their merge:
-# ~16 us more, about 6 tiles of the heads-on-M build, in the H200 A/B of 2026-12-02 at B8-B16, where the aligned
-# cut's longest piece was 1.4-1.7x a share of 6-13 tiles and still faster; at 2x and beyond the contiguous cut won).
-BALANCE = 32
-ONE_WAVE_SLACK = 6
+# One CTA per item (``longest_first``): the aligned cut's rule and its constants are the device schedule's
+# (``sm90.longest_first_slack``, ``BALANCE``, ``ONE_WAVE_SLACK``), so both schedules give the same items.
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
@@ -23,11 +18,11 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     the identity unless ``longest_first``). The plan stages them in one host -> device copy.
 
     ``longest_first`` (a build that launches one CTA per item: heads-on-M, plain or into CUDA-graph buffers): the
-    aligned cut only where it is nearly balanced (``BALANCE``, ``ONE_WAVE_SLACK``; ``slack`` is then ignored), else
+    aligned cut only where it is nearly balanced (``sm90.longest_first_slack``; ``slack`` is then ignored), else
     the contiguous cut, and the items reordered longest first (``_longest_first``), with ``m_list`` the merge's map
     to their new places."""
     global _LAST_ITEMS
-    from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces
+    from ..kernels.sm90 import ALIGNED_SLACK, TILE, aligned_lists, aligned_pieces, longest_first_slack
     slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
@@ -47,7 +42,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int
     T = sum(ntiles)
     G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
     if longest_first:
-        slack = max(ALIGNED_SLACK, ONE_WAVE_SLACK, (T + G - 1) // G // BALANCE)
+        slack = longest_first_slack((T + G - 1) // G)
     ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
     if ks is not None:   # one piece per CTA, requests cut into their pieces (sm90.aligned_pieces)
         items = aligned_lists(ntiles, ks, num_ctas)[0]

@@ -115,33 +115,22 @@ def _build_for(spec, options: dict, max_qo: int):
     return b
 
 
-def _choose(spec, options: dict, max_qo: int, layout=None, keeps_wide: bool | None = None):
-    """The build of an accepted spec: heads-on-M where it takes the plan (``heads_on_m`` None: only where it was
-    measured faster, ``_auto_keeps_wide``, or ``keeps_wide`` when the caller already asked it; True: required;
-    False: never), else the ``_build_for`` build."""
+def _choose(spec, options: dict, max_qo: int):
+    """The build of an accepted spec: heads-on-M wherever it takes the plan (``heads_on_m`` None or True; True
+    requires it, False never takes it), else the ``_build_for`` build. Where it takes a plan, heads-on-M was measured
+    faster than the wide build at every shape timed, plain and in CUDA-graph wrappers, with host or device-only
+    lengths (its longest-first schedule is made on either side: ``schedule_host`` / ``sm90.schedule_device``):
+    0.80-0.93x the wide build's time at 14 shapes of 64 and 128 heads (equal, uniform, log-normal and one-long
+    lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
-        if not why and (want or not (_auto_keeps_wide(spec, layout) if keeps_wide is None
-                                     else keeps_wide)):
+        if not why:
             return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
         if want:
             return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
     return _build_for(spec, options, max_qo)
-
-
-def _auto_keeps_wide(spec, layout) -> bool:
-    """Where ``heads_on_m=None`` keeps the wide build for a plan the heads-on-M build takes: CUDA-graph plans and
-    plans without host lengths. With host lengths a plain plan's heads-on-M schedule launches its items longest first
-    (``schedule_host(longest_first=True)``), which the H200 A/B of 2026-12-02 (docs/benchmarks.md, "Heads-on-M at
-    spread lengths") measured at 0.81-0.94x the wide build at all 18 shapes it timed at 64 and 128 heads: equal,
-    uniform, log-normal and one-long-request lengths, B8 to B128, more requests than schedule slots included.
-    Without host lengths the schedule is the device's request-order cut, 1.2-1.46x the wide build at spread lengths
-    of 64-128 requests. CUDA-graph plans keep the wide build because the heads-on-M graph launch with the
-    longest-first schedule has not been timed (a graph wrapper keeps its first plan's build, so the choice holds
-    for every later plan, whatever its lengths)."""
-    return spec.use_cuda_graph or layout is None or layout.host is None
 
 
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
@@ -153,7 +142,7 @@ def select_build(spec, layout, options: dict, max_qo: int | None = None):
     why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
     if why:
         return why
-    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1), layout)
+    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1))
 
 
 @dataclass
@@ -279,7 +268,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
             t = _stage_items(h, device)
             n_items = len(h["item_req"])
         else:
-            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack)
+            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
             n_items = slots + B
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
@@ -288,7 +277,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
                          n_items if mh else 0)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack)
+    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
     # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
     # max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
@@ -296,7 +285,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
-    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
     While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)
@@ -352,15 +341,11 @@ def _select_cached(spec, layout, options: dict, state: dict):
         if why:
             return why
     max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
-    # (the lengths decide between builds only through _auto_keeps_wide, asked only where heads-on-M could take the
-    # plan: the key holds the decision)
-    auto = options.get("heads_on_m") is None and not heads_on_m_refusal(spec, options, max_qo)
-    keeps_wide = auto and _auto_keeps_wide(spec, layout)
-    key = (spec, max_qo, id(options), keeps_wide)
+    key = (spec, max_qo, id(options))
     memo = state.get("build_memo")
     if memo is not None and memo[0] == key:
         return memo[1]
-    b = _choose(spec, options, max_qo, layout, keeps_wide)
+    b = _choose(spec, options, max_qo)
     state["build_memo"] = (key, b)
     return b
 

@@ -4,7 +4,8 @@ It reads only the tokens the batch references (never the whole pool) and writes 
 Requests are run in buckets of similar lengths (powers of two of kv_len and qo_len), each padded only to its
 own longest request, so time and memory follow the batch's tokens, not B x the longest request.
 It reads the lengths on the host (a sync when they live only on the device): it is the fallback and the
-reference-like path, not the fast one.
+reference-like path, not the fast one. The batch-invariant mode (``InvariantTorchPlan``) runs each request alone
+instead, in the chunks the triton backend cuts it in.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 
 from .._softmax import softmax_rows
 from ..formats import expand_group_scales
-from ..layout import PagedLayout
+from .._checks import check_kv_lengths, check_page_ids
 from ..runtime import LOG2E
+from ._invariant import INVARIANT_CHUNK
 
 __all__ = ["build", "TorchPlan"]
 
@@ -57,6 +59,20 @@ class _Bucket:
         self.visible = visible.to(device)
 
 
+def _host_lengths(layout):
+    """(qo_lens, kv_lens, max page id) on the host. A device-only table: this backend reads it on the host anyway,
+    so it checks it like a host one."""
+    qo_lens = layout.qo_lens if layout.qo_lens is not None else (
+        (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).tolist())
+    kv_lens, max_page = layout.kv_lens, layout.max_page_id
+    if kv_lens is None or max_page is None:
+        h = [t.cpu() for t in (layout.kv_indptr, layout.kv_indices, layout.kv_len)]
+        active = torch.tensor(qo_lens) > 0
+        kv_lens = check_kv_lengths(h[0], h[1].numel(), h[2], layout.page_size, active)
+        max_page = check_page_ids(h[0], h[1], h[2], layout.page_size, active)
+    return qo_lens, kv_lens, max_page
+
+
 def _joint_rows(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tensor | None:
     """``[pages * page, Dc + Dk]`` over both caches when they are two views of one pool in which each token's kpe
     directly follows its ckv (vLLM's and SGLang's latent cache ``[..., :Dc]`` / ``[..., Dc:]``), else None. One
@@ -74,16 +90,7 @@ def _joint_rows(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tenso
 class TorchPlan:
     def __init__(self, layout, spec):
         self.spec = spec
-        qo_lens = layout.qo_lens if layout.qo_lens is not None else (
-            (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).tolist())
-        kv_lens = layout.kv_lens
-        self.max_page = layout.max_page_id
-        if kv_lens is None or self.max_page is None:
-            # A device-only table: this backend reads it on the host anyway, so it checks it like a host one.
-            h = [t.cpu() for t in (layout.kv_indptr, layout.kv_indices, layout.kv_len)]
-            active = torch.tensor(qo_lens) > 0
-            kv_lens = PagedLayout._check_table(h[0], h[1].numel(), h[2], layout.page_size, active)
-            self.max_page = PagedLayout._max_page(h[0], h[1], h[2], layout.page_size, active)
+        qo_lens, kv_lens, self.max_page = _host_lengths(layout)
         qo_start = [0]
         for q in qo_lens:
             qo_start.append(qo_start[-1] + q)
@@ -93,12 +100,23 @@ class TorchPlan:
             if q:
                 groups.setdefault((_pow2(L), _pow2(q)), []).append(b)
         self.layout = layout
-        self.buckets = [_Bucket(reqs, qo_start, qo_lens, kv_lens, layout, spec.causal, spec.device)
-                        for reqs in groups.values() if max(kv_lens[b] for b in reqs) > 0]
+        self._bucket_args = ([reqs for reqs in groups.values() if max(kv_lens[b] for b in reqs) > 0],
+                             qo_start, qo_lens, kv_lens)
+        self._buckets = None
         # Requests with queries but no token at all: out 0, lse -inf.
         empty = [b for reqs in groups.values() if max(kv_lens[b] for b in reqs) == 0 for b in reqs]
         rows = [t for b in empty for t in range(qo_start[b], qo_start[b + 1])]
         self.empty_rows = torch.tensor(rows, dtype=torch.int64, device=spec.device)
+
+    @property
+    def buckets(self) -> list:
+        """The buckets' gather indices, built on first use: they are O(tokens) host work, so plan() stays
+        O(batch) and a plan that is never run costs none of it."""
+        if self._buckets is None:
+            groups, qo_start, qo_lens, kv_lens = self._bucket_args
+            self._buckets = [_Bucket(reqs, qo_start, qo_lens, kv_lens, self.layout, self.spec.causal,
+                                     self.spec.device) for reqs in groups]
+        return self._buckets
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         if self.max_page >= ckv_cache.shape[0]:
@@ -159,5 +177,104 @@ class TorchPlan:
             lse[rows] = ls[bk.q_valid] if base_e else ls[bk.q_valid] * LOG2E
 
 
+class InvariantTorchPlan(TorchPlan):
+    """The batch-invariant mode: each request alone, its KV cut in chunks by :func:`chunk_bounds` (its own length
+    and the chunk size), each chunk's (o, lse) merged in chunk order. Every torch op sees shapes that follow the
+    request only (a batched or padded matmul may block its reduction by the batch's shape)."""
+
+    def __init__(self, layout, spec, chunk: int):
+        self.spec, self.layout, self.chunk = spec, layout, chunk
+        qo_lens, kv_lens, self.max_page = _host_lengths(layout)
+        self._lens, self._requests = (qo_lens, kv_lens), None
+        q0, empty = 0, []
+        for q, L in zip(qo_lens, kv_lens):
+            if q and not L:
+                empty += range(q0, q0 + q)
+            q0 += q
+        self.empty_rows = torch.tensor(empty, dtype=torch.int64, device=spec.device)
+
+    @property
+    def requests(self) -> list:
+        """Per request with tokens: (rows [q], its tokens' slots [L] in the flat pool, q, L, chunk bounds). Built
+        on first use (O(tokens) host work, as the default plan's buckets)."""
+        if self._requests is None:
+            layout, dev = self.layout, self.spec.device
+            kvp = layout.kv_indptr.to("cpu", torch.int64).tolist()
+            pages = layout.kv_indices.to("cpu", torch.int64)
+            reqs, q0 = [], 0
+            for b, (q, L) in enumerate(zip(*self._lens)):
+                if q and L:
+                    pos = torch.arange(L)
+                    slots = pages[kvp[b] + pos // layout.page_size] * layout.page_size + pos % layout.page_size
+                    reqs.append((torch.arange(q0, q0 + q, device=dev), slots.to(dev), q, L,
+                                 chunk_bounds(L, self.chunk)))
+                q0 += q
+            self._requests = reqs
+        return self._requests
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
+        if self.max_page >= ckv_cache.shape[0]:
+            raise ValueError(f"kv_indices: the plan references page {self.max_page} but ckv_cache has "
+                             f"{ckv_cache.shape[0]} pages")
+        if self.empty_rows.numel():
+            out[self.empty_rows] = 0
+            lse[self.empty_rows] = -math.inf
+        ckv_flat, kpe_flat = ckv_cache.flatten(0, 1), kpe_cache.flatten(0, 1)
+        sa_flat = None if ckv_scale_arr is None else ckv_scale_arr.flatten(0, 1)
+        ckv_s, kpe_s = scales.to(device=out.device, dtype=torch.float32).unbind(0)
+        for rows, slots, q, L, bounds in self.requests:
+            qn, qp = q_nope[rows].float(), q_pe[rows].float()                       # [q, H, D]
+            # query i sees positions <= L - q + i (causal) or all L
+            last = (L - q + torch.arange(q, device=out.device)) if self.spec.causal else \
+                torch.full((q,), L - 1, device=out.device)
+            parts = []
+            for s0, s1 in bounds:
+                sl = slots[s0:s1]
+                ckv = ckv_flat.index_select(0, sl).float()
+                kpe = kpe_flat.index_select(0, sl).float() * kpe_s
+                if sa_flat is not None:
+                    ckv = ckv * expand_group_scales(sa_flat.index_select(0, sl).float(), ckv.shape[-1])
+                else:
+                    ckv = ckv * ckv_s
+                s = (torch.einsum("qhd,ld->qhl", qn, ckv) + torch.einsum("qhd,ld->qhl", qp, kpe)) \
+                    * self.spec.sm_scale
+                pos = torch.arange(s0, s1, device=out.device)
+                visible = (pos[None, :] <= last[:, None])[:, None, :]              # [q, 1, c]
+                parts.append(softmax_rows(s, ckv, visible))
+            o, ls = merge_chunks(parts)
+            out[rows] = o.to(out.dtype)
+            lse[rows] = ls if base_e else ls * LOG2E
+
+
+def chunk_bounds(L: int, chunk: int, block: int = 64) -> list:
+    """[(start, end)] of a request of ``L`` tokens: ceil(L / chunk) chunks of one size (a multiple of ``block``,
+    the last the rest), as the triton backend's schedule cuts it."""
+    n = -(-L // chunk)
+    per = -(-(-(-L // n)) // block) * block
+    return [(s, min(L, s + per)) for s in range(0, L, per)]
+
+
+def merge_chunks(parts: list):
+    """(o, lse) of chunk partials ``[(o [..., D], lse [...]) natural log]``, merged by log-sum-exp in list order: a
+    chunk a row does not see (lse -inf) weighs 0, NaN stays NaN, a row that sees no chunk gives 0 and -inf."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([p[1] for p in parts])                                  # [n, ...]
+    m = lses.amax(0)
+    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    o = torch.zeros_like(parts[0][0])
+    w_sum = torch.zeros_like(m)
+    for p_o, p_lse in parts:
+        w = torch.exp(p_lse - m0)
+        o = o + w[..., None] * p_o
+        w_sum = w_sum + w
+    empty = w_sum == 0
+    o = torch.where(empty[..., None], torch.zeros_like(o), o / torch.where(empty, 1.0, w_sum)[..., None])
+    ls = torch.where(empty, torch.full_like(m, -math.inf), m0 + torch.log(torch.where(empty, 1.0, w_sum)))
+    return o, torch.where(torch.isnan(m), m, ls)
+
+
 def build(layout, spec, options: dict, state: dict) -> TorchPlan:
+    if options.get("batch_invariant"):
+        return InvariantTorchPlan(layout, spec, options.get("invariant_chunk") or INVARIANT_CHUNK)
     return TorchPlan(layout, spec)

@@ -10,6 +10,10 @@ device memory. A request with one chunk is written directly; the others go throu
 
 With ``use_cuda_graph=True`` every device tensor run() touches lives in buffers allocated once (capacities from
 the constructor), and plan() writes into them: a captured run() replays correctly after a re-plan.
+
+The batch-invariant mode (option ``batch_invariant``): ``chunk`` is the constant ``invariant_chunk`` instead of a
+share of the batch's tokens, the kernel configuration follows the heads and not the batch's longest query, and
+every plan runs the decode kernel, so a request's work items and their order follow from its own length only.
 """
 from __future__ import annotations
 
@@ -21,14 +25,16 @@ import torch
 from ..kernels.decode import KV_BF16, KV_FP8_FP16_MATH, KV_GROUP, default_config, mla_decode
 from ..runtime import LN2, interpreting, num_sms
 from ._graph import GraphBuffers
+from ._invariant import INVARIANT_CHUNK, INVARIANT_PARTIALS
 
 __all__ = ["build", "DEFAULTS", "KERNEL_OPTIONS", "schedule", "kernel_config"]
 
 DEFAULTS = dict(block_n=None, num_stages=None, ctas_per_sm=2, min_chunk=256, evict_first=True, max_batch_size=256,
-                max_qo_len=None, max_kv_indices=1 << 20)
+                max_qo_len=None, max_kv_indices=1 << 20, batch_invariant=False, invariant_chunk=INVARIANT_CHUNK,
+                max_partials=INVARIANT_PARTIALS)
 # Tuning options this backend reads (validated by MLAPagedAttention's constructor).
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
-                  "index64", "v_convert")
+                  "index64", "v_convert", "invariant_chunk")
 EXTEND_MIN_QO = 9  # plans with longer query blocks run the extend (paged prefill) kernel
 
 
@@ -83,18 +89,27 @@ def safe_kv_len(kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int, n
 
 
 def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Tensor, page_size: int, *,
-             num_indices: int, target: int, max_items: int, block_n: int, min_chunk: int) -> dict:
+             num_indices: int, target: int, max_items: int, block_n: int, min_chunk: int,
+             fixed_chunk: int | None = None) -> dict:
     """Work items on the device (no host sync): ``item_req/start/end/part [max_items]``, ``split_indptr [B+1]``,
     ``num_items [1]`` and ``kv_len`` clamped to each request's pages (a device-only table that claims more tokens
-    than its pages can never make a kernel read past them). int32 tensors on kv_len's device."""
+    than its pages can never make a kernel read past them). int32 tensors on kv_len's device.
+
+    ``fixed_chunk`` (the batch-invariant mode): the chunk size is this constant, not a share of the batch's
+    tokens, so each request's cut depends on its own length only. Its item count is then not bounded by
+    ``target``: a request whose items would pass ``max_items`` runs as one item instead (never a read past the
+    arrays), and ``overflow [1]`` counts such requests."""
     dev = kv_len.device
     B = kv_len.numel()
     i64 = dict(dtype=torch.int64, device=dev)
     L = safe_kv_len(kv_indptr, kv_len, page_size, num_indices).long()
     active = (qo_indptr[1: B + 1] - qo_indptr[:B]) > 0
-    total = (L * active).sum()
-    chunk = torch.clamp(torch.div(total + target - 1, target, rounding_mode="floor"), min=min_chunk)
-    chunk = torch.div(chunk + block_n - 1, block_n, rounding_mode="floor") * block_n
+    if fixed_chunk is None:
+        total = (L * active).sum()
+        chunk = torch.clamp(torch.div(total + target - 1, target, rounding_mode="floor"), min=min_chunk)
+        chunk = torch.div(chunk + block_n - 1, block_n, rounding_mode="floor") * block_n
+    else:
+        chunk = torch.full((), -(-fixed_chunk // block_n) * block_n, **i64)
     n = torch.clamp(torch.div(L + chunk - 1, chunk, rounding_mode="floor"), min=1)
     per = torch.div(torch.div(L + n - 1, n, rounding_mode="floor") + block_n - 1, block_n,
                     rounding_mode="floor") * block_n
@@ -102,6 +117,16 @@ def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Ten
     cnt = torch.where(L > 0, torch.div(L + per - 1, per, rounding_mode="floor"), torch.ones_like(L)) * active
     split_indptr = torch.zeros(B + 1, **i64)
     torch.cumsum(cnt, 0, out=split_indptr[1:])
+    overflow = torch.zeros(1, **i64)
+    if fixed_chunk is not None:
+        # Requests past the capacity (only where the batch holds more tokens than the workspace was sized for):
+        # one item each, whole (correct, but not the invariant cut; counted in ``overflow``).
+        late = split_indptr[1:] > max_items - (B - torch.arange(1, B + 1, **i64))
+        over = late & (cnt > 1)
+        overflow = over.sum().reshape(1)
+        per = torch.where(over, torch.clamp(L, min=1), per)
+        cnt = torch.where(over, torch.ones_like(cnt) * active, cnt)
+        torch.cumsum(cnt, 0, out=split_indptr[1:])
     multi = cnt > 1
     part_base = torch.zeros(B + 1, **i64)
     torch.cumsum(cnt * multi, 0, out=part_base[1:])
@@ -116,15 +141,19 @@ def schedule(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_len: torch.Ten
         req = start = end = torch.zeros_like(i)
         part = torch.full_like(i, -1)
     i32 = torch.int32
-    return dict(item_req=req.to(i32), item_start=start.to(i32), item_end=end.to(i32), item_part=part.to(i32),
-                split_indptr=split_indptr.to(i32), num_items=split_indptr[B:].to(i32), kv_len=L.to(i32))
+    out = dict(item_req=req.to(i32), item_start=start.to(i32), item_end=end.to(i32), item_part=part.to(i32),
+               split_indptr=split_indptr.to(i32), num_items=split_indptr[B:].to(i32), kv_len=L.to(i32))
+    if fixed_chunk is not None:
+        out["overflow"] = overflow.to(i32)
+    return out
 
 
 def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, block_n: int,
-                  min_chunk: int) -> dict:
+                  min_chunk: int, fixed_chunk: int | None = None) -> dict:
     """:func:`schedule` on the host, in O(batch) Python, from the layout's host arrays (``PagedLayout.host``):
     the same work items (its first ``num_items`` entries; the kernels read no further), as lists of ints.
-    It costs no device op: the plan stages these with its other arrays in one host -> device copy."""
+    It costs no device op: the plan stages these with its other arrays in one host -> device copy.
+    ``fixed_chunk``: the batch-invariant cut (see :func:`schedule`; the caller checks the item count)."""
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
     if fast is not None and fast[1][-1] <= num_indices:
         qo, kvp, L = fast
@@ -133,7 +162,7 @@ def schedule_host(host: dict, page_size: int, *, num_indices: int, target: int, 
     else:
         qo, kvp, L, active, total = _clamped(host, page_size, num_indices)
         B = len(L)
-    chunk = max(-(-total // target), min_chunk)
+    chunk = max(-(-total // target), min_chunk) if fixed_chunk is None else fixed_chunk
     chunk = -(-chunk // block_n) * block_n
     if all(active) and max(L, default=0) <= chunk:  # no request is split: one item each, built whole
         req, start, end, part, split = list(range(B)), [0] * B, list(L), [-1] * B, list(range(B + 1))
@@ -249,6 +278,9 @@ class TritonPlan:
     grid_batch: int
     t: dict             # device tensors the kernels read
     extend_qo: int = 0  # > 0: run the extend kernel with this max_qo_len instead of the decode kernel
+    # batch-invariant plans scheduled on the device: int32 [1], requests that did not fit the workspace and ran
+    # as one item (see schedule); None otherwise
+    overflow: object = None
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
         t, c, spec = self.t, self.cfg, self.spec
@@ -298,7 +330,12 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     fmt = spec.kv_format
     extend_ok = fmt.scale_kind != "group" and not (fmt.storage_dtype == torch.float16
                                                     and spec.q_dtype == torch.bfloat16)
-    extend_qo = plan_qo if extend_ok and not graph and plan_qo >= EXTEND_MIN_QO else 0
+    # The batch-invariant mode: one kernel configuration per heads / format / device / options (the tile a row is
+    # computed in never follows the batch's longest query), every plan on the decode kernel, each request cut in
+    # chunks of a fixed size (its own length decides its cut; partials merged in item order).
+    invariant = bool(opts["batch_invariant"])
+    fixed = opts["invariant_chunk"] if invariant else None
+    extend_qo = plan_qo if extend_ok and not graph and not invariant and plan_qo >= EXTEND_MIN_QO else 0
     # CUDA-graph wrappers re-plan every step: the config and split target (which ask the device's properties, a few
     # microseconds each) are kept for the same heads / query rows / format / options
     ck = (H, max_qo, kv_mode, extend_qo, device)
@@ -306,7 +343,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     if kept is not None and kept[0] == ck and kept[1] is options:
         cfg, max_rows, target = kept[2:]
     else:
-        cfg = kernel_config(H, max_qo, kv_mode, opts, device)
+        cfg = kernel_config(H, 1 if invariant else max_qo, kv_mode, opts, device)
         max_rows = 0 if extend_qo else H * max_qo
         row_tiles = -(-max_rows // cfg["block_m"]) if max_rows else 1
         target = items_target(row_tiles, device, opts["ctas_per_sm"])
@@ -323,46 +360,67 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
                                                      state.get("external", {}))
         buffers.check(H, Dc, H * max_qo, B, layout.kv_indices.numel())
         if layout.host is not None:  # host lengths: schedule on the host, stage everything in one copy
-            sched = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                                  target=target, block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+            rule = (target, cfg["block_n"], opts["min_chunk"], fixed)
+            sched = _host_schedule(layout, rule, buffers.max_items)
             t = buffers.load_host(sched, layout.kv_indices)
             plan = TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
-            state["host_plan"] = (plan, target, cfg["block_n"], opts["min_chunk"])  # for replan_rows
+            state["host_plan"] = (plan, rule)  # for replan_rows
             return plan
         sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
                          num_indices=layout.kv_indices.numel(), target=target, max_items=buffers.max_items,
-                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"], fixed_chunk=fixed)
+        overflow = sched.pop("overflow", None)
         t = buffers.load(dict(base, **sched, batch_size=torch.full((1,), B, dtype=torch.int32)))
-        return TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
+        plan = TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t)
+        plan.overflow = overflow
+        return plan
     max_items = target + B
+    if invariant:  # every request's chunks: at most one per request plus one per chunk of the listed pages' tokens
+        max_items = B + -(-layout.kv_indices.numel() * layout.page_size // fixed)
+    overflow = None
     if layout.host is not None:  # host lengths: schedule on the host, one host -> device copy
-        h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(), target=target,
-                          block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+        h = _host_schedule(layout, (target, cfg["block_n"], opts["min_chunk"], fixed), max_items)
+        if invariant:
+            max_items = h["num_items"][0]
         sizes = dict(item_req=max(1, max_items), split_indptr=B + 1, num_items=1, kv_len=B, batch_size=1)
         sched = _stage({k: (h[k], sizes.get(k, sizes["item_req"])) for k in _HOST_KEYS}, device)
     else:
         sched = schedule(layout.qo_indptr, layout.kv_indptr, layout.kv_len, layout.page_size,
                          num_indices=layout.kv_indices.numel(), target=target, max_items=max_items,
-                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"])
+                         block_n=cfg["block_n"], min_chunk=opts["min_chunk"], fixed_chunk=fixed)
+        overflow = sched.pop("overflow", None)
         sched["batch_size"] = torch.full((1,), B, dtype=torch.int32, device=device)
     f32 = dict(dtype=torch.float32, device=device)
-    parts = max_parts(target, max_items)
+    parts = max(1, max_items) if invariant else max_parts(target, max_items)
     t = dict(base, **sched, part_o=torch.empty(parts, max_rows, Dc, **f32),
              part_lse=torch.empty(parts, max_rows, **f32))
-    return TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
+    plan = TritonPlan(spec, kv_mode, cfg, max_rows, max(1, max_items), max(1, B), t)
+    plan.overflow = overflow
+    return plan
+
+
+def _host_schedule(layout, rule: tuple, max_items: int) -> dict:
+    """:func:`schedule_host` under ``rule`` = (target, block_n, min_chunk, fixed_chunk); a batch-invariant cut
+    (fixed_chunk set) that needs more than ``max_items`` work items is refused, naming the capacity."""
+    target, block_n, min_chunk, fixed = rule
+    h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(), target=target,
+                      block_n=block_n, min_chunk=min_chunk, fixed_chunk=fixed)
+    if fixed is not None and h["num_items"][0] > max_items:
+        raise ValueError(f"batch_invariant: this batch cuts into {h['num_items'][0]} KV chunks of <= {fixed} tokens, "
+                         f"above the {max_items} work items the CUDA-graph buffers hold (max_batch_size + "
+                         "max_partials); construct MLAPagedAttention with a larger max_partials")
+    return h
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
-    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention._replan_rows``: the same spec,
+    """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths): only the host schedule is new, the plan
     object (config, grids, CUDA-graph buffers) is the same (``fixed``, a captured plan: the same either way). None
     when ``plan`` is not the last host-scheduled graph plan (then :func:`build` runs)."""
     kept = state.get("host_plan")
     if kept is None or kept[0] is not plan or layout.host is None:
         return None
-    _, target, block_n, min_chunk = kept
-    sched = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(), target=target,
-                          block_n=block_n, min_chunk=min_chunk)
+    sched = _host_schedule(layout, kept[1], state["graph"].max_items)
     state["graph"].load_host(sched, layout.kv_indices)
     return plan
 
@@ -393,9 +451,11 @@ class _GraphBuffers(GraphBuffers):
         self.max_batch = opts["max_batch_size"]
         self.max_rows = H * max_qo
         self.max_items = target + self.max_batch
+        parts = max_parts(target, self.max_items)
+        if opts["batch_invariant"]:  # the cut follows each request's length: a capacity, not a bound from the GPU
+            self.max_items = parts = self.max_batch + opts["max_partials"]
         self.max_kv_indices = opts["max_kv_indices"]
         mb, mi = self.max_batch, self.max_items
-        parts = max_parts(target, mi)
         # the arrays that change every decode step first (a caller staging them through ``sink`` copies only up
         # to the last one changed: kv_len and item_end while the splits stay, see schedule_host)
         super().__init__(

@@ -33,12 +33,18 @@ def add_arguments(p):
     p.add_argument("--kv", nargs="+", default=["fp8_e4m3", "bf16"], help="KV formats")
     p.add_argument("--strategy", choices=["native", "gather_cast"], default="native")
     p.add_argument("--compare", nargs="*", default=[], metavar="NAME",
-                   choices=["flashinfer", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
-                   help="also time: flashinfer (fa3, fa2 on the same pool), gather_cast, torch, fp8_math (the gluon "
+                   choices=["flashinfer", "flashmla", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
+                   help="also time: flashinfer (fa3, fa2 on the same pool), flashmla (FlashMLA's BF16 decode on a BF16 "
+                        "copy of the pool and its FP8 path with Q quantized, vLLM's FLASHMLA; with --sparse its "
+                        "sparse decode: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
                         "plan)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also time the batch-invariant mode (MLAPagedAttention(batch_invariant=True): the Triton "
+                        "kernel with each request cut in fixed chunks; plain and CUDA-graph plans) beside the "
+                        "default; with --sparse: MLASparseAttention(batch_invariant=True)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)
@@ -48,6 +54,11 @@ def add_arguments(p):
                    help="sparse (DSA) decode: each token over --topk selected tokens (fp8mla.bench.sparse)")
     p.add_argument("--topk", type=int, default=2048, help="with --sparse: selected tokens per query token")
     p.add_argument("--sparse-kv", nargs="+", default=["fp8_ds_mla"], help="with --sparse: KV formats")
+    p.add_argument("--v4", action="store_true",
+                   help="DeepSeek V4 decode: window + compressed rows + sinks (fp8mla.bench.v4)")
+    p.add_argument("--v4-kv", nargs="+", default=["fp8_v4", "fp8_v41"], help="with --v4: pool formats")
+    p.add_argument("--window", type=int, default=128, help="with --v4: window slots per query token")
+    p.add_argument("--compressed-topk", type=int, default=512, help="with --v4: compressed rows per query token")
 
 
 def make_pool(B, L, page, fmt_name, device, seed=0):
@@ -102,6 +113,19 @@ def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, 
     return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **kw)
 
 
+def _flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out, where: str) -> dict:
+    """FlashMLA's rows (``fp8mla.bench.flashmla``), or none with the reason printed."""
+    from . import flashmla
+    ops = flashmla.load_ops()
+    try:
+        if isinstance(ops, str):
+            raise RuntimeError(ops)
+        return flashmla.dense_runners(ops, plan_args, H, pool, fmt, q_nope, q_pe, out)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        print(f"  flashmla {where}: skipped: {_why(e)}", flush=True)
+        return {}
+
+
 VARIANTS = {
     "default": {},
     "n32": dict(block_n=32), "n32s3": dict(block_n=32, num_stages=3), "n32s4": dict(block_n=32, num_stages=4),
@@ -123,6 +147,9 @@ def main(args) -> int:
     if getattr(args, "sparse", False):
         from .sparse import main as sparse_main
         return sparse_main(args)
+    if getattr(args, "v4", False):
+        from .v4 import main as v4_main
+        return v4_main(args)
     ceil = start_run("decode", args.out)
     if ceil is None:
         return 2
@@ -194,6 +221,9 @@ def main(args) -> int:
                                     lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                             except ValueError as e:
                                 print(f"  fp8mla gluon fp8_math H{H} B{B} L{L} page{page}: not taken ({e})")
+                    if getattr(args, "batch_invariant", False):
+                        for name, attn in invariant_attentions(plan_args, H, fmt_name, args.strategy).items():
+                            runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
@@ -212,6 +242,9 @@ def main(args) -> int:
                             except Exception as e:  # noqa: BLE001 - record and go on
                                 print(f"  flashinfer {be} {fmt_name} H{H} B{B} L{L} page{page}: not planned: "
                                       f"{_why(e)}", flush=True)
+                    if "flashmla" in args.compare:
+                        runners.update(_flashmla_runners(plan_args, H, pool, fmt, q_nope, q_pe, out,
+                                                         f"{fmt_name} H{H} B{B} L{L} page{page}"))
                     for name, fn in runners.items():
                         try:
                             out.fill_(float("nan"))
@@ -244,6 +277,21 @@ def main(args) -> int:
     print(f"wrote {path}")
     _plot(rows, os.path.join(args.out, "decode.png"), ceil)
     return 0
+
+
+def invariant_attentions(plan_args, H, fmt_name, strategy="native", backend="auto") -> dict:
+    """The batch-invariant runs beside the default: ``{row name: planned MLAPagedAttention}``, a plain plan and
+    (native strategy) a CUDA-graph one sized for this batch."""
+    B = plan_args["kv_len_arr"].numel()
+    made = {}
+    for graph in (False, True) if strategy == "native" else (False,):
+        opts = dict(max_batch_size=max(1, B), max_kv_indices=max(1, plan_args["kv_indices"].numel())) if graph \
+            else {}
+        attn = MLAPagedAttention(backend=backend, strategy=strategy, use_cuda_graph=graph, batch_invariant=True,
+                                 **opts)
+        attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
+        made[f"fp8mla {attn.backend}[invariant{',graph' if graph else ''}]"] = attn
+    return made
 
 
 def _plot(rows, path, ceil):

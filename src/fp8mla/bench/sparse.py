@@ -98,24 +98,31 @@ def main(args) -> int:
                     # auto's pick (the Gluon build on Hopper for the plans it takes), then the portable Triton
                     # kernel unless that was the pick
                     attns = []
-                    for requested in ("auto", "triton"):
-                        attn = MLASparseAttention(backend=requested)
+                    modes = [("auto", False), ("triton", False)]
+                    if getattr(args, "batch_invariant", False):
+                        modes.append(("triton", True))
+                    for requested, invariant in modes:
+                        attn = MLASparseAttention(backend=requested, batch_invariant=invariant)
                         attn.plan(H, args.topk, page, 1.0 / math.sqrt(576), torch.bfloat16, fmt.name,
                                   num_pages=kv.shape[0])
-                        if attn.backend not in [a.backend for a in attns]:
+                        if invariant or attn.backend not in [a.backend for a in attns if not a.batch_invariant]:
                             attns.append(attn)
-                    for attn in attns:
-                        run = lambda a=attn: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra)  # noqa: E731
+                    timed = [(f"fp8mla sparse [{a.backend}{',invariant' if a.batch_invariant else ''}]", a,
+                              lambda a=a: a.run(q_nope, q_pe, kv, indices, out=out, lse=lse, **extra))  # noqa: E731
+                             for a in attns]
+                    if "flashmla" in getattr(args, "compare", []):
+                        fm = _flashmla_row(H, kv, indices, q_nope, q_pe, out, f"{fmt.name} H{H} B{B} page{page}")
+                        timed += [("flashmla sparse", None, fm)] if fm is not None else []
+                    for name, attn, run in timed:
                         out.fill_(float("nan"))
                         run()
                         torch.cuda.synchronize()
                         err = compare(out[:m], ref).rel_l2
                         ms = time_ms(run, reps=args.reps)
-                        ck = _last_compiled(attn.backend)
+                        ck = _last_compiled(attn.backend) if attn is not None else None
                         res = f"regs {ck.n_regs} spills {ck.n_spills}" if hasattr(ck, "n_regs") else ""
-                        name = f"fp8mla sparse [{attn.backend}]"
                         row = dict(kernel=name, kv=fmt.name, H=H, B=B, L=L, topk=args.topk, page=page,
-                                   splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6,
+                                   splits=attn.splits_for(B) if attn is not None else 0, ms=ms, gbps=nbytes / ms / 1e6,
                                    tflops=flops / ms / 1e9, pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
                         rows.append(row)
                         print(f"{name:24s} {fmt.name:10s} H{H:<3d} B{B:<3d} L{L:<6d} topk{args.topk:<5d} "
@@ -133,6 +140,20 @@ def main(args) -> int:
         w.writerows(rows)
     print(f"wrote {path}")
     return 0
+
+
+def _flashmla_row(H, kv, indices, q_nope, q_pe, out, where: str):
+    """FlashMLA's sparse decode over the same records (``fp8mla.bench.flashmla``), or None with the reason."""
+    from . import flashmla
+    ops = flashmla.load_ops()
+    try:
+        if isinstance(ops, str):
+            raise RuntimeError(ops)
+        return flashmla.sparse_runner(ops, H, kv, indices, 1.0 / math.sqrt(576), q_nope, q_pe, out)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        print(f"  flashmla sparse {where}: skipped: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+              flush=True)
+        return None
 
 
 def _dense_row(MLAPagedAttention, ceil, time_ms, kv, perm, fmt, B, L, H, page, q_nope, q_pe, out, lse, extra, reps):

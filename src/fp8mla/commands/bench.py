@@ -8,6 +8,7 @@ BENCHES = [
     ("prefill", "paged extend and ragged prefill vs the bf16 matmul ceiling"),
     ("write", "quantize-on-write and gather-then-cast vs the bandwidth ceiling"),
     ("step", "one MLA decode step over N layers: cast_pool vs gather_cast vs native"),
+    ("plan", "host time of MLAPagedAttention.plan() on host page tables (CPU or GPU)"),
 ]
 
 

@@ -1,6 +1,6 @@
-"""``fp8mla doctor TRACE``: GPU time by kernel and by CPU op, dtype casts, and KV-pool casts that repeat once
-per layer, with the cost per step and the fix. Exit status: 0 nothing flagged, 1 pool-sized casts flagged,
-2 the trace could not be read."""
+"""``fp8mla doctor TRACE`` (a file, a pipe, or ``-`` for standard input): GPU time by kernel and by CPU op, dtype
+casts, and KV-pool casts that repeat once per layer, with the cost per step and the fix. Exit status: 0 nothing
+flagged, 1 pool-sized casts flagged, 2 the trace could not be read."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,8 @@ def _positive(text):
 
 def add_arguments(p):
     p.add_argument("trace", metavar="TRACE", help="Chrome trace from torch.profiler export_chrome_trace "
-                   "(.json or .json.gz; SGLang /start_profile and vLLM profiler traces too)")
+                   "(.json or .json.gz; SGLang /start_profile and vLLM profiler traces too); a pipe such as "
+                   "<(zcat t.json.gz) or - for standard input")
     p.add_argument("--pool-bytes", type=_pool_bytes, default=None, metavar="N",
                    help="bytes of one layer's KV pool in its storage dtype (tokens x bytes/token; 285MB, "
                         "272MiB, 285000000); default: inferred from the largest tensor a repeated cast or a "

@@ -35,7 +35,25 @@ def main(args) -> int:
         print(f"  {f.name:15s} storage {str(f.storage_dtype):22s} scales {f.scale_kind:6s} "
               f"{f.bytes_per_token():5d} B/token")
     _sparse_info(device)
+    _v4_info(device)
+    _engines_info()
     return 0
+
+
+def _engines_info() -> None:
+    """The serving engines installed here (read from package metadata: nothing of them is imported) and whether
+    fp8mla's backend supports that version (docs/engines.md)."""
+    from ..integrations.versions import SUPPORTED, describe, engine_version, is_supported
+    print("engines (fp8mla's attention backend inside them; docs/engines.md):")
+    for engine in SUPPORTED:
+        version = engine_version(engine)
+        if version is None:
+            state = f"not installed (fp8mla supports {engine} {describe(engine)})"
+        elif is_supported(engine, version):
+            state = f"{version}: supported"
+        else:
+            state = f"{version}: NOT supported (fp8mla supports {describe(engine)})"
+        print(f"  {engine:14s} {state}")
 
 
 def _sparse_info(device) -> None:
@@ -52,3 +70,18 @@ def _sparse_info(device) -> None:
     ok = "available" if gluon_usable(device) else "not available here (needs an sm_90 GPU and Gluon)"
     print(f"  gluon          kernels/sm90/sparse.py, fp8_ds_mla, bf16 queries, H <= 128, any topk (auto's pick on "
           f"Hopper): {ok}")
+
+
+def _v4_info(device) -> None:
+    """The DeepSeek V4 kernels: what fp8mla.V4SparseAttention can run here, and on which pool formats."""
+    from ..formats_v4 import V4_FORMATS
+    from ..runtime import triton_usable
+    print("DeepSeek V4 attention (window + compressed rows + sinks; fp8mla.V4SparseAttention):")
+    what = {"fp8_v4": "448 e4m3 | 64 bf16 per token, 7 ue8m0 scales in the page's scale rows (vLLM)",
+            "fp8_v41": "512 e4m3 | 16 ue8m0 scales per token (FlashMLA V4.1)", "bf16": "512 bf16"}
+    for f in V4_FORMATS.values():
+        print(f"  {f.name:15s} {f.token_bytes:5d} B/token ({what[f.name]})")
+    print("  torch          fp32 gather of the selected rows, every V4 format, any topk: available")
+    ok = "available" if triton_usable(device) else "not available here (needs CUDA, or TRITON_INTERPRET=1)"
+    print(f"  triton         kernels/v4_attention.py (+ kernels/quant_v4.py writes), every V4 format, any topk, "
+          f"H <= 128: {ok}")

@@ -42,7 +42,7 @@ from fp8mla.formats import get_format  # noqa: E402
 from fp8mla.layout import PagedLayout  # noqa: E402
 from fp8mla.ragged import MLARaggedPrefill, merge_state  # noqa: E402
 
-from ._options import backend as _backend, ragged_backend as _ragged_backend  # noqa: E402
+from ._options import backend as _backend, ragged_backend as _ragged_backend, sglang_deterministic  # noqa: E402
 
 __all__ = ["FP8MLAAttnBackend", "STATS"]
 
@@ -103,9 +103,11 @@ class FP8MLAAttnBackend(AttentionBackend):
             raise ValueError(f"fp8mla: the KV pool has {rows} rows, not a whole number of pages of "
                              f"{self.page_size}")
         self._backend = _backend()  # FP8MLA_BACKEND (default auto)
-        self._decode = MLAPagedAttention(backend=self._backend)
-        self._extend = MLAPagedAttention(backend=self._backend)
-        self._prefix = MLAPagedAttention(backend=self._backend)
+        # --enable-deterministic-inference: every paged plan batch-invariant (docs/batch_invariance.md)
+        self._invariant = sglang_deterministic(getattr(model_runner, "server_args", None))
+        self._decode = MLAPagedAttention(backend=self._backend, batch_invariant=self._invariant)
+        self._extend = MLAPagedAttention(backend=self._backend, batch_invariant=self._invariant)
+        self._prefix = MLAPagedAttention(backend=self._backend, batch_invariant=self._invariant)
         self._ragged = MLARaggedPrefill(backend=_ragged_backend())
         self._graph_decode: dict[int, MLAPagedAttention] = {}
         self._graph_opts: dict | None = None
@@ -207,6 +209,7 @@ class FP8MLAAttnBackend(AttentionBackend):
         attn = self._graph_decode.get(B)
         if attn is None:
             attn = self._graph_decode[B] = MLAPagedAttention(None, True, backend=self._backend,
+                                                              batch_invariant=self._invariant,
                                                               **(self._graph_opts or {}))
         seq_cpu = forward_batch.seq_lens_cpu
         if seq_cpu is None:  # SGLang's capture path may not carry host lengths: one copy, at capture time only

@@ -15,12 +15,14 @@ import warnings
 __all__ = ["SUPPORTED", "VERIFIED", "EngineNotInstalled", "UnsupportedEngineVersion", "check_version",
            "engine_version", "require_installed"]
 
-# engine -> release prefixes accepted ("0.32" accepts 0.32.x). Versions whose internals the adapter matches.
+# engine -> release prefixes accepted ("0.32" accepts 0.32.x). Versions whose internals the adapter matches; for
+# vLLM, what differs between them is one table (fp8mla.integrations.vllm_releases), checked against each
+# release's own source by tests/engines/test_vllm_conformance.py.
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "vllm": ("0.32", "0.33"),
+    "vllm": tuple(f"0.{minor}" for minor in range(26, 35)),
     "sglang": ("0.5.23",),
 }
-# engine -> the exact versions the engine tests ran against (on the CPU, in CI); see docs/engines.md.
+# engine -> the exact versions the engine tests served requests with (on the CPU, in CI); see docs/engines.md.
 VERIFIED: dict[str, tuple[str, ...]] = {
     "vllm": ("0.32.0",),
     "sglang": ("0.5.23",),
@@ -62,9 +64,14 @@ def is_supported(engine: str, version: str) -> bool:
 
 
 def engine_version(engine: str) -> str | None:
-    """The installed version of ``engine`` (its module's ``__version__``, else its distribution's), or None."""
+    """The installed version of ``engine``, or None: the ``__version__`` of its module where this process has
+    imported it already (what runs, even beside another distribution's metadata), else its distribution's."""
     if engine not in SUPPORTED:
         raise ValueError(f"engine: expected one of {sorted(SUPPORTED)}, got {engine!r}")
+    module = sys.modules.get(_MODULE[engine])
+    version = getattr(module, "__version__", None) if module is not None else None
+    if isinstance(version, str) and re.match(r"\s*v?\d", version):
+        return version
     from importlib import metadata
     for dist in _DIST[engine]:
         try:
@@ -87,7 +94,9 @@ def require_installed(engine: str, caller: str) -> None:
 
 
 def describe(engine: str) -> str:
-    return " or ".join(p + (".x" if p.count(".") == 1 else "") for p in SUPPORTED[engine])
+    """The supported versions in words: '0.5.23', '0.32.x or 0.33.x', '0.26.x through 0.34.x'."""
+    names = [p + (".x" if p.count(".") == 1 else "") for p in SUPPORTED[engine]]
+    return f"{names[0]} through {names[-1]}" if len(names) > 2 else " or ".join(names)
 
 
 def check_version(engine: str, version: str | None = None) -> str:

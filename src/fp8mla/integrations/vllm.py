@@ -7,13 +7,15 @@ process (front end, engine core, workers) calls :func:`register` at start-up; us
 :func:`register` is cheap and imports no vLLM internals beyond the backend registry: the backend classes live in
 :mod:`fp8mla.integrations.vllm_backend`, which vLLM imports only when ``FP8MLA`` is selected, and which checks the
 vLLM version first (:mod:`fp8mla.integrations.versions`). A plugin must never break a vLLM that does not use it,
-so an unsupported vLLM only logs here; selecting ``FP8MLA`` on it raises the error naming what is supported.
+so on an unsupported vLLM it logs one warning and registers nothing: vLLM starts with its own backends.
 """
 from __future__ import annotations
 
 import logging
+import os
 
-from .versions import UnsupportedEngineVersion, check_version, require_installed
+from .versions import SKIP_ENV, describe, engine_version, is_supported, require_installed
+from .vllm_releases import release_row
 
 __all__ = ["BACKEND_NAME", "BACKEND_PATH", "backend_member", "register"]
 
@@ -21,31 +23,84 @@ BACKEND_NAME = "FP8MLA"
 BACKEND_PATH = "fp8mla.integrations.vllm_backend.FP8MLABackend"
 logger = logging.getLogger(__name__)
 _registered = False
+_declined = False  # an unsupported release: warned once, nothing registered
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: adds ``FP8MLA`` to vLLM's attention-backend registry.
 
+    Never breaks vLLM: on a release outside :data:`fp8mla.integrations.versions.SUPPORTED` it logs one warning
+    through vLLM's logger, naming the supported range, and registers nothing (vLLM starts with its own backends;
+    ``FP8MLA_SKIP_VERSION_CHECK=1`` registers anyway); a registry that refuses the name is logged the same way.
     Idempotent (vLLM loads plugins once per process, but tests may call it again). On vLLM's CPU platform, whose
     backend choice only knows its own MLA backends, an explicit ``FP8MLA`` selection is routed to fp8mla too.
     Without vLLM installed it raises :class:`fp8mla.integrations.versions.EngineNotInstalled` (an ImportError)
     saying how to install it.
     """
-    global _registered
-    if _registered:
+    global _registered, _declined
+    if _registered or _declined:
         return
     require_installed("vllm", "fp8mla.integrations.vllm.register()")
+    version = engine_version("vllm") or "unknown"
+    if (not _version_supported(version)) and os.environ.get(SKIP_ENV) != "1":
+        _declined = True
+        _vllm_logger().warning(
+            "fp8mla %s: vLLM %s is installed, but fp8mla's FP8MLA attention backend supports vLLM %s; it is not "
+            "registered, and vLLM runs with its own attention backends. Install a supported vLLM to use FP8MLA "
+            "(%s=1 registers it anyway, at your own risk).", _fp8mla_version(), version, describe("vllm"),
+            SKIP_ENV)
+        return
     try:
-        check_version("vllm")
-    except UnsupportedEngineVersion as e:  # selecting FP8MLA will raise this again, from the backend module
-        logger.warning("%s", e)
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
-    member = AttentionBackendEnum[BACKEND_NAME]
+        member = _add_member(release_row(version))
+    except Exception as e:  # noqa: BLE001 - a registry this plugin does not know must not stop vLLM
+        _declined = True
+        _vllm_logger().warning("fp8mla %s: could not register the FP8MLA attention backend in vLLM %s (%s: %s); "
+                               "vLLM runs with its own attention backends.", _fp8mla_version(), version,
+                               type(e).__name__, e)
+        return
     _make_spawn_safe(member)
     _route_cpu_platform(member)
     _registered = True
+
+
+def _version_supported(version: str) -> bool:
+    try:
+        return is_supported("vllm", version)
+    except ValueError:  # not a release number
+        return False
+
+
+def _vllm_logger():
+    """vLLM's own logger (its handler and format, ``VLLM_LOGGING_LEVEL``), else the standard one."""
+    try:
+        from vllm.logger import init_logger
+        return init_logger("vllm.fp8mla")
+    except Exception:  # noqa: BLE001
+        return logger
+
+
+def _fp8mla_version() -> str:
+    from fp8mla import __version__
+    return __version__
+
+
+def _add_member(row):
+    """The ``FP8MLA`` member of ``AttentionBackendEnum`` with fp8mla's backend path, added the way ``row``'s
+    releases allow (:class:`fp8mla.integrations.vllm_releases.VllmRelease`)."""
+    from vllm.v1.attention.backends import registry
+    enum = registry.AttentionBackendEnum
+    if BACKEND_NAME not in enum.__members__:
+        if row.registry_takes_new_names:
+            registry.register_backend(BACKEND_NAME, BACKEND_PATH)
+        else:  # what later releases' AttentionBackendEnum.register does, then the override as for any member
+            member = object.__new__(enum)
+            member._name_, member._value_ = BACKEND_NAME, BACKEND_PATH
+            setattr(enum, BACKEND_NAME, member)
+            enum._member_map_[BACKEND_NAME] = member
+            enum._value2member_map_[BACKEND_PATH] = member
+            enum._member_names_.append(BACKEND_NAME)
+            registry.register_backend(member, BACKEND_PATH)
+    return enum[BACKEND_NAME]
 
 
 def backend_member():

@@ -20,8 +20,10 @@ vLLM imports this module only when ``FP8MLA`` is selected (``--attention-backend
 from __future__ import annotations
 
 from .versions import check_version
+from .vllm_releases import release_row
 
 VLLM_VERSION = check_version("vllm")  # before any vLLM internals: another version gets the supported list
+RELEASE = release_row(VLLM_VERSION)  # what differs between the supported releases (vllm_releases.ROWS)
 
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
@@ -36,15 +38,16 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
     QueryLenSupport,
 )
 from vllm.logger import init_logger  # noqa: E402
-from vllm.utils.torch_utils import is_quantized_kv_cache  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # noqa: E402  (here in every supported release)
 
 import fp8mla  # noqa: E402
 from fp8mla.formats import get_format  # noqa: E402
 
 from ._options import backend as _backend  # noqa: E402
+from ._options import vllm_batch_invariant as _batch_invariant  # noqa: E402
 
-__all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "STATS",
+__all__ = ["FP8MLABackend", "FP8MLAImpl", "FP8MLAMetadataBuilder", "FP8MLADecodeMetadata", "RELEASE", "STATS",
            "latent_width_error"]
 
 # Under vLLM's "vllm" logger, so that the lines reach vLLM's handler and format (and VLLM_LOGGING_LEVEL).
@@ -156,11 +159,14 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             if self._graphs:  # fixed buffers for the widest batch of the full-width table (no copy per plan)
                 opts = dict(max_batch_size=self._max_batch, max_qo_len=1,
                             max_kv_indices=self._max_batch * max(1, block_table.shape[1]))
-            self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=self._graphs, backend=_backend(), **opts)
+            self._attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=self._graphs, backend=_backend(),
+                                                  batch_invariant=_batch_invariant(), **opts)
         return self._attn
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
-                      query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
+                      query_start_loc_device, num_decode_tokens, max_query_len=None, dcp_tot_seq_lens_device=None):
+        # vLLM passes every argument by keyword; max_query_len only from 0.31 (RELEASE), and decode rows are
+        # single tokens here whatever it says (query_len_support SINGLE_ONLY).
         _plan(self._wrapper(block_table_tensor), block_table_tensor, seq_lens_device, query_start_loc_cpu, self.page_size,
               self._num_heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim, self._sm_scale,
               self._q_dtype, self._kv_dtype)
@@ -273,11 +279,15 @@ class FP8MLAImpl(MLACommonImpl[MLACommonMetadata]):
         STATS.backends.add(decode.attn.backend)
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                           skip_scale=False) -> None:
+        """``skip_scale`` (vLLM 0.33+, RELEASE) says the FP8 scale is 1.0: dividing by it changes nothing here."""
         if kv_cache.numel() == 0:
             return
         if kv_cache.device.type == "cuda":  # vLLM's fused kernel (quantizes with k_scale as fp8mla reads it)
-            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            extra = (skip_scale,) if RELEASE.kv_update_passes_skip_scale else ()
+            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                              *extra)
         rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
         flat = kv_cache.view(-1, rows.shape[-1])
         slots = slot_mapping.flatten().to(torch.long)

@@ -25,7 +25,7 @@ Softmax in fp32 with exp2; P is rounded to the MMA's 16-bit type, never to FP8; 
 Column chunks (``NCH`` = 1, 2 or 4 chunks of ``DC // NCH`` columns): the c_kv tile is loaded, converted and
 multiplied chunk by chunk, with one fp32 accumulator per chunk. ``V_CVT`` picks how the V operand is converted:
   0  ``.to(tl.float16)``: Triton converts FP8 in each MMA operand layout; for the transposed V operand that means
-     byte-wise shared loads (``LDS.U8``, 256 per 64-token tile). Measured fastest on the H200 (2026-11-29).
+     byte-wise shared loads (``LDS.U8``, 256 per 64-token tile). The fastest on the H200.
   1  inline-asm packed cvt (non-pure, so Triton cannot move it into the operand layout): V is converted once in
      the load layout and staged as fp16 (ldmatrix.trans, no LDS.U8). With 128-column chunks the fp16 staging
      is 4x smaller than converting the whole 512-column tile (which cost 126 KB of shared memory). The portable
@@ -470,7 +470,7 @@ def default_config(rows: int, kv_mode: int, arch: int | None) -> dict:
     """``block_m, block_n, num_warps, num_stages, v_convert`` for ``rows`` = heads x longest query on sm_<arch>
     (``arch`` = major * 10 + minor; None = the CPU interpreter).
 
-    sm_90 (and the interpreter): the configuration measured on the H200 (2026-11-29): plain V conversion, 4 warps
+    sm_90 (and the interpreter): the fastest configuration on the H200: plain V conversion, 4 warps
     for 16-row tiles, BLOCK_N 64 (group format: asm V, BLOCK_N 32, as the backend already used). (Compiled
     with triton 3.9 it spills and has 256 LDS.U8 per tile; the portable
     configuration below has neither: measure ``v_convert="asm", num_warps=8`` there before switching.)
@@ -482,8 +482,8 @@ def default_config(rows: int, kv_mode: int, arch: int | None) -> dict:
     block_m = 16 if rows <= 16 else (32 if arch not in (None, 90) or group else 64)
     if arch in (None, 90):
         if group and block_m > 16:
-            # The group format with 64-row wgmma tiles spills (345 spill ops) and faulted on the H200 (illegal
-            # address, 2026-11-30, triton 3.6): the portable 32-row tile (mma.sync, asm V, no spills) instead.
+            # The group format with 64-row wgmma tiles spills (345 spill ops) and faults on the H200 (illegal
+            # address under triton 3.6): the portable 32-row tile (mma.sync, asm V, no spills) instead.
             return dict(block_m=32, block_n=32, num_warps=8, num_stages=2, v_convert="asm")
         # BF16 pools with 64-row tiles: BLOCK_N 64 needs 295 KB of shared memory under triton 3.6 (over
         # sm_90's 227 KB; the H200 refused the launch), BLOCK_N 32 half of that.

@@ -79,8 +79,8 @@ def _kv_block(acc, l_i, m_i, qn, qp, ckv_ptr, kpe_ptr, gs_ptr, kv_indices, page_
         c = _k16(c, 0, True)
         k = _k16(k, 0, True)
     elif c.dtype == tl.float8e5:
-        # e5m2 -> fp16 is exact (a shift) and keeps NaN / inf; Triton's direct e5m2 -> bf16 on the H200 did not
-        # keep a NaN (the uint8 path's answer differed, 2026-11-30). Every e5m2 value is exact in bf16 too.
+        # e5m2 -> fp16 is exact (a shift) and keeps NaN / inf; Triton's direct e5m2 -> bf16 on the H200 does not
+        # keep a NaN (its answer differs from the uint8 path's). Every e5m2 value is exact in bf16 too.
         c = c.to(tl.float16)
         k = k.to(tl.float16)
     if HAS_GROUP:
@@ -191,7 +191,7 @@ def default_tiles(num_heads: int, fp32_dot: bool, has_group: bool = False, arch:
                     num_stages=2, v_asm=not has_group)
     rows = 32 if fp32_dot else 64  # the interpreter: small tiles keep the numpy work per step low
     block_h = min(triton.next_power_of_2(num_heads), rows)
-    # GPU: BLOCK_N 64, 8 warps, 2 stages measured fastest on the H200 (2026-11-29, H=128 qo 1024 kv 8192, page 64:
+    # GPU: BLOCK_N 64, 8 warps, 2 stages are the fastest on the H200 (H=128 qo 1024 kv 8192, page 64:
     # FP8 11.8 ms vs 17.0 at BLOCK_N 32; BF16 7.2 vs 10.7), although ptxas reports more spills. The group format's
     # fp32 dequantization tiles do not fit shared memory at BLOCK_N 64 (OutOfResources on the H200): 32 there.
     t = dict(block_h=block_h, block_q=max(1, rows // block_h), block_n=32 if fp32_dot or has_group else 64,

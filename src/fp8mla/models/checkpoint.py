@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import as_int
 from .config import MLAConfig
 
 __all__ = ["load_checkpoint", "CheckpointReader"]
@@ -92,7 +93,7 @@ def load_checkpoint(cls, path, num_layers=None, **kw):
     cfg = getattr(cls, "config_class", MLAConfig).from_dict(json.loads(cfg_file.read_text()), name=path.name)
     reader = CheckpointReader(path)
     n = cfg.num_layers if num_layers is None else num_layers
-    if isinstance(n, int) and not isinstance(n, bool) and n > cfg.num_layers:
+    if as_int(n) is not None and as_int(n) > cfg.num_layers:
         raise ValueError(f"num_layers: the checkpoint has {cfg.num_layers} layers, asked for {n}")
     prefix = "model." if "model.layers.0.self_attn.kv_b_proj.weight" in reader else ""
     if prefix + "layers.0.self_attn.kv_b_proj.weight" not in reader:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .._checks import as_int, check_positive_int
+
 __all__ = ["MLAConfig", "load_config", "CONFIG_NAMES", "YarnRope", "yarn_get_mscale"]
 
 _CONFIG_DIR = Path(__file__).with_name("configs")
@@ -53,11 +55,11 @@ class MLAConfig:
     def __post_init__(self):
         for k in ("hidden_size", "num_heads", "num_layers", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{k}: expected a positive int, got {v!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"q_lora_rank: expected a positive int or None, got {self.q_lora_rank!r}")
+            setattr(self, k, check_positive_int(k, getattr(self, k)))
+        if self.q_lora_rank is not None:
+            if as_int(self.q_lora_rank) is None or as_int(self.q_lora_rank) <= 0:
+                raise ValueError(f"q_lora_rank: expected a positive int or None, got {self.q_lora_rank!r}")
+            self.q_lora_rank = as_int(self.q_lora_rank)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: expected an even number (rope rotates pairs), got "
                              f"{self.qk_rope_head_dim}")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import MLAPagedAttention
+from .._checks import as_int
 from ..cache import PagedMLACache
 from ..gather import gather_dequant
 from ..ragged import MLARaggedPrefill, merge_state
@@ -144,7 +145,7 @@ def refuse_stale_step(step) -> None:
         _refuse_shared_pages(step)
     if step.records is None:
         return
-    table = getattr(step.cache, "_seqs", {})
+    table = step.cache.seq_states
     for sid, rec, p, n in zip(step.seq_ids, step.records, step.prefix_lens, step.num_tokens):
         now = table.get(sid)
         if now is not rec:
@@ -159,7 +160,7 @@ def refuse_stale_step(step) -> None:
 
 def forked_since(step) -> bool:
     """The cache forked a sequence after ``step`` was planned (O(1): the step's pages may be shared since)."""
-    return getattr(step.cache, "_forks", 0) != step.forks
+    return step.cache.fork_count != step.forks
 
 
 def _refuse_shared_pages(step) -> None:
@@ -167,17 +168,16 @@ def _refuse_shared_pages(step) -> None:
     step ran, for a step run again) shares the page the step's tokens are in, and writing it would change the
     fork's tokens too. A new begin_step unshares the page first."""
     cache = step.cache
-    ps, refs, table = cache.page_size, cache._refs, cache._seqs
+    live = cache.seq_states
     for sid, p, n in zip(step.seq_ids, step.prefix_lens, step.num_tokens):
-        rec = table.get(sid)
-        if rec is None or n == 0:
+        if sid not in live:
             continue  # (a freed sequence: the records check names it)
-        for i in range(p // ps, min((p + n - 1) // ps + 1, len(rec.pages))):
-            if refs[rec.pages[i]] > 1:
-                raise ValueError(
-                    f"step: sequence {sid!r} shares page {rec.pages[i]}, where this step writes its tokens, with "
-                    f"a fork (cache.fork after begin_step, or after the step ran): writing would change the "
-                    f"fork's tokens too; expected a step from a new begin_step")
+        page = cache.shared_page(sid, p, n)
+        if page is not None:
+            raise ValueError(
+                f"step: sequence {sid!r} shares page {page}, where this step writes its tokens, with a fork "
+                f"(cache.fork after begin_step, or after the step ran): writing would change the fork's tokens "
+                f"too; expected a step from a new begin_step")
 
 
 def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
@@ -186,14 +186,16 @@ def _reserve(cache: PagedMLACache, ids: list, counts: list) -> torch.Tensor:
 
 def check_step_args(cache: PagedMLACache, seq_ids, num_tokens, cfg: MLAConfig) -> tuple[list, list]:
     # One id (an int, a str) or an ordered collection of ids, as the cache takes them everywhere else.
-    ids = cache._id_list(seq_ids) if hasattr(cache, "_id_list") else list(seq_ids)
+    ids = cache.id_list(seq_ids)
     counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(ids)
     if not ids:
         raise ValueError("seq_ids: expected at least one sequence")
     if len(counts) != len(ids):
         raise ValueError(f"num_tokens: expected one count per sequence ({len(ids)}), got {len(counts)}")
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+    ints = [as_int(c) for c in counts]  # numpy and 0-d CPU tensor counts become ints
+    if any(c is None or c < 1 for c in ints):
         raise ValueError(f"num_tokens: expected positive ints, got {counts}")
+    counts = ints
     if (cache.head_dim_ckv, cache.head_dim_kpe) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
         raise ValueError(f"cache: head dims ({cache.head_dim_ckv}, {cache.head_dim_kpe}) differ from the model's "
                          f"kv_lora_rank/qk_rope_head_dim ({cfg.kv_lora_rank}, {cfg.qk_rope_head_dim})")
@@ -224,10 +226,9 @@ def begin_step(cache: PagedMLACache, seq_ids, num_tokens, *, cfg: MLAConfig, rop
     try:
         step = _plan_step(cache, ids, counts, prefix, slots, cfg=cfg, rope=rope, num_heads=num_heads,
                           attn_dtype=attn_dtype, backend=backend, fused=fused)
-        table = getattr(cache, "_seqs", None)
-        if table is not None:
-            step.records = [table[i] for i in ids]
-        step.forks = getattr(cache, "_forks", 0)
+        table = cache.seq_states
+        step.records = [table[i] for i in ids]
+        step.forks = cache.fork_count
         return step
     except BaseException:
         cache.unreserve(ids)
@@ -526,8 +527,8 @@ class DeepseekMLAModel(nn.Module):
                  backend: str = "auto", fused: bool | None = None):
         super().__init__()
         self.cfg = cfg = load_config(cfg)
-        n = cfg.num_layers if num_layers is None else num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        n = cfg.num_layers if num_layers is None else as_int(num_layers)
+        if n is None or n < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
         self.layers = nn.ModuleList(DeepseekMLABlock(cfg, i, dtype=dtype, device=device, tp_group=tp_group)
                                     for i in range(n))

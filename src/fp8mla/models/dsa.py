@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._checks import as_int
 from ..cache import PagedMLACache
 from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
@@ -126,8 +127,9 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
                     device=dev)
         step = DSAStep(cache, ids, counts, prefix, slots.to(dev), cos, sin, rope, attn_dtype, seqs, sparse, width,
                        backend)
-        step.records = [cache._seqs[i] for i in ids]
-        step.forks = cache._forks
+        table = cache.seq_states
+        step.records = [table[i] for i in ids]
+        step.forks = cache.fork_count
         return step
     except BaseException:
         cache.unreserve(ids)
@@ -233,8 +235,8 @@ class DSAModel(nn.Module):
                  backend: str = "auto"):
         super().__init__()
         self.cfg = cfg = load_dsa_config(cfg)
-        n = cfg.num_layers if num_layers is None else num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.num_layers:
+        n = cfg.num_layers if num_layers is None else as_int(num_layers)
+        if n is None or not 1 <= n <= cfg.num_layers:
             raise ValueError(f"num_layers: expected an int in [1, {cfg.num_layers}], got {num_layers!r}")
         self.layers = nn.ModuleList(DSABlock(cfg, i, dtype=dtype, device=device, tp_group=tp_group)
                                     for i in range(n))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .._checks import check_positive_int
 from .config import MLAConfig, read_config_json
 
 __all__ = ["DSAConfig", "load_dsa_config", "DSA_CONFIG_NAMES"]
@@ -55,9 +56,7 @@ class DSAConfig(MLAConfig):
     def __post_init__(self):
         super().__post_init__()
         for k in ("index_n_heads", "index_head_dim", "index_topk"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{k}: expected a positive int, got {v!r}")
+            setattr(self, k, check_positive_int(k, getattr(self, k)))
         if self.q_lora_rank is None:
             raise ValueError("q_lora_rank: the DSA indexer reads the query LoRA latent (q_a_layernorm output), "
                              "expected an int, got None")

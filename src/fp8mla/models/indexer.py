@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import as_int
 from ..cache import PagedMLACache
 from .config import YarnRope
 from .dsa_config import DSAConfig
@@ -48,8 +49,8 @@ class DSACache(PagedMLACache):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_format="fp8_e4m3", *,
                  index_head_dim: int, index_layers, index_dtype=torch.bfloat16, **kw):
         super().__init__(num_layers, num_pages, page_size, kv_format, **kw)
-        self.index_layers = list(index_layers)
-        bad = [i for i in self.index_layers if not (isinstance(i, int) and 0 <= i < num_layers)]
+        self.index_layers = [i if as_int(i) is None else as_int(i) for i in index_layers]
+        bad = [i for i in self.index_layers if not (as_int(i) is not None and 0 <= i < num_layers)]
         if bad or len(set(self.index_layers)) != len(self.index_layers):
             raise ValueError(f"index_layers: expected distinct layer ids in [0, {num_layers}), got "
                              f"{self.index_layers}")

@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .._checks import check_positive_int
+
 __all__ = ["TensorParallel", "init_tensor_parallel"]
 
 
@@ -51,8 +53,7 @@ def init_tensor_parallel(tp: int, device: str | None = None):
     """Join the process group that ``torchrun --nproc-per-node tp`` set up (env ``RANK``/``WORLD_SIZE``/
     ``MASTER_ADDR``...). Returns ``(group, device)``: the world group (None when ``tp == 1``) and this rank's
     device (``cuda:LOCAL_RANK`` when CUDA is asked for or available, else ``cpu``). NCCL on CUDA, gloo on CPU."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp: expected a positive int, got {tp!r}")
+    tp = check_positive_int("tp", tp)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

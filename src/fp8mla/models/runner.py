@@ -28,6 +28,7 @@ import struct
 import torch
 
 from ..attention import MLAPagedAttention
+from .._checks import check_positive_int
 from ..cache import PagedMLACache
 from ..layout import PagedLayout, pack_ints
 from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
@@ -37,8 +38,7 @@ __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
 
 def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes a graph is captured for: powers of two below ``max_batch``, and ``max_batch`` itself."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
+    max_batch = check_positive_int("max_batch", max_batch)
     out, b = [], 1
     while b < max_batch:
         out.append(b)
@@ -112,8 +112,7 @@ class DecodeRunner:
         ps = cache.page_size
         if max_context is None:
             max_context = cache.num_pages * ps
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-            raise ValueError(f"max_context: expected a positive int, got {max_context!r}")
+        max_context = check_positive_int("max_context", max_context)
         self.max_context = max_context
         self.width = -(-max_context // ps)
         if use_cuda_graph is None:
@@ -162,8 +161,8 @@ class DecodeRunner:
     def _row(self, sid, prefix: int) -> list:
         """The sequence's entry ``[row, record, prefix]``, its block-table row filled from the cache when the row
         does not hold its current pages."""
-        # identity of the cache's record: a freed-and-re-added id is a new sequence (_seq: the error for a bad id)
-        rec = self.cache._seqs.get(sid) or self.cache._seq(sid)
+        # identity of the cache's state: a freed-and-re-added id is a new sequence (seq_state: the error for a bad id)
+        rec = self.cache.seq_state(sid)
         ent = self._rows.get(sid)
         if ent is not None and ent[1] is rec and ent[2] == prefix:
             return ent
@@ -196,7 +195,7 @@ class DecodeRunner:
         rows = []
         for sid, p, n in zip(ids, prefix, counts):
             ent = self._rows.get(sid)
-            ok = ent is not None and ent[2] == p and ent[1] is self.cache._seq(sid)
+            ok = ent is not None and ent[2] == p and ent[1] is self.cache.seq_state(sid)
             rows.append(ent[0] if ok else self.scratch_row)
             if ok:
                 ent[2] = p + n
@@ -256,7 +255,7 @@ class DecodeRunner:
         ps, W = self.cache.page_size, self.width
         # Each sequence's row (filled when it does not hold its pages), marked as holding the new token's page
         # too (begin_step's failure path rewinds the marks): one pass, the common case inline.
-        rows, seqs, tracked = [], self.cache._seqs, self._rows
+        rows, seqs, tracked = [], self.cache.seq_states, self._rows
         for sid, p in zip(ids, prefix):
             ent = tracked.get(sid)
             if ent is None or ent[2] != p or ent[1] is not seqs.get(sid):
@@ -271,7 +270,7 @@ class DecodeRunner:
         sink: list = []   # the attention plan's (values, capacity) segments, staged below with the runner's own
         fast = g["fast"]
         if fast:  # (a captured bucket's plan object stays: its graph holds the launch configuration)
-            attn._replan_rows(kv_len, sink, fixed=bool(g["graph"]))
+            attn.replan_rows(kv_len, sink, fixed=bool(g["graph"]))
         # The staging buffer (see _bucket): int64 positions, slots, table entries; int32 rows, page ids; the plan's
         # arrays. Padding rows: position 0, the padding slot, the padding row; their table entries rewrite the
         # padding row's first entry with 0 (what it holds).
@@ -300,7 +299,7 @@ class DecodeRunner:
         if not fast:
             self._plan_attention(attn, g["block_table"], kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
-        st.reserved, st.committed, st.forks = True, False, self.cache._forks
+        st.reserved, st.committed, st.forks = True, False, self.cache.fork_count
         st.undo = lambda: self._rewind(ids, prefix)
         if g["graph"] is None and self.use_cuda_graph:
             self._capture(g)
@@ -333,11 +332,9 @@ class DecodeRunner:
         if self.use_cuda_graph:
             # A first plan (no tokens) makes the attention's CUDA-graph buffers; when the backend lets a caller
             # stage its arrays (triton, gluon), they move into this bucket's staging buffer and every later step
-            # re-plans through the trusted fast path (MLAPagedAttention._replan_rows) into the same copy.
+            # re-plans through the trusted fast path (MLAPagedAttention.replan_rows) into the same copy.
             self._plan_attention(attn, table, [0] * Bb)
-            buf = attn._state.get(attn.backend, {}).get("graph")
-            if not callable(getattr(buf, "rebase", None)):
-                buf = None
+            buf = attn.graph_buffers
         extra = 0 if buf is None else buf.flat.numel()
         stage = torch.zeros(lead + extra, dtype=torch.int32, device=dev)
         if buf is not None:
@@ -392,7 +389,7 @@ class DecodeRunner:
         """Run a step planned by :meth:`begin_step`: ``x [B, hidden]`` -> a new ``[B, hidden]`` tensor. The step is
         the bucket's own (static) one: it stands for the bucket's last begin_step, and a cancelled one is refused
         (its slots went back to the pool), as is one whose pages a later ``cache.fork`` shares."""
-        if not st.reserved or self.cache._forks != st.forks:
+        if not st.reserved or self.cache.fork_count != st.forks:
             st.check_runnable()  # (raises: a cancelled step, or one that would write a fork's pages)
         B, Bb = len(st.seq_ids), st.slots.numel()
         hid = self.model.cfg.hidden_size

@@ -51,6 +51,7 @@ _PEP695 = re.compile(r"^[ \t]*(type[ \t]+[A-Za-z_]\w*[ \t]*(\[[^\]\n]*\])?[ \t]*
 _PLAN_CALLS = (re.compile(r"plan[\s\\]+\("), re.compile(r"begin_forward[\s\\]+\("))  # literal prefixes: fast
 _CAST_TOKENS = (".to(", ".float(", ".half(", ".bfloat16(", ".double(", ".type(", ".type_as(")
 _CAST_CALL = re.compile(r"\.[\s\\]*(?:to|float|half|bfloat16|double|type|type_as)[\s\\]*\(")
+_GETATTR_CAST = re.compile(r"""getattr[\s\\]*\([^()]*,[\s\\]*["'](?:to|float|half|bfloat16|double|type|type_as)["']""")
 # the most a file may hold: ast needs ~75x a file's size in memory, and nothing hand-written comes close
 MAX_FILE_BYTES = 8 * 2**20
 _NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
@@ -122,7 +123,8 @@ def _could_find(source: str, pool_names) -> tuple:
     # plain substring tests first, cheapest first (they decide most files of a tree); the regexes only for the
     # rare spelling with whitespace or a line continuation before the parenthesis
     casts = any(a in source for a in _anchors(tuple(pool_names))) and any(n in source for n in pool_names) and (
-        any(t in source for t in _CAST_TOKENS) or bool(_CAST_CALL.search(source)))
+        any(t in source for t in _CAST_TOKENS) or bool(_CAST_CALL.search(source)) or (
+            "getattr" in source and bool(_GETATTR_CAST.search(source))))
     plans = ("plan" in source or "begin_forward" in source) and (
         "plan(" in source or "begin_forward(" in source or any(r.search(source) for r in _PLAN_CALLS))
     return casts, plans

@@ -261,6 +261,8 @@ class ModuleIndex:
                 return KV
             if name in ("getattr",) and len(e.args) >= 2:  # getattr(torch, kv_cache_dtype)
                 return self.classify(e.args[1], func, depth + 1)
+            if name == "get_default_dtype" and not e.args:  # torch.get_default_dtype(): the model's
+                return COMPUTE
             return None
         d = dotted(e)
         if d is None:

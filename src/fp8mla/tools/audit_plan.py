@@ -178,13 +178,63 @@ def _check_forwarded(index, forwarders, evidence, emit):
                  f"pass the pool's dtype as `{param}` and the pool unconverted")
 
 
+def _literal_dict(expr, func):
+    """{key: value} of a ``{"k": v}`` or ``dict(k=v)`` literal, or of a local name assigned one once and never
+    changed after (no item assignment, no mutating method); None for anything else."""
+    if isinstance(expr, ast.Dict):
+        if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in expr.keys):
+            return {k.value: v for k, v in zip(expr.keys, expr.values)}
+        return None  # `{**other}` or a computed key
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "dict" and not expr.args:
+        if all(k.arg for k in expr.keywords):
+            return {k.arg: k.value for k in expr.keywords}
+        return None
+    if isinstance(expr, ast.Name) and func is not None and expr.id not in func.params:
+        vals = func.assigns.get(expr.id, [])
+        if len(vals) != 1 or isinstance(vals[0], ast.Name) or _mutated(func.node, expr.id):
+            return None
+        return _literal_dict(vals[0], None)
+    return None
+
+
+def _mutated(func_node, name) -> bool:
+    for n in ast.walk(func_node):
+        if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)) and \
+                isinstance(n.value, ast.Name) and n.value.id == name:
+            return True
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == name:
+            return True
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name and \
+                n.attr in ("update", "setdefault", "pop", "popitem", "clear", "__setitem__"):
+            return True
+    return False
+
+
+def _spread(call, func):
+    """``call`` with its ``**{...}`` literal-dict keywords written out (a copy at the same place); None when a
+    ``**`` argument is not a literal dict (its keys cannot be seen)."""
+    if all(k.arg is not None for k in call.keywords):
+        return call
+    keywords = []
+    for k in call.keywords:
+        if k.arg is not None:
+            keywords.append(k)
+            continue
+        got = _literal_dict(k.value, func)
+        if got is None:
+            return None
+        keywords += [ast.keyword(arg=name, value=v) for name, v in got.items()]
+    return ast.copy_location(ast.Call(func=call.func, args=call.args, keywords=keywords), call)
+
+
 def check_plans(index: ModuleIndex, source: str, emit) -> None:
     # evidence of an FP8-capable pool: its names in the source, or a class that keeps a KV-cache dtype in an
     # attribute (`self.kv_dtype = kv_dtype`), whatever plan()'s own keywords are called
     evidence = bool(KV_EVIDENCE.search(source)) or any(index.kv_attrs(c) for c in index.classes.values())
     forwarders = []
     for call, func in index.plan_calls:
-        if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+        call = _spread(call, func)
+        if call is None or any(isinstance(a, ast.Starred) for a in call.args):
             continue  # **kwargs / *args: the dtypes cannot be seen
         sigs = _candidates(index, call, func)
         if not sigs or len({s.paged for s in sigs}) > 1 or not sigs[0].paged:

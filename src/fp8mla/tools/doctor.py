@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from .._checks import as_int, check_positive_int
 from .casts import find_casts, gather_inputs, is_float
 from .trace import Trace, kernel_label, load_trace
 
@@ -116,8 +117,7 @@ def fmt_bytes(n) -> str:
 # -- analysis -------------------------------------------------------------------------------------------------
 def _steps(trace: Trace, steps):
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"steps: expected a positive int, got {steps!r}")
+        steps = check_positive_int("steps", steps)
         span = sum(s.dur for s in trace.steps) if trace.steps else trace.span_us
         return steps, span, "--steps"
     if trace.steps:
@@ -283,8 +283,8 @@ def diagnose(trace, pool_bytes=None, steps: int | None = None) -> Report:
     """
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
-    if pool_bytes is not None and not isinstance(pool_bytes, int):
-        pool_bytes = parse_bytes(pool_bytes)
+    if pool_bytes is not None:
+        pool_bytes = parse_bytes(pool_bytes) if as_int(pool_bytes) is None else as_int(pool_bytes)
     if pool_bytes is not None and (isinstance(pool_bytes, bool) or pool_bytes <= 0):
         raise ValueError(f"pool_bytes: expected a positive size, got {pool_bytes!r}")
     n_steps, profiled, source = _steps(trace, steps)

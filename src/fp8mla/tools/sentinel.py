@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._checks import plain_number
+
 __all__ = ["PoolCastError", "forbid_pool_casts", "pool_tensors"]
 
 
@@ -78,6 +80,7 @@ class forbid_pool_casts(TorchDispatchMode):
 
     def __init__(self, *pools, max_fraction: float = 0.5):
         super().__init__()
+        max_fraction = plain_number(max_fraction)
         if not isinstance(max_fraction, (int, float)) or isinstance(max_fraction, bool) or not 0 <= max_fraction:
             raise ValueError(f"max_fraction: expected a non-negative float, got {max_fraction!r}")
         self.pools = pool_tensors(*pools)

@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import re
+import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -138,19 +139,40 @@ _KEEP_CATS = _NESTED_CATS | GPU_CATS
 _NO_ARGS: dict = {}     # shared by the many events with none the doctor reads (Python frames); never written to
 
 
+STDIN = "-"  # the path that means standard input
+
+
+class _Prefixed:
+    """A binary stream whose first bytes were read already (to test for gzip), given back on the first reads: a
+    pipe or standard input cannot seek back to them."""
+
+    def __init__(self, head: bytes, file):
+        self.head, self.file = head, file
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.file.read(n)
+        if n is None or n < 0:
+            h, self.head = self.head, b""
+            return h + self.file.read()
+        h, self.head = self.head[:n], self.head[n:]
+        return h + (self.file.read(n - len(h)) if n > len(h) else b"")
+
+
 class _Text:
-    """The characters of a trace file, a chunk at a time: gzip by its magic bytes (not the file name), UTF-8
-    decoded incrementally."""
+    """The characters of a trace file, a pipe (``<(zcat t.json.gz)``) or standard input (``"-"``), a chunk at a
+    time: gzip by its magic bytes (not the file name), UTF-8 decoded incrementally. Read once, front to back."""
 
     def __init__(self, path: str):
-        self.path = path
+        self.path = "<stdin>" if path == STDIN else path
         try:
-            self.file = open(path, "rb")
-            self.gz = self.file.read(2) == b"\x1f\x8b"
-            self.file.seek(0)
+            self.file = sys.stdin.buffer if path == STDIN else open(path, "rb")
+            head = self.file.read(2)
         except OSError as e:  # permission denied, a device, a vanished file
-            raise TraceError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-        self.raw = gzip.GzipFile(fileobj=self.file, mode="rb") if self.gz else self.file
+            raise TraceError(f"{self.path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        self.gz = head == b"\x1f\x8b"
+        stream = _Prefixed(head, self.file)
+        self.raw = gzip.GzipFile(fileobj=stream, mode="rb") if self.gz else stream
         self.utf8 = codecs.getincrementaldecoder("utf-8")()
         self.eof = False
 
@@ -169,8 +191,10 @@ class _Text:
                              ".json.gz") from None
 
     def close(self):
-        self.raw.close()
-        self.file.close()
+        if self.gz:
+            self.raw.close()
+        if self.file is not sys.stdin.buffer:  # standard input stays open: it is the caller's
+            self.file.close()
 
 
 class _Scanner:
@@ -335,21 +359,22 @@ def _link(events: list) -> None:
 
 
 def load_trace(path) -> Trace:
-    """Parse a Chrome trace file; raises :class:`TraceError` with a plain reason when it cannot.
+    """Parse a Chrome trace file, a pipe (``<(zcat trace.json.gz)``, ``/dev/fd/N``) or standard input (``"-"``);
+    raises :class:`TraceError` with a plain reason when it cannot.
 
     The file is read as a stream of events: what stays in memory is the events the doctor uses (CPU ops, GPU
     work, annotations and Python frames, with only the args it reads), not the file nor its JSON."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if path != STDIN and not os.path.exists(path):
         raise TraceError(f"{path}: no such file")
-    if os.path.isdir(path):
+    if path != STDIN and os.path.isdir(path):
         raise TraceError(f"{path}: is a directory, expected a trace file (.json or .json.gz)")
     text = _Text(path)
     events, names = [], {}
     intern = lambda s: names.setdefault(s, s)  # noqa: E731 - a million events share a few hundred names
     first, last = float("inf"), float("-inf")
     try:
-        for r in _raw_events(_Scanner(text), path):
+        for r in _raw_events(_Scanner(text), text.path):
             if not isinstance(r, dict) or r.get("ph") != "X" or "ts" not in r:
                 continue  # metadata, flows, counters, instant events
             try:
@@ -372,7 +397,7 @@ def load_trace(path) -> Trace:
     finally:
         text.close()
     if not events and first == float("inf"):
-        raise TraceError(f"{path}: no complete ('X') events: the trace is empty (was the profiler active while "
+        raise TraceError(f"{text.path}: no complete ('X') events: the trace is empty (was the profiler active while "
                          "the steps ran?)")
     _link(events)
     cpu_ops = [e for e in events if e.cat.lower() in CPU_OP_CATS]
@@ -381,7 +406,7 @@ def load_trace(path) -> Trace:
                    key=lambda e: e.ts)
     shapes = any("Input type" in e.args for e in cpu_ops)
     by_id = {e.ext_id: e for e in cpu_ops if e.ext_id is not None}
-    return Trace(path, events, cpu_ops, gpu, steps, shapes, by_id, last - first)
+    return Trace(text.path, events, cpu_ops, gpu, steps, shapes, by_id, last - first)
 
 
 # -- kernel names ---------------------------------------------------------------------------------------------

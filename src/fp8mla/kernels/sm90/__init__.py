@@ -92,7 +92,8 @@ from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, 
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok
 from .merge import SEQ_PARTS, _merge_parts_kernel, launch_merge, merge_blocks, merge_tile
 from .ring import ready_barrier, ring_depth
-from .schedule import ALIGNED_SLACK, UNBOUNDED_SLACK, aligned_lists, aligned_pieces, schedule, schedule_device
+from .schedule import (ALIGNED_SLACK, BALANCE, ONE_WAVE_SLACK, UNBOUNDED_SLACK, aligned_lists, aligned_pieces,
+                       longest_first_slack, schedule, schedule_device)
 
 from .heads_on_m import launch_heads_on_m
 
@@ -107,4 +108,5 @@ __all__ = ["ALIGNED_SLACK", "UNBOUNDED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GL
            "STAGE_BYTES", "TILE", "aligned_lists", "aligned_pieces", "gluon", "head_config", "kv_descriptors",
            "launch", "launch_heads_on_m", "launch_merge", "merge_blocks", "mh_smem_bytes", "merge_tile", "mtp_config", "mtp_row", "mtp_visible",
            "padded_heads", "ready_barrier", "ring_depth", "row_config", "scale_descriptor", "scale_rows_ok",
-           "schedule", "schedule_device", "smem_bytes"]
+           "schedule", "schedule_device", "smem_bytes", "BALANCE", "ONE_WAVE_SLACK",
+           "longest_first_slack"]

@@ -65,8 +65,8 @@ def smem_bytes(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: 
 
 def mh_smem_bytes(ns: int = MH_STAGES) -> int:
     """Shared memory of the heads-on-M build: Q 72 KB, the fp16 tile 72 KB, ns FP8 stages of 36 KB, P 8 KB, the
-    consumers' exchange, barriers (ready and stage-free per stage, ready and free per chunk, five others)."""
-    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 5 + 9 + ns)
+    consumers' exchange, barriers (ready and stage-free per stage, ready and free per chunk, three others)."""
+    return 64 * 576 * 2 + 64 * 576 * 2 + ns * 64 * 576 + 64 * 64 * 2 + 4 * 64 * 4 + 8 * (ns + 9 + 3 + 9 + ns)
 
 
 def head_config(num_heads: int, max_hpw: int = 32) -> tuple[int, int, bool]:

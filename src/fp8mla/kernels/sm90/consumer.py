@@ -130,7 +130,7 @@ if gluon is not None:
                     t8 = rp.to(gl.float8e4nv)
                     qpe8_smem.index(cid * QK8 + term).store(t8)
                     rp = rp - t8.to(gl.float32)
-            else:   # (the order of these lines is the measured kernel's: moved, they reschedule its SASS)
+            else:   # (keep this order: moved, these lines reschedule the SASS the golden record holds)
                 amax = amax * ckv_scale
                 amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
                 # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal

@@ -310,15 +310,14 @@ if gluon is not None:
         xm = gl.allocate_shared_memory(gl.float32, [4, HG], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready8 = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         k16_ready = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())   # one per chunk
-        bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready8.index(i), count=1)
         for c in gl.static_range(NCH):
             mbarrier.init(k16_ready.index(c), count=1)   # its converter, once per tile
-        mbarrier.init(bars.index(1), count=2)   # (unused: the prototype's tile-wide free barrier, kept as measured)
-        mbarrier.init(bars.index(2), count=2)   # x_bar: the row sums at the end
-        mbarrier.init(bars.index(3), count=1)   # p_bar: P complete (its owner)
-        mbarrier.init(bars.index(4), count=2)   # q_bar: Q complete
+        mbarrier.init(bars.index(0), count=2)   # x_bar: the row sums at the end
+        mbarrier.init(bars.index(1), count=1)   # p_bar: P complete (its owner)
+        mbarrier.init(bars.index(2), count=2)   # q_bar: Q complete
         # one free barrier per chunk: 8 by the tile's owner, 0-3 by consumer 0, 4-7 by consumer 1
         k16_free = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(NCH):
@@ -334,11 +333,11 @@ if gluon is not None:
             (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
                           k16_free, stage_free, b, t0, n, NS, PAGE)),
             (_consumer0, (q_nope, q_pe, scales, kv_len, OUT, LSE_OUT, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, it, qtok, has_q,
+                          k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), b, it, qtok, has_q,
                           whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)),
             (_consumer1, (q_nope, q_pe, scales, kv_len, OUT, LSE_OUT, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(2), bars.index(3), bars.index(4), b, it, qtok, has_q,
+                          k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), b, it, qtok, has_q,
                           whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
                           stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)),
             (_converter_b, (kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS)),

@@ -257,7 +257,7 @@ def resident_per_sm(kern, args: tuple, kwargs: dict) -> tuple[int, int]:
             ck = kern.warmup(*args, grid=(1,), **kwargs)
             ck._init_handles()
             regs, smem = ck.n_regs, ck.metadata.shared
-        except (AttributeError, TypeError):   # (interpreted, or internals renamed: the unmeasured count)
+        except (AttributeError, TypeError):   # (interpreted, or internals renamed: the default count)
             _RESIDENT[key] = (props.multi_processor_count, WAVES)
             return _RESIDENT[key]
         threads = 32 * kwargs["num_warps"]

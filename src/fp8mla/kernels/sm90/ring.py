@@ -8,9 +8,9 @@ from .config import HP, SMEM_LIMIT, gluon, smem_bytes
 def ring_depth(ns: int, hpw: int = HP, wide: bool = False, qk8: int = 0, group: bool = False) -> int:
     """The ring depth a plan asking for ``ns`` stages gets. Any depth is safe: the alternating-tile kernel (H <= 16,
     not ``wide``) gives each consumer its own ready barrier per stage at an odd depth (with one barrier per stage,
-    a stage's consecutive phases belong to alternating consumers and a parity wait can pass a phase early: kernel
-    log 25, confirmed on the H200). An odd request at H <= 16 still becomes the next even depth where that fits
-    shared memory (4 for the default 3: the configuration timed since), else it stays odd where it fits (the group
+    a stage's consecutive phases belong to alternating consumers and a parity wait can pass a phase early, a race
+    seen on the H200). An odd request at H <= 16 still becomes the next even depth where that fits
+    shared memory (4 for the default 3: the timed configuration), else it stays odd where it fits (the group
     build's 3, and the FP8-scores variant's, where 4 does not), else the even depth below."""
     if wide or ns % 2 == 0:
         return ns

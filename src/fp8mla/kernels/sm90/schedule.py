@@ -17,6 +17,14 @@ ALIGNED_SLACK = 1
 # takes the aligned cut whenever it fits (H128 B64 L8k on 66 slots: 64 whole requests of 128 tiles, against the
 # contiguous share of 125); its host schedule (``schedule_host(longest_first=True)``) has its own rule.
 UNBOUNDED_SLACK = 1 << 30
+# The longest-first schedule of a build that launches one CTA per item (heads-on-M; ``longest_first`` below and
+# ``backends._gluon_host_schedule.schedule_host``): the request-aligned cut is kept where its longest piece is within
+# max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise the contiguous cut, whose
+# pieces are at most a share but which splits more requests (partials and their merge: ~16 us more, about 6 tiles of
+# the heads-on-M build, in an H200 A/B at B8-B16, where the aligned cut's longest piece was 1.4-1.7x
+# a share of 6-13 tiles and still faster; at 2x and beyond the contiguous cut won).
+BALANCE = 32
+ONE_WAVE_SLACK = 6
 
 
 def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int = ALIGNED_SLACK) -> list[int] | None:
@@ -79,6 +87,16 @@ def aligned_lists(tiles: list[int], ks: list[int], num_ctas: int) -> tuple[dict,
     return dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr), max(c, 1)
 
 
+def longest_first_slack(share):
+    """The aligned cut's slack in the longest-first schedule: max(ALIGNED_SLACK, ONE_WAVE_SLACK, share //
+    BALANCE) tiles over the contiguous cut's share (an int, or a tensor on the device)."""
+    least = max(ALIGNED_SLACK, ONE_WAVE_SLACK)
+    if isinstance(share, int):
+        return max(least, share // BALANCE)
+    import torch
+    return torch.clamp(share // BALANCE, min=least)
+
+
 def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True,
              slack: int = ALIGNED_SLACK):
     """Cut the concatenated 64-token tiles of all requests into per-CTA ranges: request-aligned pieces, one item
@@ -126,7 +144,7 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
 
 
 def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
-                    aligned: bool = True, slack: int = ALIGNED_SLACK) -> dict:
+                    aligned: bool = True, slack: int = ALIGNED_SLACK, longest_first: bool = False) -> dict:
     """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
     Both cuts are CTA boundaries in the concatenated tiles, and one item generator turns either into work items:
     the contiguous cut's ``c * T // G``, or (``aligned``, where ``aligned_pieces`` takes it: chosen element-wise,
@@ -138,6 +156,12 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     ``cta_ptr [num_ctas + 1]``, items ``[num_ctas + B]`` (padding past the real count is never read),
     ``m_ptr [B + 1]`` = 2 x the request's first item (its partials are consecutive), ``m_list`` = identity.
     ``out``: preallocated int32 buffers to write into (graph mode); returns the dict of arrays.
+
+    ``longest_first`` (a build that launches one CTA per item): ``schedule_host(longest_first=True)`` on the device,
+    the same items in the same order: the aligned cut only within ``longest_first_slack`` of the share (``slack``
+    is then ignored), the valid items sorted longest first (a stable sort, the padding after them), ``m_list`` the
+    merge's map from each item's place in the unsorted order to its new one; ``cta_ptr`` stays the unsorted cut's
+    (a one-CTA-per-item build does not read it).
     """
     import torch
     dev = kv_len.device
@@ -149,6 +173,8 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     req_start = req_end - tiles
     T = req_end[-1:] if B else torch.zeros(1, **i64)
     G = torch.clamp((T + (min_tiles_per_cta - 1)) // min_tiles_per_cta, 1, num_ctas)
+    if longest_first:   # (a tensor: the share is known on the device only)
+        slack = longest_first_slack((T + G - 1) // G)
     c = torch.arange(num_ctas + 1, **i64)
     bound = torch.where(c <= G, (c * T) // G, T)
     if aligned and B > 0:   # the request-aligned cut's boundaries, where aligned_pieces takes it
@@ -186,6 +212,15 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     zero = torch.zeros(1, **i64)
     res = dict(cta_ptr=cta_ptr, item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
                item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, it_end]), m_list=torch.arange(cap, **i64))
+    if longest_first:
+        # valid items by length, longest first, ties in schedule order (as the host's stable sort); padding last
+        key = torch.where(valid, res["item_t0"] - res["item_t1"], cap)
+        order = torch.sort(key, stable=True).indices
+        for name in ("item_req", "item_t0", "item_t1"):
+            res[name] = res[name][order]
+        place = torch.empty_like(order)
+        place[order] = torch.arange(cap, **i64)
+        res["m_list"] = place
     if out is None:
         return {key: v.to(torch.int32) for key, v in res.items()}
     for key, v in res.items():

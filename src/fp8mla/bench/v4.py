@@ -1,0 +1,109 @@
+"""``fp8mla bench decode --v4``: DeepSeek V4 decode (window + compressed rows + sinks) against the ceilings of the
+same run.
+
+Each request holds ``L`` cached tokens in the window pool and ``L // 4`` compressed rows (a CSA layer's ratio) in
+the compressed pool, pages shuffled; its one decode token attends to its last ``--window`` tokens and to
+``--compressed-topk`` distinct compressed rows picked at random (what the indexer hands over). The floor counts
+what the kernel must read and compute: bytes = n x (window + topk) x bytes a token (584 for ``fp8_v4``), FLOPs =
+2 x n x H x (window + topk) x (512 + 512), floor = max(bytes / read BW, FLOPs / bf16 matmul peak). Timed:
+``backend="auto"``'s pick (the Triton kernel on a GPU), checked against the float64 reference on a few requests.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import torch
+
+from ..formats_v4 import get_v4_format
+
+D = 512
+
+
+def v4_cost(n: int, num_heads: int, keys: int, kv_format) -> tuple[int, int]:
+    """``(bytes, flops)`` of ``n`` query tokens over ``keys`` gathered rows each: the rows (scales included) and
+    the two products (q.k and p.v over 512 values)."""
+    fmt = get_v4_format(kv_format)
+    return n * keys * fmt.token_bytes, 2 * n * num_heads * keys * (D + D)
+
+
+def _segment_pool(B, L, page, fmt, device, g):
+    """A pool holding ``L`` rows per request on shuffled pages, and each request's slots ``[B, L]``."""
+    pages_per = -(-L // page)
+    P = B * pages_per + 8
+    pool = fmt.new_pool(P, page, device)
+    perm = torch.randperm(P, device=device, generator=g)[: B * pages_per].reshape(B, pages_per)
+    t = torch.arange(L, device=device)
+    slots = (perm[:, t // page].long() * page + t % page)  # [B, L]
+    from ..v4 import write_v4_pool
+    write_v4_pool(fmt, pool, slots.reshape(-1), torch.randn(B * L, D, device=device, generator=g))
+    return pool, slots
+
+
+def main(args) -> int:
+    from ..reference import v4_attention_reference
+    from ..testing import compare
+    from ..v4 import V4SparseAttention
+    from .common import start_run, time_ms
+
+    ceil = start_run("decode_v4", args.out)
+    if ceil is None:
+        return 2
+    device = "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    W, K = args.window, args.compressed_topk
+    sm_scale = 1.0 / math.sqrt(D)
+    rows = []
+    for H in args.heads:
+        for page in args.pages:
+            for name in args.v4_kv:
+                fmt = get_v4_format(name)
+                for B, L in shapes:
+                    if L < W or L // 4 < K:
+                        print(f"  skip B{B} L{L}: fewer than window {W} tokens or compressed topk {K} rows")
+                        continue
+                    window, w_slots = _segment_pool(B, L, page, fmt, device, g)
+                    comp, c_slots = _segment_pool(B, L // 4, page, fmt, device, g)
+                    w_idx = w_slots[:, L - W:].to(torch.int32).contiguous()
+                    pick = torch.rand(B, L // 4, device=device, generator=g).argsort(dim=1)[:, :K]
+                    c_idx = torch.gather(c_slots, 1, pick).to(torch.int32)
+                    q = torch.randn(B, H, D, device=device, dtype=torch.bfloat16)
+                    sinks = torch.randn(H, device=device)
+                    out = torch.empty(B, H, D, device=device, dtype=torch.bfloat16)
+                    lse = torch.empty(B, H, device=device)
+                    attn = V4SparseAttention(backend="auto")
+                    attn.plan(H, sm_scale, torch.bfloat16, name, window_topk=W, window_page_size=page,
+                              compressed_topk=K, compressed_page_size=page)
+                    run = lambda: attn.run(q, window, w_idx, compressed_pool=comp, compressed_indices=c_idx,  # noqa: E731
+                                           sinks=sinks, out=out, lse=lse)
+                    out.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
+                    m = min(B, args.err_requests)
+                    ref, _ = v4_attention_reference(q[:m], window, w_idx[:m], sm_scale=sm_scale, kv_format=name,
+                                                    window_page_size=page, compressed_pool=comp,
+                                                    compressed_indices=c_idx[:m], compressed_page_size=page,
+                                                    sinks=sinks)
+                    err = compare(out[:m], ref).rel_l2
+                    ms = time_ms(run, reps=args.reps)
+                    nbytes, flops = v4_cost(B, H, W + K, fmt)
+                    floor = ceil.floor_ms(nbytes, flops)
+                    label = f"fp8mla v4 [{attn.backend}]"
+                    row = dict(kernel=label, kv=name, H=H, B=B, L=L, window=W, topk=K, page=page,
+                               splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9,
+                               pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
+                    rows.append(row)
+                    print(f"{label:20s} {name:8s} H{H:<3d} B{B:<3d} L{L:<6d} window{W:<4d} topk{K:<5d} page{page:<3d}"
+                          f" splits {row['splits']:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} "
+                          f"TFLOP/s {row['pct_floor']:5.1f}% floor  err {err:.2e}", flush=True)
+                    del window, comp
+                    torch.cuda.empty_cache()
+    path = os.path.join(args.out, "decode_v4.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["kernel"])
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+    return 0
