@@ -137,6 +137,19 @@ def test_gather_then_cast_and_writes_pass(device):
     assert a.shape == (3, 16, 576) and b.dtype == torch.float32 and c.shape[0] == 8 and d.dtype == torch.uint8
 
 
+def test_gather_through_a_reinterpreting_view_passes(device):
+    """An engine's FP8 pool kept as uint8 (SGLang) and read as e4m3 through ``.view``: a gather of most of it moves
+    bytes and converts nothing, so it passes at any size; a cast after that view is still a cast."""
+    pool = _pool(device).view(torch.uint8)
+    rows = torch.arange(0, 40, device=device)             # 40 of 64 pages: over the 50% limit
+    with forbid_pool_casts(pool) as guard:
+        g = pool.view(torch.float8_e4m3fn).index_select(0, rows)
+    assert guard.ops_checked >= 1 and g.dtype == torch.float8_e4m3fn
+    with pytest.raises(PoolCastError, match="torch.bfloat16"):
+        with forbid_pool_casts(pool):
+            pool.view(torch.float8_e4m3fn)[:40].to(torch.bfloat16)
+
+
 def test_cache_append_passes(device):
     cache = fp8mla.PagedMLACache(num_layers=2, num_pages=8, page_size=16, kv_format="fp8_e4m3_group",
                                  device=device)

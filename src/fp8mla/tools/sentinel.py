@@ -104,10 +104,11 @@ class forbid_pool_casts(TorchDispatchMode):
         if func.overloadpacket.__name__ in _METADATA_ONLY:
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        read = {}
+        read, seen = {}, {}
         for t in inputs:
             for i, p in self._overlaps(t):
                 read[i] = p
+                seen.setdefault(i, set()).add(t.dtype)   # the dtypes the op read the pool as (views included)
         if not read:
             return out
         self.ops_checked += 1
@@ -116,8 +117,10 @@ class forbid_pool_casts(TorchDispatchMode):
                 continue
             in_pool = self._overlaps(o)
             for i, p in read.items():
-                if o.dtype == p.dtype or any(j == i for j, _ in in_pool):
-                    continue  # same dtype (a gather or a copy), or a view / in-place write of the pool
+                if o.dtype == p.dtype or o.dtype in seen[i] or any(j == i for j, _ in in_pool):
+                    # same dtype (a gather or a copy), a gather through a view that reinterprets the pool's bytes
+                    # (an engine's uint8 FP8 pool read as e4m3: nothing is converted), or a view / in-place write
+                    continue
                 if o.numel() > self.max_fraction * p.numel():
                     raise PoolCastError(
                         f"{func} converted {o.numel()} elements ({o.numel() / p.numel():.0%}) of KV pool #{i} "
