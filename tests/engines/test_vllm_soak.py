@@ -220,6 +220,26 @@ def _load(server, clients, requests_per_client, deadline, seed, outcomes, failur
             f.result()
 
 
+def _burst(server, outcomes, failures):
+    """``MAX_NUM_SEQS`` long requests started together (a barrier): 40-token prompts that each grow to 120 tokens,
+    8 blocks a request against the pool's ``KV_BLOCKS``: the scheduler admits what the prompts fit and must preempt
+    as they grow, however fast the machine is (the mixed rounds alone preempt only when requests overlap enough)."""
+    gate = threading.Barrier(MAX_NUM_SEQS)
+
+    def one(i):
+        rng = random.Random(7000 + i)
+        gate.wait(timeout=30)
+        try:
+            r = server.client().completions.create(model=server.model, prompt=_prompt(rng, 40), max_tokens=80,
+                                                   temperature=0.0, extra_body=NO_EOS)
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 80, r
+            outcomes.append("burst")
+        except Exception as e:  # noqa: BLE001 - counted and reported: the test asserts there are none
+            failures.append(f"burst: {type(e).__name__}: {e}"[:1500])
+    with ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
+        list(pool.map(one, range(MAX_NUM_SEQS)))
+
+
 def soak(server, rounds=ROUNDS, requests_per_client=REQUESTS_PER_CLIENT, deadline_s=DEADLINE_S,
          clients=CLIENTS) -> dict:
     """The greedy set, a warm-up round of the load, then ``rounds`` measured rounds (each ``clients`` x
@@ -230,6 +250,7 @@ def soak(server, rounds=ROUNDS, requests_per_client=REQUESTS_PER_CLIENT, deadlin
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     _load(server, clients, requests_per_client, deadline, 0, outcomes, failures)  # warm-up: every kind, batch
+    _burst(server, outcomes, failures)                                            # preemption, on any machine
     rss = [_session_rss_mb(server.proc.pid)]                                      # size and preemption once
     by_process = [_session_rss_by_process(server.proc.pid)]
     stop = threading.Event()
