@@ -26,6 +26,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+
+def _start_run(plan, ckv_cache, out, lse) -> None:
+    """What every torch plan's run() does first: refuse a pool smaller than the pages the plan references, and write
+    the rows that see no token (out 0, lse -inf)."""
+    if plan.max_page >= ckv_cache.shape[0]:
+        raise ValueError(f"kv_indices: the plan references page {plan.max_page} but ckv_cache has "
+                         f"{ckv_cache.shape[0]} pages")
+    if plan.empty_rows.numel():
+        out[plan.empty_rows] = 0
+        lse[plan.empty_rows] = -math.inf
+
 class _Bucket:
     """Requests of similar lengths, padded to the bucket's longest: token t of row r at ``slots[r, t]``."""
 
@@ -119,12 +130,7 @@ class TorchPlan:
         return self._buckets
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
-        if self.max_page >= ckv_cache.shape[0]:
-            raise ValueError(f"kv_indices: the plan references page {self.max_page} but ckv_cache has "
-                             f"{ckv_cache.shape[0]} pages")
-        if self.empty_rows.numel():
-            out[self.empty_rows] = 0
-            lse[self.empty_rows] = -math.inf
+        _start_run(self, ckv_cache, out, lse)
         if not self.buckets:
             return
         page_size = self.layout.page_size
@@ -213,12 +219,7 @@ class InvariantTorchPlan(TorchPlan):
         return self._requests
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, base_e: bool) -> None:
-        if self.max_page >= ckv_cache.shape[0]:
-            raise ValueError(f"kv_indices: the plan references page {self.max_page} but ckv_cache has "
-                             f"{ckv_cache.shape[0]} pages")
-        if self.empty_rows.numel():
-            out[self.empty_rows] = 0
-            lse[self.empty_rows] = -math.inf
+        _start_run(self, ckv_cache, out, lse)
         ckv_flat, kpe_flat = ckv_cache.flatten(0, 1), kpe_cache.flatten(0, 1)
         sa_flat = None if ckv_scale_arr is None else ckv_scale_arr.flatten(0, 1)
         ckv_s, kpe_s = scales.to(device=out.device, dtype=torch.float32).unbind(0)
