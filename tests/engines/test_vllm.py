@@ -318,3 +318,23 @@ def test_cpu_platform_refuses_fp8mla_for_non_mla_models_and_unsupported_widths()
     # without FP8MLA, a non-MLA model keeps vLLM's own choice
     Sel.use_mla = False
     assert CpuPlatform.get_attn_backend_cls(None, Sel()).endswith("CPUAttentionBackend")
+
+
+def test_preferred_block_size_is_64_on_hopper_only(monkeypatch):
+    """Where the user gives no --block-size, vLLM takes the backend's preference: 64 on an SM90 GPU (the heads-on-M
+    build reads whole 64-token pages), vLLM's default elsewhere; an explicit size is never overridden (vLLM does
+    not ask then) and any size stays supported."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from fp8mla.integrations.vllm_backend import FP8MLABackend
+    assert FP8MLABackend.get_preferred_block_size(16) == 16  # this CPU machine
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
+    for cap, want in (((9, 0), 64), ((10, 0), 16), ((8, 9), 16), ((12, 0), 16)):
+        monkeypatch.setattr(type(current_platform), "get_device_capability",
+                            classmethod(lambda cls, device_id=0, c=cap: DeviceCapability(*c)))
+        assert FP8MLABackend.get_preferred_block_size(16) == want, cap
+        # a default already a multiple of 64 stays; another rounds up to one on Hopper
+        assert FP8MLABackend.get_preferred_block_size(128) == 128
+        assert FP8MLABackend.get_preferred_block_size(96) == (128 if cap == (9, 0) else 96)
+    assert FP8MLABackend.supports_block_size(16) and FP8MLABackend.supports_block_size(1)
