@@ -47,6 +47,8 @@ SERVERS = {
     "fp8mla_bf16_graphs": ("h128", "FP8MLA", "auto", GRAPHS),
     "triton_bf16_graphs": ("h128", "TRITON_MLA", "auto", GRAPHS),
     "fp8mla_fp8_eager": ("h128", "FP8MLA", "fp8", EAGER),
+    # vLLM's default page of 16 (FP8MLA prefers 64 on Hopper): the Gluon wide build instead of heads-on-M
+    "fp8mla_fp8_graphs_p16": ("h128", "FP8MLA", "fp8", GRAPHS + ["--block-size", "16"]),
     "fp8mla_fp8_graphs_h16": ("h16", "FP8MLA", "fp8", GRAPHS),
     "flashmla_fp8_graphs_h16": ("h16", "FLASHMLA", "fp8", GRAPHS),
 }
@@ -56,6 +58,7 @@ COMPARE = {
     "fp8mla_bf16_graphs": ["triton_bf16_graphs"],
     "fp8mla_fp8_eager": ["flashmla_fp8_graphs", "triton_fp8_graphs", "fp8mla_fp8_graphs"],
     "fp8mla_fp8_graphs_h16": ["flashmla_fp8_graphs_h16"],
+    "fp8mla_fp8_graphs_p16": ["fp8mla_fp8_graphs", "triton_fp8_graphs"],
     # the references with each other: how far two of vLLM's own backends are apart
     "flashmla_fp8_graphs": ["triton_fp8_graphs"],
 }
