@@ -69,7 +69,39 @@ def step_costs(kv_dtype, B, H=128, page=16, W=128, ctx=1024, reps=50):
     return med(host), med(synced), e0.elapsed_time(e1) / reps, attn._plan.backend
 
 
-if __name__ == "__main__":
+def profile(kv_dtype=torch.float8_e4m3fn, B=8):
+    """cProfile of the plan (host) and the CUDA calls it makes."""
+    import cProfile
+    import pstats
+    H, page, W, dev = 128, 64 if kv_dtype == torch.float8_e4m3fn else 16, 32, "cuda"
+    table = torch.randperm(B * W + 4, device=dev)[: B * W].view(B, W).to(torch.int32)
+    lens = torch.full((B,), 1024, dtype=torch.int32, device=dev)
+    qo = torch.arange(B + 1, dtype=torch.int32)
+    attn = fp8mla.MLAPagedAttention(None, use_cuda_graph=True, backend="auto", max_batch_size=64, max_qo_len=1,
+                                    max_kv_indices=64 * W)
+
+    def plan():
+        lay = PagedLayout.from_block_table(table, lens, page, qo_indptr=qo)
+        attn.plan_layout(lay, H, 512, 64, True, 1 / math.sqrt(192), torch.bfloat16, kv_dtype)
+    for _ in range(3):
+        plan()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        plan()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    from torch.profiler import ProfilerActivity, profile as tprof
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        plan()
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+
+
+if __name__ == "__main__" and len(__import__("sys").argv) > 1:
+    profile(*([torch.float8_e4m3fn] if __import__("sys").argv[1] == "fp8" else [torch.bfloat16]))
+elif __name__ == "__main__":
     print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} fp8mla {fp8mla.__version__}")
     for kv in (torch.float8_e4m3fn, torch.bfloat16):
         for B in (1, 8, 64):
