@@ -23,11 +23,13 @@ def support(requested: str, num_heads: int, fmt_name: str, q_dtype: torch.dtype)
 
 def prepare(p, kernel_options: dict) -> None:
     """Refuse Triton tuning options and fix the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``): the largest
-    tokens x (splits + sink partial) any call needs, O(SMs) rows, not O(batch)."""
+    tokens x (splits + sink partial) any call with the one-wave splits needs, O(SMs) rows, not O(batch)."""
     if kernel_options:
         raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not 'gluon'")
     p.config = {}
     cap = 0
+    if p.num_splits is not None:   # a pinned split count: allocated per call (as the triton backend)
+        return
     for n in range(1, num_sms(p.device) + 1):
         s = splits(p, n)
         if s > 1:
