@@ -299,6 +299,19 @@ SPARSE_DIV16 = ("topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "s
 SPARSE_BUILDS = {"sparse_split": True, "sparse_nosplit": False}
 
 
+# The V4 kernel's (``v4_partitions.v4_attention_kernel``): contiguous bf16 [n, H, 512] queries and outputs, each
+# pool's three typed views, int32 index rows and lengths, fp32 sinks; every other argument an i32 but the two
+# float scales. Ints a launch sees divisible by 16: the window topk (V4: 128) and the row strides.
+V4_POINTERS = {"q": "*bf16", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp32", "part_lse": "*fp32",
+               "sinks": "*fp32", "w8": "*fp8e4nv", "w16": "*bf16", "w32": "*i32", "c8": "*fp8e4nv", "c16": "*bf16",
+               "c32": "*i32", "w_idx": "*i32", "c_idx": "*i32", "w_len": "*i32", "c_len": "*i32"}
+V4_DIV16 = ("w_topk", "w_sidx", "c_topk", "c_sidx", "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h",
+            "stride_po_i", "stride_po_h")
+# The V4 builds the golden record keeps: {name: (format kind, SPLIT)}, each with sinks and both segments' lengths
+V4_BUILDS = {"v4_fp8_split": (1, True), "v4_fp8_nosplit": (1, False), "v41_fp8_nosplit": (2, False),
+             "v4_bf16_nosplit": (0, False)}
+
+
 # Integer arguments the JIT sees divisible by 16 in a real launch with contiguous [tokens, H, dim] tensors and
 # H % 16 == 0 (triton specializes such ints): the strides and H itself.
 _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i", "stride_po_r",
@@ -393,6 +406,30 @@ def compile_sparse(split: bool, sass_path=None) -> dict:
     return sass_report(sparse_source(split), sass_path, num_warps=NUM_WARPS)
 
 
+def v4_source(fmt: int, split: bool):
+    """The ``GluonASTSource`` of the Hopper V4 kernel as a launch of pool format ``fmt`` (0 bf16, 1 fp8_v4,
+    2 fp8_v41) with sinks and both segments' lengths compiles it (``SPLIT=split``, ``v4_partitions.REGS``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from fp8mla.kernels.sm90 import v4_partitions as mod
+    if mod.gluon is None:
+        raise RuntimeError(f"gluon is not importable: {mod.GLUON_IMPORT_ERROR}")
+    fn = mod.v4_attention_kernel
+    names = fn.arg_names
+    consts = dict(FMT=fmt, HAS_W_LEN=True, HAS_C_LEN=True, HAS_SINK=True, SPLIT=split, REGS=mod.REGS,
+                  stride_lse_h=1)
+    sig = {n: "constexpr" if n in consts else
+           V4_POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32") for n in names}
+    return GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                                 if sig[n].startswith("*") or n in V4_DIV16})
+
+
+def compile_v4(fmt: int, split: bool, sass_path=None) -> dict:
+    """``sass_report`` of the Hopper V4 kernel (``v4_source``), launched with ``NUM_WARPS`` warps."""
+    from fp8mla.kernels.sm90.v4_partitions import NUM_WARPS
+    return sass_report(v4_source(fmt, split), sass_path, num_warps=NUM_WARPS)
+
+
 def sass_report(src, sass_path=None, num_warps: int = 4) -> dict:
     """Compile a Gluon kernel source (``GluonASTSource``) for sm_90a with triton's own ptxas (no GPU) and read its
     SASS: ``regs``, ``spills`` ((store, load) bytes per function), ``smem``, ``ptxas`` (its -v output), ``ops``
@@ -453,9 +490,10 @@ def sass_report(src, sass_path=None, num_warps: int = 4) -> dict:
 def sm90_builds() -> dict:
     """The named builds the golden record keeps: the dense ``fp8mla.kernels.sm90.KNOWN_BUILDS`` (bf16 queries,
     contiguous tensors: the strides and H specialized divisible by 16, as a launch with H 16 or 128 has them) and
-    the sparse ``SPARSE_BUILDS`` (split and not, ``sparse_source``)."""
+    the sparse ``SPARSE_BUILDS`` (split and not, ``sparse_source``) and the DeepSeek V4 ``V4_BUILDS``
+    (``v4_source``)."""
     from fp8mla.kernels.sm90.config import KNOWN_BUILDS
-    return {**KNOWN_BUILDS, **SPARSE_BUILDS}
+    return {**KNOWN_BUILDS, **SPARSE_BUILDS, **V4_BUILDS}
 
 
 def compile_sm90(name: str) -> tuple[dict, str]:
@@ -466,6 +504,8 @@ def compile_sm90(name: str) -> tuple[dict, str]:
         path = os.path.join(d, "k.sass")
         if name in SPARSE_BUILDS:
             r = compile_sparse(SPARSE_BUILDS[name], sass_path=path)
+        elif name in V4_BUILDS:
+            r = compile_v4(*V4_BUILDS[name], sass_path=path)
         else:
             r = compile_build(sm90_builds()[name], aligned_ints=True, sass_path=path)
         with open(path) as f:

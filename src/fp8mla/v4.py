@@ -22,7 +22,7 @@ from .runtime import choose_backend
 
 __all__ = ["V4SparseAttention", "V4_BACKENDS", "write_v4_pool"]
 
-V4_BACKENDS = ("auto", "torch", "triton")
+V4_BACKENDS = ("auto", "torch", "triton", "gluon")
 MAX_HEADS = 128
 
 
@@ -64,9 +64,10 @@ class V4SparseAttention:
     """DeepSeek V4 attention: each query token over its window slots and its compressed-row slots, with sinks.
 
     Args:
-        backend: ``"auto"`` (triton on CUDA, else torch), ``"torch"`` (fp32 torch code, any device) or
-            ``"triton"`` (the portable kernel ``fp8mla.kernels.v4_attention``; on the CPU under
-            ``TRITON_INTERPRET=1``).
+        backend: ``"auto"`` (gluon on Hopper for the plans it takes, else triton on CUDA, else torch),
+            ``"torch"`` (fp32 torch code, any device), ``"triton"`` (the portable kernel
+            ``fp8mla.kernels.v4_attention``; on the CPU under ``TRITON_INTERPRET=1``) or ``"gluon"`` (the Hopper
+            build ``fp8mla.kernels.sm90.v4``: bf16 queries, sm_90 only; a plan it cannot take raises, naming why).
 
     Example:
         >>> import torch, fp8mla
@@ -145,13 +146,17 @@ class V4SparseAttention:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        backend = choose_backend(self._backend, device)
+        from .backends import v4_gluon
+        backend = choose_backend(self._backend, device,
+                                 v4_gluon.support(self._backend, num_heads, fmt.name, q_data_type))
         p = V4Plan(num_heads, float(sm_scale), q_data_type, fmt, window_topk, window_page_size, compressed_topk,
                    compressed_page_size, num_window_pages, num_compressed_pages, device, backend, num_splits,
                    min_split)
         if backend == "triton":
             from .backends import v4_triton
             v4_triton.prepare(p, kernel_options)
+        elif backend == "gluon":
+            v4_gluon.prepare(p, kernel_options)
         elif kernel_options:
             raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
                             f"{backend!r}")
@@ -165,10 +170,10 @@ class V4SparseAttention:
     def splits_for(self, num_tokens: int) -> int:
         """Programs each token's keys are split over in a call with ``num_tokens`` query tokens."""
         p = self._require_plan()
-        if p.backend != "triton":
+        if p.backend not in ("triton", "gluon"):
             return 1
-        from .backends import v4_triton
-        return v4_triton.splits(p, num_tokens)
+        from .backends import v4_gluon, v4_triton
+        return (v4_gluon if p.backend == "gluon" else v4_triton).splits(p, num_tokens)
 
     def _require_plan(self) -> V4Plan:
         if self._plan is None:
@@ -238,8 +243,8 @@ class V4SparseAttention:
                 if seg is not None:
                     _check_values(name, seg, topk)
         if n:
-            from .backends import v4_torch, v4_triton
-            mod = v4_triton if p.backend == "triton" else v4_torch
+            from .backends import v4_gluon, v4_torch, v4_triton
+            mod = {"triton": v4_triton, "gluon": v4_gluon}.get(p.backend, v4_torch)
             mod.run(p, q, window, compressed, sinks, out, lse, bool(return_lse_base_on_e))
         return (out, lse) if return_lse else out
 

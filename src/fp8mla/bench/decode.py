@@ -36,7 +36,7 @@ def add_arguments(p):
                    choices=["flashinfer", "flashmla", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
                    help="also time: flashinfer (fa3, fa2 on the same pool), flashmla (FlashMLA's BF16 decode on a BF16 "
                         "copy of the pool and its FP8 path with Q quantized, vLLM's FLASHMLA; with --sparse its "
-                        "sparse decode: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
+                        "sparse decode, with --v4 its V4 sparse decode on fp8_v4: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "

@@ -9,6 +9,10 @@ Rows (Hopper builds of the ops, pages of 64 tokens):
   its error is that of FP8 queries.
 - ``flashmla sparse``: sparse decode over the same 656-byte records; heads zero-padded to 64 (the sm_90 build
   takes 64 or 128), as vLLM's FLASHMLA_SPARSE does.
+- ``flashmla v4`` (``--v4``): the same sparse decode over DeepSeek V4 pools (``v4_runner``): the window as
+  ``k_cache`` + ``indices``, the compressed rows as ``extra_k_cache`` + ``extra_indices``, ``attn_sink``. vLLM
+  0.34's build of the ops has its sm_90 sparse decode for the V3.2 (656-byte) and V4 (584-byte, ``fp8_v4``)
+  records only, 64 or 128 heads (V4.1's 528-byte record runs on SM100 there): other formats are refused by name.
 Each runner writes ``[B, H, 512]`` into ``out`` (a view), so the bench's error check reads it like fp8mla's.
 """
 from __future__ import annotations
@@ -97,3 +101,36 @@ def sparse_runner(ops, H, kv, indices, sm_scale, q_nope, q_pe, out):
     idx = indices.to(torch.int32).unsqueeze(1).contiguous()
     return _Runner(lambda o, meta, splits: fm.sparse_decode_fwd(q, k, idx, None, None, meta, splits, None, None,
                                                                  None, DC, float(sm_scale), o, False), out, heads)
+
+
+# The V4 pool formats the ops' sm_90 sparse decode reads (vLLM 0.34: kernels instantiated for the V3.2 and V4
+# records; V4.1 and its fp4 extra cache only on SM100)
+V4_FORMATS_ON_SM90 = ("fp8_v4",)
+
+
+def v4_runner(ops, kv_format: str, window_pool, w_idx, comp_pool, c_idx, sinks, sm_scale, q, out):
+    """The ``flashmla v4`` row: ``q`` ``[B, H, 512]`` bf16 (heads zero-padded to 64 or 128, sinks with them),
+    ``window_pool`` / ``comp_pool`` ``fp8_v4`` pools in fp8mla's shape ``[P, page, 584]`` (padded pages: FlashMLA's
+    and vLLM's own view), ``w_idx`` / ``c_idx`` ``[B, topk]`` int32 global slots (-1 padded); ``out`` ``[B, H,
+    512]`` receives the result."""
+    if kv_format not in V4_FORMATS_ON_SM90:
+        raise ValueError(f"kv_format {kv_format!r}: FlashMLA's Hopper sparse decode reads {V4_FORMATS_ON_SM90} "
+                         "(V4's 584-byte record) only")
+    fm, _ = ops
+    B, H, D = q.shape
+    heads = 64 if H <= 64 else 128
+    qp = q.new_zeros(B, 1, heads, D)
+    qp[:, 0, :H] = q
+    sink = None
+    if sinks is not None:
+        sink = sinks.new_zeros(heads)
+        sink[:H] = sinks
+
+    def cache(pool):   # [P, page, 1, 584], pages at their padded stride, as FlashMLA's quantizer lays them out
+        return pool.view(torch.uint8).unsqueeze(2)
+
+    k, ek = cache(window_pool), cache(comp_pool) if comp_pool is not None else None
+    wi = w_idx.to(torch.int32).unsqueeze(1).contiguous()
+    ci = c_idx.to(torch.int32).unsqueeze(1).contiguous() if c_idx is not None else None
+    return _Runner(lambda o, meta, splits: fm.sparse_decode_fwd(qp, k, wi, None, sink, meta, splits, ek, ci, None,
+                                                                 D, float(sm_scale), o, False), out, heads)

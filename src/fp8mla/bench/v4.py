@@ -6,7 +6,9 @@ the compressed pool, pages shuffled; its one decode token attends to its last ``
 ``--compressed-topk`` distinct compressed rows picked at random (what the indexer hands over). The floor counts
 what the kernel must read and compute: bytes = n x (window + topk) x bytes a token (584 for ``fp8_v4``), FLOPs =
 2 x n x H x (window + topk) x (512 + 512), floor = max(bytes / read BW, FLOPs / bf16 matmul peak). Timed:
-``backend="auto"``'s pick (the Triton kernel on a GPU), checked against the float64 reference on a few requests.
+``backend="auto"``'s pick (the Gluon build on Hopper for bf16 queries, else the Triton kernel), checked against the
+float64 reference on a few requests; with ``--compare flashmla``, FlashMLA's sparse decode from vLLM's ops beside it
+on the formats its Hopper build reads (``fp8mla.bench.flashmla.v4_runner``: ``fp8_v4``), skipped by name elsewhere.
 """
 from __future__ import annotations
 
@@ -39,6 +41,37 @@ def _segment_pool(B, L, page, fmt, device, g):
     from ..v4 import write_v4_pool
     write_v4_pool(fmt, pool, slots.reshape(-1), torch.randn(B * L, D, device=device, generator=g))
     return pool, slots
+
+
+def _print_row(row: dict) -> None:
+    print(f"{row['kernel']:20s} {row['kv']:8s} H{row['H']:<3d} B{row['B']:<3d} L{row['L']:<6d} window{row['window']:<4d} "
+          f"topk{row['topk']:<5d} page{row['page']:<3d} splits {row['splits']:<3d} {row['ms']:8.4f} ms "
+          f"{row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s {row['pct_floor']:5.1f}% floor  "
+          f"err {row['rel_l2']:.2e}", flush=True)
+
+
+def _flashmla_row(kv_format, window, w_idx, comp, c_idx, sinks, sm_scale, q, ref, m, reps):
+    """(ms, rel_l2) of FlashMLA's sparse decode on the same inputs (``fp8mla.bench.flashmla.v4_runner``), or None
+    with the reason printed (ops missing, a format its Hopper build does not read, a launch it refuses)."""
+    from ..testing import compare
+    from . import flashmla
+    from .common import time_ms
+    from .decode import _why
+    ops = flashmla.load_ops()
+    try:
+        if kv_format not in flashmla.V4_FORMATS_ON_SM90:   # named before the ops are looked for
+            raise ValueError(f"kv_format {kv_format!r}: FlashMLA's Hopper sparse decode reads "
+                             f"{flashmla.V4_FORMATS_ON_SM90} (V4's 584-byte record) only")
+        if isinstance(ops, str):
+            raise RuntimeError(ops)
+        out = torch.full_like(q, float("nan"))
+        run = flashmla.v4_runner(ops, kv_format, window, w_idx, comp, c_idx, sinks, sm_scale, q, out)
+        run()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - record and go on
+        print(f"  flashmla v4 {kv_format}: skipped: {_why(e)}", flush=True)
+        return None
+    return time_ms(run, reps=reps), compare(out[:m], ref).rel_l2
 
 
 def main(args) -> int:
@@ -95,9 +128,16 @@ def main(args) -> int:
                                splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9,
                                pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
                     rows.append(row)
-                    print(f"{label:20s} {name:8s} H{H:<3d} B{B:<3d} L{L:<6d} window{W:<4d} topk{K:<5d} page{page:<3d}"
-                          f" splits {row['splits']:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} "
-                          f"TFLOP/s {row['pct_floor']:5.1f}% floor  err {err:.2e}", flush=True)
+                    _print_row(row)
+                    if "flashmla" in getattr(args, "compare", []):
+                        fm = _flashmla_row(name, window, w_idx, comp, c_idx, sinks, sm_scale, q, ref, m,
+                                           args.reps)
+                        if fm is not None:
+                            fm_ms, fm_err = fm
+                            rows.append(dict(row, kernel="flashmla v4 (sm90)", splits=0, ms=fm_ms,
+                                             gbps=nbytes / fm_ms / 1e6, tflops=flops / fm_ms / 1e9,
+                                             pct_floor=100 * floor / fm_ms, rel_l2=fm_err))
+                            _print_row(rows[-1])
                     del window, comp
                     torch.cuda.empty_cache()
     path = os.path.join(args.out, "decode_v4.csv")

@@ -85,3 +85,7 @@ def _v4_info(device) -> None:
     ok = "available" if triton_usable(device) else "not available here (needs CUDA, or TRITON_INTERPRET=1)"
     print(f"  triton         kernels/v4_attention.py (+ kernels/quant_v4.py writes), every V4 format, any topk, "
           f"H <= 128: {ok}")
+    from ..runtime import gluon_usable
+    ok = "available" if gluon_usable(device) else "not available here (needs an sm_90 GPU and Gluon)"
+    print(f"  gluon          kernels/sm90/v4.py, every V4 format, bf16 queries, H <= 128, any topk (auto's pick on "
+          f"Hopper): {ok}")

@@ -1,0 +1,66 @@
+"""DeepSeek V4 attention on the Hopper Gluon build (``kernels/sm90/v4.py``): which plans it takes (``support``, for
+``runtime.choose_backend``: ``backend="auto"`` picks it on an sm_90 GPU for every plan it takes, ``"gluon"`` names
+why it does not), the split workspace fixed at plan (CUDA-graph safe), the launch per run (no copy, no sync)."""
+from __future__ import annotations
+
+import torch
+
+from ..runtime import LN2, num_sms
+
+BACKEND = "gluon"
+
+
+def support(requested: str, num_heads: int, fmt_name: str, q_dtype: torch.dtype):
+    """``choose_backend``'s check: a callable giving ``(ok, why not)`` for the plan (imported only when asked: a
+    torch-only install has no triton). ``auto`` asks only while ``kernels.sm90.v4.AUTO_SELECT`` is on."""
+    def check():
+        from ..kernels.sm90 import v4 as sm90_v4
+        if requested == "auto" and not sm90_v4.AUTO_SELECT:
+            return False, "the gluon V4 build is not auto-selected"
+        return sm90_v4.supports(num_heads, fmt_name, str(q_dtype).removeprefix("torch."))
+    return check
+
+
+def prepare(p, kernel_options: dict) -> None:
+    """Refuse Triton tuning options and fix the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``): the largest
+    tokens x (splits + sink partial) any call with the one-wave splits needs, O(SMs) rows, not O(batch)."""
+    if kernel_options:
+        raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not 'gluon'")
+    p.config = {}
+    cap = 0
+    if p.num_splits is not None:   # a pinned split count: allocated per call (as the triton backend)
+        return
+    for n in range(1, num_sms(p.device) + 1):
+        s = splits(p, n)
+        if s > 1:
+            cap = max(cap, n * (s + 1))
+    if cap:
+        p.part_o = torch.empty(cap, p.num_heads, 512, dtype=torch.float32, device=p.device)
+        p.part_lse = torch.empty(cap, p.num_heads, dtype=torch.float32, device=p.device)
+
+
+def splits(p, n: int) -> int:
+    """Splits per token in a call of ``n`` tokens: the plan's ``num_splits``, else one wave of one CTA per SM
+    (``kernels.sm90.v4.wave_splits``); never more than the row's 64-entry tiles. Fixed per (plan, n)."""
+    from ..kernels.sm90 import v4 as sm90_v4
+    _, total = sm90_v4.tiles_of(p.window_topk, p.compressed_topk)
+    if p.num_splits is not None:
+        want = p.num_splits
+    else:
+        want = sm90_v4.wave_splits(num_sms(p.device), n, p.num_heads, total, p.min_split)
+    return sm90_v4.split_geometry(total, want)[1]
+
+
+def run(p, q, window, compressed, sinks, out, lse, base_e: bool) -> None:
+    from ..kernels.sm90 import v4 as sm90_v4
+    n = q.shape[0]
+    s = splits(p, n)
+    parts = s + (sinks is not None)
+    part_o, part_lse = p.part_o, p.part_lse
+    if s > 1 and (part_o is None or part_o.shape[0] < n * parts):
+        # only with a fixed num_splits (plan sized nothing): allocated per call, not graph-safe
+        part_o = torch.empty(n * parts, p.num_heads, 512, dtype=torch.float32, device=p.device)
+        part_lse = torch.empty(n * parts, p.num_heads, dtype=torch.float32, device=p.device)
+    sm90_v4.v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed,
+                         fmt=sm90_v4.FORMATS[p.fmt.name], sm_scale=p.sm_scale, num_splits=s,
+                         lse_scale=LN2 if base_e else 1.0)

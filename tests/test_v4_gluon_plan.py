@@ -1,0 +1,155 @@
+"""The host side of the Hopper Gluon V4 build, on the CPU: which plans it takes and the reason it names otherwise,
+``backend="auto"``'s choice on an sm_90 device (simulated: ``runtime.gluon_usable`` / ``triton_usable`` patched),
+the tile and split geometry, the plan's split workspace, and the pool addressing the kernel uses (typed bases,
+page strides in 16-byte units, record and scale-word offsets) replayed in torch against ``V4Format.read`` for every
+format and page size. The GPU checks are tests/test_v4_gluon.py; the compile checks tests/test_compile_v4_gluon.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fp8mla  # noqa: E402
+from fp8mla import runtime  # noqa: E402
+from fp8mla.backends import v4_gluon  # noqa: E402
+from fp8mla.formats_v4 import get_v4_format, pool_geometry  # noqa: E402
+from fp8mla.kernels.sm90 import v4 as sm90_v4  # noqa: E402
+
+
+def test_supports_names_what_it_refuses():
+    assert sm90_v4.supports(64, "fp8_v4", "bfloat16") == (True, "")
+    for fmt in ("fp8_v41", "bf16"):
+        assert sm90_v4.supports(8, fmt, "bfloat16")[0]
+    ok, why = sm90_v4.supports(64, "fp8_v4", "float16")
+    assert not ok and "q_data_type" in why and "float16" in why
+    ok, why = sm90_v4.supports(129, "fp8_v4", "bfloat16")
+    assert not ok and "num_heads" in why
+    ok, why = sm90_v4.supports(16, "fp8_ds_mla", "bfloat16")
+    assert not ok and "kv_format" in why and "fp8_ds_mla" in why
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """An sm_90 device as choose_backend sees it."""
+    monkeypatch.setattr(runtime, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(runtime, "triton_usable", lambda device: True)
+    return torch.device("cuda", 0)
+
+
+def test_auto_picks_gluon_on_hopper_where_it_takes_the_plan(hopper):
+    pick = lambda req, q: runtime.choose_backend(req, hopper, v4_gluon.support(req, 64, "fp8_v4", q))  # noqa: E731
+    assert pick("auto", torch.bfloat16) == "gluon"
+    assert pick("auto", torch.float16) == "triton"
+    assert pick("gluon", torch.bfloat16) == "gluon"
+    with pytest.raises(ValueError, match="q_data_type"):
+        pick("gluon", torch.float16)
+
+
+def test_auto_respects_the_switch(hopper, monkeypatch):
+    monkeypatch.setattr(sm90_v4, "AUTO_SELECT", False)
+    assert runtime.choose_backend("auto", hopper, v4_gluon.support("auto", 64, "fp8_v4", torch.bfloat16)) == "triton"
+
+
+def test_gluon_on_the_cpu_names_why():
+    attn = fp8mla.V4SparseAttention(backend="gluon")
+    with pytest.raises(RuntimeError, match="sm_90"):
+        attn.plan(num_heads=16, sm_scale=0.04, q_data_type=torch.bfloat16, kv_format="fp8_v4", window_topk=128,
+                  window_page_size=64, device="cpu")
+    auto = fp8mla.V4SparseAttention()
+    auto.plan(num_heads=16, sm_scale=0.04, q_data_type=torch.bfloat16, kv_format="fp8_v4", window_topk=128,
+              window_page_size=64, device="cpu")
+    assert auto.backend == "torch"
+
+
+def test_tiles_and_splits():
+    assert sm90_v4.tiles_of(128, 512) == (2, 10)
+    assert sm90_v4.tiles_of(1, 0) == (1, 1)
+    assert sm90_v4.tiles_of(100, 37) == (2, 3)     # each segment padded to whole tiles: tiles never mix pools
+    assert sm90_v4.split_geometry(10, 3) == (4, 3)
+    assert sm90_v4.split_geometry(10, 7) == (2, 5)
+    assert sm90_v4.split_geometry(10, 40) == (1, 10)
+    assert sm90_v4.split_geometry(1, 8) == (1, 1)
+    # one wave: 132 SMs over tokens x head groups, at least min_split entries and one tile a split
+    assert sm90_v4.wave_splits(132, 2, 64, 10, 256) == 2
+    assert sm90_v4.wave_splits(132, 2, 64, 10, 64) == 10
+    assert sm90_v4.wave_splits(132, 64, 128, 10, 64) == 1
+    assert sm90_v4.wave_splits(132, 1, 8, 1, 256) == 1
+
+
+class _Plan:
+    def __init__(self, num_heads, window_topk, compressed_topk, num_splits=None, min_split=64):
+        self.num_heads, self.window_topk, self.compressed_topk = num_heads, window_topk, compressed_topk
+        self.num_splits, self.min_split, self.device = num_splits, min_split, torch.device("cpu")
+        self.part_o = self.part_lse = None
+
+
+@pytest.mark.parametrize("heads,wt,ct,min_split", [(64, 128, 512, 64), (128, 128, 2048, 256), (8, 37, 0, 16)])
+def test_plan_workspace_covers_every_call(heads, wt, ct, min_split):
+    p = _Plan(heads, wt, ct, min_split=min_split)
+    v4_gluon.prepare(p, {})
+    for n in range(1, 4 * runtime.num_sms("cpu") + 1):
+        s = v4_gluon.splits(p, n)
+        if s > 1:
+            assert p.part_o is not None and p.part_o.shape[0] >= n * (s + 1), (n, s)
+            assert p.part_lse.shape[0] == p.part_o.shape[0]
+    with pytest.raises(TypeError, match="triton"):
+        v4_gluon.prepare(p, {"block_n": 32})
+
+
+def test_fixed_splits_count_non_empty_ones():
+    assert v4_gluon.splits(_Plan(64, 128, 512, num_splits=7), 3) == 5
+    assert v4_gluon.splits(_Plan(64, 128, 512, num_splits=1), 3) == 1
+
+
+def _kernel_rows(fmt, view, page_size, slots):
+    """The 512 values of each slot as the kernel addresses and decodes them (v4_partitions._seg_rows and
+    _converter), from the typed bases of ``pool_pointers``."""
+    kind = sm90_v4.FORMATS[fmt.name]
+    p8, p16, p32, stride_q = sm90_v4.pool_pointers(view, kind)
+    nb = p8.untyped_storage().nbytes() - p8.storage_offset()   # the bytes from the base on, as the kernel sees them
+    flat8 = torch.as_strided(p8.view(torch.uint8), (nb,), (1,))
+    flat16 = torch.as_strided(p16, (nb // 2,), (1,))
+    flat32 = torch.as_strided(p32, (nb // 4,), (1,))
+    out = torch.empty(len(slots), 512, dtype=torch.float32)
+    for i, s in enumerate(slots.tolist()):
+        pg, off = s // page_size, s % page_size
+        words = {0: 256, 1: 144, 2: 132}[kind]
+        row = pg * stride_q * 4 + off * words
+        srow = pg * stride_q * 4 + page_size * 144 + off * 2 if kind == 1 else row + 128
+        for c in range(8):
+            if kind == 0 or (kind == 1 and c == 7):
+                e = row * 2 + (224 if kind == 1 else 64 * c)
+                out[i, 64 * c:64 * c + 64] = flat16[e:e + 64].float()
+                continue
+            codes = flat8[row * 4 + 64 * c:row * 4 + 64 * c + 64].view(torch.float8_e4m3fn).float()
+            if kind == 1:
+                word, bytes_ = int(flat32[srow + c // 4]), [c % 4] * 64
+            else:
+                word = int(flat32[srow + (c // 4) * 2 + (c % 4) // 2])
+                bytes_ = [(2 * c) % 4] * 32 + [(2 * c + 1) % 4] * 32
+            scale = torch.tensor([2.0 ** (((word >> (8 * b)) & 0xFF) - 127) for b in bytes_])
+            out[i, 64 * c:64 * c + 64] = codes * scale
+    return out
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_v4", "fp8_v41", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64])
+def test_kernel_addressing_reads_the_format(fmt_name, page_size):
+    fmt = get_v4_format(fmt_name)
+    g = torch.Generator().manual_seed(page_size)
+    pool = fmt.new_pool(3, page_size)
+    slots = torch.randperm(3 * page_size, generator=g)[:6]
+    fmt.write(pool, slots, torch.randn(len(slots), 512, generator=g) * 3)
+    _, view = pool_geometry(fmt, pool, page_size)
+    got = _kernel_rows(fmt, view, page_size, slots)
+    want = fmt.read(pool, slots, torch.float32, page_size=page_size)
+    assert torch.equal(got, want)
+
+
+def test_pool_pointers_refuse_misaligned_pages():
+    fmt = get_v4_format("fp8_v41")
+    pool = torch.zeros(3, 5 * 528 + 4, dtype=torch.uint8)   # pages 2644 bytes apart: not a multiple of 16
+    _, view = pool_geometry(fmt, pool, 5)
+    with pytest.raises(ValueError, match="16-byte"):
+        sm90_v4.pool_pointers(view, sm90_v4.FORMATS["fp8_v41"])
