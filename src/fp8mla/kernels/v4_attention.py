@@ -25,8 +25,8 @@ more partial (o = 0, lse = sink * log2 e), and ``sparse_decode._merge_splits_ker
 log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue. The default cut
 splits the two padded rows laid end to end in ``num_splits`` equal ranges (chosen per call from its size). The
 batch-invariant cut (``ROW_CUT``) follows the row alone: its ``len = window length + compressed length`` entries
-(the compressed ones right after the window's last) in ``ceil(len / chunk)`` ranges of one size in whole
-``BLOCK_N`` blocks; the grid has the pieces of a full row, and programs past a shorter row's pieces write empty
+(the compressed ones right after the window's last) in ``n = ceil(len / chunk)`` ranges of ``ceil(len / n)``
+entries (the last the rest); the grid has the pieces of a full row, and programs past a shorter row's pieces write empty
 partials (o 0, lse -inf: weight 0 in the merge).
 """
 from __future__ import annotations
@@ -151,10 +151,12 @@ def _v4_attention_kernel(
             c_end = tl.minimum(tl.maximum(tl.load(c_len + t), 0), c_topk)
     if ROW_CUT:
         # the batch-invariant cut: the row's own entries (window then compressed, w_end + c_end of them) in
-        # ceil(len / chunk) pieces of one size, whole key blocks; split programs past them write empty partials
+        # ceil(len / chunk) pieces of ceil(len / pieces) entries (the last the rest); split programs past them
+        # write empty partials. Not rounded to whole BLOCK_N blocks: the compressed entries start anywhere in a
+        # block anyway, and the rounding (the compiler then knows the alignment) spills 64 B on sm_80, 24 B without
         row_len = w_end + c_end
         pieces = tl.maximum(tl.cdiv(row_len, chunk), 1)
-        per = tl.cdiv(tl.cdiv(row_len, pieces), BLOCK_N) * BLOCK_N
+        per = tl.cdiv(row_len, pieces)
         j0 = sp * per
         j1 = tl.minimum(j0 + per, row_len)
         c_start = w_end    # the compressed entries follow the window's last one
@@ -162,14 +164,15 @@ def _v4_attention_kernel(
         j0 = sp * chunk
         j1 = j0 + chunk
         c_start = w_topk   # the compressed entries follow the whole window row
+    c_lo = tl.maximum(j0 - c_start, 0)   # both ranges fixed before the walk: two values live through it
+    c_hi = tl.minimum(j1 - c_start, c_end)
     acc, m_i, l_i = _segment(acc, m_i, l_i, qa, qb, w8, w16, w_stride_p, w_stride_s, w_scale_off, w_scale_stride,
                              w_page, w_slots, w_idx + t64 * w_stride_idx, j0, tl.minimum(j1, w_end), sm_scale_log2,
                              FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
     if HAS_C:
         acc, m_i, l_i = _segment(acc, m_i, l_i, qa, qb, c8, c16, c_stride_p, c_stride_s, c_scale_off,
-                                 c_scale_stride, c_page, c_slots, c_idx + t64 * c_stride_idx,
-                                 tl.maximum(j0 - c_start, 0), tl.minimum(j1 - c_start, c_end), sm_scale_log2,
-                                 FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
+                                 c_scale_stride, c_page, c_slots, c_idx + t64 * c_stride_idx, c_lo, c_hi,
+                                 sm_scale_log2, FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
 
     # -- epilogue: "no token" is l == 0 (out 0, lse -inf); NaN gave l = NaN and stays NaN ----------------------
     if HAS_SINK and not SPLIT:
