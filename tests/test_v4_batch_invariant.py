@@ -185,13 +185,13 @@ def test_default_mode_is_not_invariant(backend):
     attn = fp8mla.V4SparseAttention(backend=backend)
     attn.plan(**reqs.plan_args, min_split=MIN_SPLIT)
     assert not attn.batch_invariant
-    rows = reqs.rows_of([0, 0, 0, 0, 5, 5, 2, 2])   # 12 rows
+    rows = reqs.rows_of([0] * 40)   # 40 copies of a full row: fewer splits a row here and on a 132-SM GPU
     assert attn.splits_for(1) > attn.splits_for(len(rows))
     alone = run_call(attn, reqs.call(rows[:1], seed=1))
     among = run_call(attn, reqs.call(rows, seed=1))
     same = torch.equal(alone[0][0].view(torch.int16), among[0][0].view(torch.int16)) and \
         torch.equal(alone[1][0].view(torch.int32), among[1][0].view(torch.int32))
-    assert not same, "the default mode gave a full row the same bits alone and among 12 rows"
+    assert not same, "the default mode gave a full row the same bits alone and among 40 rows"
 
 
 def test_bad_options_are_named():
