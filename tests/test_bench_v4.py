@@ -28,10 +28,12 @@ def test_refuses_without_gpu(tmp_path, capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+
 def test_batch_invariant_runs_beside_the_default():
-    """``--v4 --batch-invariant`` parses, and its runs plan and run in a tiny configuration on the CPU (the torch
+    """``--v4 --batch-invariant`` parses, and its run plans and runs in a tiny configuration on the CPU (the torch
     backend), giving the default's answer within the kernels' tolerance."""
-    from fp8mla.bench.v4 import v4_attentions
+    from fp8mla import V4SparseAttention
+    from fp8mla.bench.v4 import invariant_attention
     from fp8mla.formats_v4 import get_v4_format
     from fp8mla.testing import assert_close
     args = build_parser("bench").parse_args(["bench", "decode", "--v4", "--batch-invariant"])
@@ -41,12 +43,12 @@ def test_batch_invariant_runs_beside_the_default():
     fmt.write(pool, torch.arange(100), torch.randn(100, 512))
     plan = dict(num_heads=16, sm_scale=512 ** -0.5, q_data_type=torch.bfloat16, kv_format="fp8_v4",
                 window_topk=128, window_page_size=64, device="cpu")
-    made = v4_attentions(plan, True, backend="torch")
-    assert list(made) == ["fp8mla v4 [torch]", "fp8mla v4 [torch,invariant]"]
-    assert list(v4_attentions(plan, False, backend="torch")) == ["fp8mla v4 [torch]"]
+    inv = invariant_attention(plan, backend="torch")
+    base = V4SparseAttention(backend="torch")
+    base.plan(**plan)
+    assert inv.batch_invariant and inv.backend == "torch"
     idx = torch.full((3, 128), -1, dtype=torch.int32)
     idx[:, :100] = torch.arange(100)
     q = torch.randn(3, 16, 512).bfloat16()
-    base, inv = (a.run(q, pool, idx, sinks=torch.zeros(16)) for a in made.values())
-    assert made["fp8mla v4 [torch,invariant]"].batch_invariant
-    assert_close(inv, base, 1e-2, "invariant")
+    assert_close(inv.run(q, pool, idx, sinks=torch.zeros(16)), base.run(q, pool, idx, sinks=torch.zeros(16)), 1e-2,
+                 "invariant")

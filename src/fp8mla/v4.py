@@ -24,8 +24,8 @@ from .runtime import choose_backend
 __all__ = ["V4SparseAttention", "V4_BACKENDS", "write_v4_pool"]
 
 V4_BACKENDS = ("auto", "torch", "triton")
-INVARIANT_BACKENDS = ("torch", "triton")   # the backends that honour batch_invariant=True
 MAX_HEADS = 128
+INVARIANT_BACKENDS = ("torch", "triton")   # the backends that honour batch_invariant=True
 
 
 @dataclass
@@ -163,12 +163,12 @@ class V4SparseAttention:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         backend = choose_backend(self._backend, device)
-        if self._invariant_chunk is not None and backend not in INVARIANT_BACKENDS:
-            backend = "triton"   # "auto" in the batch-invariant mode: only the builds that honour it
         p = V4Plan(num_heads, float(sm_scale), q_data_type, fmt, window_topk, window_page_size, compressed_topk,
                    compressed_page_size, num_window_pages, num_compressed_pages, device, backend, num_splits,
                    min_split)
         if self._invariant_chunk is not None:
+            if backend not in INVARIANT_BACKENDS:   # "auto" in this mode: only the builds that honour it
+                backend = p.backend = "triton"
             self._keep_workspace(p)
         if backend == "triton":
             from .backends import v4_triton

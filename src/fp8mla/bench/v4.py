@@ -6,9 +6,7 @@ the compressed pool, pages shuffled; its one decode token attends to its last ``
 ``--compressed-topk`` distinct compressed rows picked at random (what the indexer hands over). The floor counts
 what the kernel must read and compute: bytes = n x (window + topk) x bytes a token (584 for ``fp8_v4``), FLOPs =
 2 x n x H x (window + topk) x (512 + 512), floor = max(bytes / read BW, FLOPs / bf16 matmul peak). Timed:
-``backend="auto"``'s pick (the Triton kernel on a GPU), and with ``--batch-invariant`` the batch-invariant mode
-beside it (``V4SparseAttention(batch_invariant=True)``), each checked against the float64 reference on a few
-requests.
+``backend="auto"``'s pick (the Triton kernel on a GPU), checked against the float64 reference on a few requests.
 """
 from __future__ import annotations
 
@@ -30,16 +28,13 @@ def v4_cost(n: int, num_heads: int, keys: int, kv_format) -> tuple[int, int]:
     return n * keys * fmt.token_bytes, 2 * n * num_heads * keys * (D + D)
 
 
-def v4_attentions(plan_args: dict, batch_invariant: bool, backend: str = "auto") -> dict:
-    """The runs of one grid point: ``{row name: planned V4SparseAttention}``, the default mode and, with
-    ``batch_invariant``, the batch-invariant mode beside it."""
+def invariant_attention(plan_args: dict, backend: str = "auto"):
+    """``--batch-invariant``: ``V4SparseAttention(batch_invariant=True)`` planned for one grid point, timed beside
+    the default (its row before the default's)."""
     from ..v4 import V4SparseAttention
-    made = {}
-    for invariant in (False, True) if batch_invariant else (False,):
-        attn = V4SparseAttention(backend=backend, batch_invariant=invariant)
-        attn.plan(**plan_args)
-        made[f"fp8mla v4 [{attn.backend}{',invariant' if invariant else ''}]"] = attn
-    return made
+    attn = V4SparseAttention(backend=backend, batch_invariant=True)
+    attn.plan(**plan_args)
+    return attn
 
 
 def _segment_pool(B, L, page, fmt, device, g):
@@ -58,6 +53,7 @@ def _segment_pool(B, L, page, fmt, device, g):
 def main(args) -> int:
     from ..reference import v4_attention_reference
     from ..testing import compare
+    from ..v4 import V4SparseAttention
     from .common import start_run, time_ms
 
     ceil = start_run("decode_v4", args.out)
@@ -86,32 +82,49 @@ def main(args) -> int:
                     sinks = torch.randn(H, device=device)
                     out = torch.empty(B, H, D, device=device, dtype=torch.bfloat16)
                     lse = torch.empty(B, H, device=device)
+                    attn = V4SparseAttention(backend="auto")
+                    attn.plan(H, sm_scale, torch.bfloat16, name, window_topk=W, window_page_size=page,
+                              compressed_topk=K, compressed_page_size=page)
+                    run = lambda: attn.run(q, window, w_idx, compressed_pool=comp, compressed_indices=c_idx,  # noqa: E731
+                                           sinks=sinks, out=out, lse=lse)
+                    out.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
                     m = min(B, args.err_requests)
                     ref, _ = v4_attention_reference(q[:m], window, w_idx[:m], sm_scale=sm_scale, kv_format=name,
                                                     window_page_size=page, compressed_pool=comp,
                                                     compressed_indices=c_idx[:m], compressed_page_size=page,
                                                     sinks=sinks)
+                    err = compare(out[:m], ref).rel_l2
+                    ms = time_ms(run, reps=args.reps)
                     nbytes, flops = v4_cost(B, H, W + K, fmt)
                     floor = ceil.floor_ms(nbytes, flops)
-                    plan_args = dict(num_heads=H, sm_scale=sm_scale, q_data_type=torch.bfloat16, kv_format=name,
-                                     window_topk=W, window_page_size=page, compressed_topk=K,
-                                     compressed_page_size=page)
-                    for label, attn in v4_attentions(plan_args, getattr(args, "batch_invariant", False)).items():
-                        run = lambda attn=attn: attn.run(q, window, w_idx, compressed_pool=comp,  # noqa: E731
-                                                         compressed_indices=c_idx, sinks=sinks, out=out, lse=lse)
+                    if getattr(args, "batch_invariant", False):   # the batch-invariant mode: its row first
+                        inv = invariant_attention(dict(num_heads=H, sm_scale=sm_scale, q_data_type=torch.bfloat16,
+                                                       kv_format=name, window_topk=W, window_page_size=page,
+                                                       compressed_topk=K, compressed_page_size=page))
+                        run_inv = lambda: inv.run(q, window, w_idx, compressed_pool=comp,  # noqa: E731
+                                                  compressed_indices=c_idx, sinks=sinks, out=out, lse=lse)
                         out.fill_(float("nan"))
-                        run()
+                        run_inv()
                         torch.cuda.synchronize()
-                        err = compare(out[:m], ref).rel_l2
-                        ms = time_ms(run, reps=args.reps)
-                        row = dict(kernel=label, kv=name, H=H, B=B, L=L, window=W, topk=K, page=page,
-                                   splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6,
-                                   tflops=flops / ms / 1e9, pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
-                        rows.append(row)
-                        print(f"{label:30s} {name:8s} H{H:<3d} B{B:<3d} L{L:<6d} window{W:<4d} topk{K:<5d} "
-                              f"page{page:<3d} splits {row['splits']:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s "
-                              f"{row['tflops']:6.1f} TFLOP/s {row['pct_floor']:5.1f}% floor  err {err:.2e}",
-                              flush=True)
+                        inv_err = compare(out[:m], ref).rel_l2
+                        inv_ms = time_ms(run_inv, reps=args.reps)
+                        rows.append(dict(kernel=f"fp8mla v4 [{inv.backend},invariant]", kv=name, H=H, B=B, L=L,
+                                         window=W, topk=K, page=page, splits=inv.splits_for(B), ms=inv_ms,
+                                         gbps=nbytes / inv_ms / 1e6, tflops=flops / inv_ms / 1e9,
+                                         pct_floor=100 * floor / inv_ms, floor_ms=floor, rel_l2=inv_err))
+                        print(f"fp8mla v4 [{inv.backend},invariant] {name} H{H} B{B} L{L} splits "
+                              f"{rows[-1]['splits']} {inv_ms:8.4f} ms {rows[-1]['gbps']:7.0f} GB/s "
+                              f"{rows[-1]['pct_floor']:5.1f}% floor  err {inv_err:.2e}", flush=True)
+                    label = f"fp8mla v4 [{attn.backend}]"
+                    row = dict(kernel=label, kv=name, H=H, B=B, L=L, window=W, topk=K, page=page,
+                               splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9,
+                               pct_floor=100 * floor / ms, floor_ms=floor, rel_l2=err)
+                    rows.append(row)
+                    print(f"{label:20s} {name:8s} H{H:<3d} B{B:<3d} L{L:<6d} window{W:<4d} topk{K:<5d} page{page:<3d}"
+                          f" splits {row['splits']:<3d} {ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} "
+                          f"TFLOP/s {row['pct_floor']:5.1f}% floor  err {err:.2e}", flush=True)
                     del window, comp
                     torch.cuda.empty_cache()
     path = os.path.join(args.out, "decode_v4.csv")
