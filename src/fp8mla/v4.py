@@ -71,14 +71,6 @@ class V4SparseAttention:
         backend: ``"auto"`` (triton on CUDA, else torch), ``"torch"`` (fp32 torch code, any device) or
             ``"triton"`` (the portable kernel ``fp8mla.kernels.v4_attention``; on the CPU under
             ``TRITON_INTERPRET=1``).
-        batch_invariant: each query row's output and lse are the same bits whatever else the call holds (its
-            number of rows, their order, their index rows and lengths, the pools' page order) and whatever the
-            SM count: a row's entries (window then compressed, up to its lengths) are cut in ``ceil(len /
-            invariant_chunk)`` pieces of one size, merged in order; the torch code runs row by row. Backends
-            torch and triton (``auto`` picks one of them); others are refused by name. docs/batch_invariance.md
-            has the contract.
-        invariant_chunk: entries a piece of that cut at most (default 512; a positive multiple of 64 and of the
-            Triton kernel's ``block_n``); only with ``batch_invariant=True``.
 
     Example:
         >>> import torch, fp8mla
@@ -95,6 +87,16 @@ class V4SparseAttention:
         >>> out, lse = attn.run(q, window, idx, sinks=torch.zeros(16), return_lse=True)
         >>> out.shape, lse.shape
         (torch.Size([1, 16, 512]), torch.Size([1, 16]))
+
+    Batch-invariant mode (keyword-only constructor arguments):
+        batch_invariant: each query row's output and lse are the same bits whatever else the call holds (its
+            number of rows, their order, their index rows and lengths, the pools' page order) and whatever the
+            SM count: a row's entries (window then compressed, up to its lengths) are cut in ``ceil(len /
+            invariant_chunk)`` pieces of one size, merged in order; the torch code runs row by row. Backends
+            torch and triton (``auto`` picks one of them); others are refused by name. docs/batch_invariance.md
+            has the contract.
+        invariant_chunk: entries a piece of that cut at most (default 512; a positive multiple of 64 and of the
+            Triton kernel's ``block_n``); only with ``batch_invariant=True``.
     """
 
     def __init__(self, backend: str = "auto", *, batch_invariant: bool = False, invariant_chunk: int | None = None):
