@@ -194,6 +194,22 @@ def test_default_mode_is_not_invariant(backend):
     assert not same, "the default mode gave a full row the same bits alone and among 40 rows"
 
 
+@pytest.mark.parametrize("backend", TRITON)
+def test_workspace_outlives_replans(backend):
+    """The split workspace (what a captured graph writes) is taken over by a re-plan and, once outgrown, kept
+    alive: a graph captured on it never replays on freed memory (the GPU test below replays one)."""
+    reqs = V4Requests("bf16", [[(48, 112)], [(10, 5)]], seed=2)
+    attn = fp8mla.V4SparseAttention(backend=backend, batch_invariant=True, invariant_chunk=CHUNK)
+    attn.plan(**reqs.plan_args)
+    run_call(attn, reqs.call([0], seed=0))
+    first = attn._plan.part_o
+    assert first.shape[0] == 4   # one row: three pieces and the sink
+    attn.plan(**reqs.plan_args)
+    assert attn._plan.part_o is first
+    run_call(attn, reqs.call([0, 1], seed=1))
+    assert attn._plan.part_o.shape[0] == 8 and any(o is first for o, _ in attn._retired)
+
+
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="batch_invariant: expected True or False"):
         fp8mla.V4SparseAttention(batch_invariant=1)
