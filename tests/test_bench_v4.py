@@ -26,3 +26,29 @@ def test_cost_counts_rows_and_both_products():
 def test_refuses_without_gpu(tmp_path, capsys):
     assert main(["bench", "decode", "--v4", "--out", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+
+def test_batch_invariant_runs_beside_the_default():
+    """``--v4 --batch-invariant`` parses, and its run plans and runs in a tiny configuration on the CPU (the torch
+    backend), giving the default's answer within the kernels' tolerance."""
+    from fp8mla import V4SparseAttention
+    from fp8mla.bench.v4 import invariant_attention
+    from fp8mla.formats_v4 import get_v4_format
+    from fp8mla.testing import assert_close
+    args = build_parser("bench").parse_args(["bench", "decode", "--v4", "--batch-invariant"])
+    assert args.v4 and args.batch_invariant
+    fmt = get_v4_format("fp8_v4")
+    pool = fmt.new_pool(2, 64)
+    fmt.write(pool, torch.arange(100), torch.randn(100, 512))
+    plan = dict(num_heads=16, sm_scale=512 ** -0.5, q_data_type=torch.bfloat16, kv_format="fp8_v4",
+                window_topk=128, window_page_size=64, device="cpu")
+    inv = invariant_attention(plan, backend="torch")
+    base = V4SparseAttention(backend="torch")
+    base.plan(**plan)
+    assert inv.batch_invariant and inv.backend == "torch"
+    idx = torch.full((3, 128), -1, dtype=torch.int32)
+    idx[:, :100] = torch.arange(100)
+    q = torch.randn(3, 16, 512).bfloat16()
+    assert_close(inv.run(q, pool, idx, sinks=torch.zeros(16)), base.run(q, pool, idx, sinks=torch.zeros(16)), 1e-2,
+                 "invariant")

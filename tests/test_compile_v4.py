@@ -26,9 +26,12 @@ from devtools import triton_targets as ck  # noqa: E402
 
 ARCHS = (80, 89, 90, 120)
 # (kernel, FMT, options, targets): the attention kernel per format (the V4 record with sinks and splits, as decode
-# at small batch runs it, and V4.1, on every target; bf16 on two), the write kernels on two.
+# at small batch runs it, and V4.1, on every target; the batch-invariant cut and bf16 on two), the write kernels
+# on two.
 CASES = {"attn-v4-split-sink": ("attn", 1, dict(SPLIT=True, HAS_SINK=True, HAS_C=True, HAS_W_LEN=True,
                                                 HAS_C_LEN=True), ARCHS),
+         "attn-v4-rowcut-sink": ("attn", 1, dict(SPLIT=True, HAS_SINK=True, HAS_C=True, HAS_W_LEN=True,
+                                                 HAS_C_LEN=True, ROW_CUT=True), (80, 90)),
          "attn-v41": ("attn", 2, dict(SPLIT=False, HAS_SINK=True, HAS_C=True), ARCHS),
          "attn-bf16": ("attn", 0, dict(SPLIT=False, HAS_SINK=False, HAS_C=False), (80, 90)),
          "quant-v4": ("quant", 1, dict(NG=8, G=64, NQ=448), (80, 90)),
@@ -58,7 +61,7 @@ def compile_case(case: str, arch: int) -> dict:
         fn = attn._v4_attention_kernel
         tile = attn.DEFAULT_TILES[fmt]
         cfg = {**dict(FMT=fmt, BLOCK_H=tile["block_h"], BLOCK_N=tile["block_n"], FP32_DOT=False, Q_SPLIT=False, HAS_W_LEN=False,
-                      HAS_C=False, HAS_C_LEN=False, HAS_SINK=False, SPLIT=False), **opts}
+                      HAS_C=False, HAS_C_LEN=False, HAS_SINK=False, SPLIT=False, ROW_CUT=False), **opts}
         ptr = {"q": "bf16", "out": "bf16", "lse_out": "fp32", "part_o": "fp32", "part_lse": "fp32",
                "sinks": "fp32", "w8": "u8", "w16": "bf16", "c8": "u8", "c16": "bf16", "w_idx": "i32",
                "c_idx": "i32", "w_len": "i32", "c_len": "i32"}

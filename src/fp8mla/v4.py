@@ -10,12 +10,13 @@ the index and length values), so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ._checks import ArgumentTypeError, check_positive_int, check_tensor
 from .attention import MAX_SM_SCALE, Q_DTYPES
+from .backends._invariant import V4_INVARIANT_CHUNK, check_chunk
 from .formats_v4 import HEAD_DIM, V4Format, get_v4_format, pool_geometry
 from .layout import debug_checks
 from .runtime import choose_backend
@@ -24,6 +25,7 @@ __all__ = ["V4SparseAttention", "V4_BACKENDS", "write_v4_pool"]
 
 V4_BACKENDS = ("auto", "torch", "triton", "gluon")
 MAX_HEADS = 128
+INVARIANT_BACKENDS = ("torch", "triton")   # the backends that honour batch_invariant=True
 
 
 @dataclass
@@ -47,6 +49,8 @@ class V4Plan:
     config: dict | None = None
     part_o: torch.Tensor | None = None      # split workspace, fixed at plan (CUDA-graph safe)
     part_lse: torch.Tensor | None = None
+    invariant_chunk: int | None = None      # the batch-invariant mode's cut (None: the default mode)
+    retired: list = field(default_factory=list)   # the invariant mode's outgrown workspaces (kept alive)
 
 
 @dataclass
@@ -84,13 +88,25 @@ class V4SparseAttention:
         >>> out, lse = attn.run(q, window, idx, sinks=torch.zeros(16), return_lse=True)
         >>> out.shape, lse.shape
         (torch.Size([1, 16, 512]), torch.Size([1, 16]))
+
+    Batch-invariant mode (keyword-only constructor arguments):
+        batch_invariant: each query row's output and lse are the same bits whatever else the call holds (its
+            number of rows, their order, their index rows and lengths, the pools' page order) and whatever the
+            SM count: a row's entries (window then compressed, up to its lengths) are cut in ``ceil(len /
+            invariant_chunk)`` pieces of one size, merged in order; the torch code runs row by row. Backends
+            torch and triton (``auto`` picks one of them); others are refused by name. docs/batch_invariance.md
+            has the contract.
+        invariant_chunk: entries a piece of that cut at most (default 512; a positive multiple of 64 and of the
+            Triton kernel's ``block_n``); only with ``batch_invariant=True``.
     """
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", *, batch_invariant: bool = False, invariant_chunk: int | None = None):
         if not isinstance(backend, str) or backend not in V4_BACKENDS:
             raise ValueError(f"backend: expected one of {V4_BACKENDS}, got {backend!r}")
         self._backend = backend
         self._plan: V4Plan | None = None
+        self._invariant_chunk = _invariant_chunk(batch_invariant, invariant_chunk, backend)
+        self._retired: list = []   # the invariant mode's replaced workspaces, kept alive across plans
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, num_heads: int, sm_scale: float, q_data_type: torch.dtype, kv_format, *, window_topk: int,
@@ -113,8 +129,8 @@ class V4SparseAttention:
             num_window_pages, num_compressed_pages: pool pages, when known: run() then checks the pools.
             device: where run() gets its tensors (default: the current CUDA device, else the CPU).
             num_splits: fix the programs a token's keys are split over (default: chosen per call from the
-                number of tokens, so that small batches fill the GPU).
-            min_split: fewest keys one split program walks.
+                number of tokens, so that small batches fill the GPU). Not in the batch-invariant mode.
+            min_split: fewest keys one split program walks (unused in the batch-invariant mode).
             **kernel_options: Triton tuning (``block_h``, ``block_n``, ``num_warps``, ``num_stages``).
         """
         check_positive_int("num_heads", num_heads)
@@ -140,6 +156,9 @@ class V4SparseAttention:
                         ("num_splits", num_splits), ("min_split", min_split)):
             if v is not None:
                 check_positive_int(name, v)
+        if num_splits is not None and self._invariant_chunk is not None:
+            raise ValueError(f"num_splits: the batch-invariant mode cuts each row by invariant_chunk "
+                             f"({self._invariant_chunk} entries), not a split count; expected None, got {num_splits}")
         unknown = set(kernel_options) - {"block_h", "block_n", "num_warps", "num_stages"}
         if unknown:
             raise TypeError(f"plan: unknown keyword(s) {sorted(unknown)}")
@@ -152,6 +171,10 @@ class V4SparseAttention:
         p = V4Plan(num_heads, float(sm_scale), q_data_type, fmt, window_topk, window_page_size, compressed_topk,
                    compressed_page_size, num_window_pages, num_compressed_pages, device, backend, num_splits,
                    min_split)
+        if self._invariant_chunk is not None:
+            if backend not in INVARIANT_BACKENDS:   # "auto" in this mode: only the builds that honour it
+                backend = p.backend = "triton"
+            self._keep_workspace(p)
         if backend == "triton":
             from .backends import v4_triton
             v4_triton.prepare(p, kernel_options)
@@ -161,6 +184,24 @@ class V4SparseAttention:
             raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
                             f"{backend!r}")
         self._plan = p
+
+    def _keep_workspace(self, p: V4Plan) -> None:
+        """The batch-invariant mode: the new plan takes over the last plan's split workspace (same heads and
+        device) and the list that keeps the replaced ones alive, so a CUDA graph captured before a re-plan still
+        replays on live memory."""
+        p.invariant_chunk = self._invariant_chunk
+        p.retired = self._retired
+        old = self._plan
+        if old is not None and old.part_o is not None:
+            if (old.num_heads, old.device) == (p.num_heads, p.device):
+                p.part_o, p.part_lse = old.part_o, old.part_lse
+            else:
+                self._retired.append((old.part_o, old.part_lse))
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this object runs in the batch-invariant mode (constructor's ``batch_invariant``)."""
+        return self._invariant_chunk is not None
 
     @property
     def backend(self) -> str:
@@ -247,6 +288,20 @@ class V4SparseAttention:
             mod = {"triton": v4_triton, "gluon": v4_gluon}.get(p.backend, v4_torch)
             mod.run(p, q, window, compressed, sinks, out, lse, bool(return_lse_base_on_e))
         return (out, lse) if return_lse else out
+
+
+def _invariant_chunk(batch_invariant, invariant_chunk, backend: str) -> int | None:
+    """The constructor's batch-invariant arguments: the chunk of the mode's cut, or None (the default mode)."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
+    if not batch_invariant:
+        if invariant_chunk is not None:
+            raise ValueError("invariant_chunk: an option of the batch-invariant mode; pass batch_invariant=True with it")
+        return None
+    if backend != "auto" and backend not in INVARIANT_BACKENDS:
+        raise ValueError(f"batch_invariant: backend {backend!r} does not cut a row by the row alone; use one of "
+                         f"{INVARIANT_BACKENDS} (or 'auto', which picks one in this mode)")
+    return check_chunk("invariant_chunk", V4_INVARIANT_CHUNK if invariant_chunk is None else invariant_chunk)
 
 
 def _contiguous_last(name: str, t: torch.Tensor) -> None:

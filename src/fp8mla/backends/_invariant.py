@@ -4,9 +4,9 @@ In this mode a request's output and lse are the same bits whatever shares its ba
 at boundaries that follow from its own length and a fixed chunk size, never from the batch size, the other
 requests or the GPU's SM count; the partials are merged in chunk order, and every chunk is reduced in one fixed
 order by one kernel configuration (which follows the heads, the format, the device and the options, never the
-batch). docs/batch_invariance.md states the contract. Every API with the mode (dense, sparse, and the V4 API
-when it lands) takes it as the keyword ``batch_invariant=True``, cuts with these constants and refuses the Hopper
-builds with ``GLUON_REFUSAL``.
+batch). docs/batch_invariance.md states the contract. Every API with the mode (dense, sparse and V4) takes it as
+the keyword ``batch_invariant=True`` and cuts with these constants; the dense and sparse APIs refuse the Hopper
+builds with ``GLUON_REFUSAL``, the V4 API any backend outside ``fp8mla.v4.INVARIANT_BACKENDS``.
 """
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from __future__ import annotations
 INVARIANT_CHUNK = 1024
 # Index entries per split (sparse): a 2048-entry row runs on 4 programs.
 SPARSE_INVARIANT_SPLIT = 512
+# Entries per piece of a V4 row (window + compressed): a V4-Flash CSA row (128 + 512) runs on 2 programs, V4-Pro's
+# (128 + 1024) on 3, an HCA row of 1M tokens' compressed rows (128 + 8192) on 17.
+V4_INVARIANT_CHUNK = 512
 # CUDA-graph plans: work items beyond one per request that the fixed buffers hold (fp32 partials of
 # [heads x max_qo_len, 512] each: 2048 of them are 64 MB at 16 heads): 1M-2M tokens of requests over a chunk.
 INVARIANT_PARTIALS = 2048

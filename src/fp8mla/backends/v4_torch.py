@@ -1,6 +1,7 @@
 """DeepSeek V4 attention in fp32 torch code (any device): gathers the selected rows (never the pool), a few query
 tokens at a time, with the sink as one more key of score ``sinks[h]`` and value 0 (``_softmax.softmax_rows``'s
-edge cases: no key gives out 0 and lse -inf; a sink alone gives out 0 and lse = the sink)."""
+edge cases: no key gives out 0 and lse -inf; a sink alone gives out 0 and lse = the sink). The batch-invariant
+mode runs one query row at a time (one softmax over the whole row: no cut, so nothing follows the call)."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,8 @@ def run(p, q, window, compressed, sinks, out, lse, base_e: bool) -> None:
     n, H, D = q.shape
     topk = p.window_topk + p.compressed_topk
     step = max(1, (1 << 24) // (max(1, topk) * D))  # ~64 MB of gathered fp32 a chunk
+    if p.invariant_chunk is not None:
+        step = 1  # the batch-invariant mode: row by row, every op's shapes follow the row, never the call
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
         parts = [_gather(p.fmt, window, window.indices[t0:t1],

@@ -8,9 +8,15 @@ from ..runtime import LN2, num_sms
 
 
 def prepare(p, kernel_options: dict) -> None:
-    """Fix the launch configuration and the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``)."""
+    """Fix the launch configuration and the split workspace on plan ``p`` (``fp8mla.v4.V4Plan``). The
+    batch-invariant mode's workspace follows the calls instead (see :func:`run`)."""
     from ..kernels import v4_attention
     p.config = v4_attention.launch_config(p.fmt.kind, p.device, **kernel_options)
+    if p.invariant_chunk is not None:
+        if p.invariant_chunk % p.config["block_n"]:
+            raise ValueError(f"invariant_chunk: expected a multiple of the kernel's key block (block_n="
+                             f"{p.config['block_n']}), got {p.invariant_chunk}")
+        return
     cap = 0
     if p.num_splits is None:  # the largest tokens x (splits + sink part) any call needs: O(SMs), not O(batch)
         for n in range(1, 2 * num_sms(p.device) + 1):
@@ -26,6 +32,9 @@ def splits(p, n: int) -> int:
     """Programs per token: enough that ``n x head tiles x splits`` reaches twice the SM count, each split walking
     at least ``min_split`` keys. Fixed per (plan, n): the same inputs split and merge the same way."""
     total = p.window_topk + p.compressed_topk
+    if p.invariant_chunk is not None:  # the grid of the invariant cut: a full row's pieces, whatever the call
+        from ..kernels.v4_attention import invariant_splits
+        return invariant_splits(total, p.invariant_chunk)
     if p.num_splits is not None:
         want = max(1, min(p.num_splits, total))
     else:
@@ -62,12 +71,19 @@ def run(p, q, window, compressed, sinks, out, lse, base_e: bool) -> None:
     parts = s + (sinks is not None)
     part_o, part_lse = p.part_o, p.part_lse
     if s > 1 and (part_o is None or part_o.shape[0] < n * parts):
-        # only with a fixed num_splits (plan sized nothing): allocated per call, not graph-safe
-        part_o = torch.empty(n * parts, p.num_heads, 512, dtype=torch.float32, device=p.device)
-        part_lse = torch.empty(n * parts, p.num_heads, dtype=torch.float32, device=p.device)
+        # a fixed num_splits: allocated per call, not graph-safe. The batch-invariant mode keeps its workspace,
+        # grown to a power of two of the largest call; the one it replaces stays alive in ``p.retired`` (shared by
+        # the object's plans: a graph captured on it replays on it, never on freed memory)
+        rows = n * parts if p.invariant_chunk is None else 1 << (n * parts - 1).bit_length()
+        part_o = torch.empty(rows, p.num_heads, 512, dtype=torch.float32, device=p.device)
+        part_lse = torch.empty(rows, p.num_heads, dtype=torch.float32, device=p.device)
+        if p.invariant_chunk is not None:
+            p.retired.append((p.part_o, p.part_lse))
+            p.part_o, p.part_lse = part_o, part_lse
     cfg = p.config
     v4_attention.v4_attention(
         q, out, lse, part_o, part_lse, sinks, _kernel_segment(p.fmt, window),
         None if compressed is None else _kernel_segment(p.fmt, compressed), fmt=p.fmt.kind, sm_scale=p.sm_scale,
         num_splits=s, lse_scale=LN2 if base_e else 1.0, block_h=cfg["block_h"], block_n=cfg["block_n"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], fp32_dot=cfg["fp32_dot"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], fp32_dot=cfg["fp32_dot"],
+        invariant_chunk=p.invariant_chunk)

@@ -44,7 +44,8 @@ def add_arguments(p):
     p.add_argument("--batch-invariant", action="store_true",
                    help="also time the batch-invariant mode (MLAPagedAttention(batch_invariant=True): the Triton "
                         "kernel with each request cut in fixed chunks; plain and CUDA-graph plans) beside the "
-                        "default; with --sparse: MLASparseAttention(batch_invariant=True)")
+                        "default; with --sparse: MLASparseAttention(batch_invariant=True); with --v4: "
+                        "V4SparseAttention(batch_invariant=True)")
     p.add_argument("--sweep", action="store_true", help="time kernel variants (block sizes, stages, splits)")
     p.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these variants")
     p.add_argument("--reps", type=int, default=50)

@@ -30,6 +30,15 @@ def v4_cost(n: int, num_heads: int, keys: int, kv_format) -> tuple[int, int]:
     return n * keys * fmt.token_bytes, 2 * n * num_heads * keys * (D + D)
 
 
+def invariant_attention(plan_args: dict, backend: str = "auto"):
+    """``--batch-invariant``: ``V4SparseAttention(batch_invariant=True)`` planned for one grid point, timed beside
+    the default (its row before the default's)."""
+    from ..v4 import V4SparseAttention
+    attn = V4SparseAttention(backend=backend, batch_invariant=True)
+    attn.plan(**plan_args)
+    return attn
+
+
 def _segment_pool(B, L, page, fmt, device, g):
     """A pool holding ``L`` rows per request on shuffled pages, and each request's slots ``[B, L]``."""
     pages_per = -(-L // page)
@@ -123,6 +132,24 @@ def main(args) -> int:
                     ms = time_ms(run, reps=args.reps)
                     nbytes, flops = v4_cost(B, H, W + K, fmt)
                     floor = ceil.floor_ms(nbytes, flops)
+                    if getattr(args, "batch_invariant", False):   # the batch-invariant mode: its row first
+                        inv = invariant_attention(dict(num_heads=H, sm_scale=sm_scale, q_data_type=torch.bfloat16,
+                                                       kv_format=name, window_topk=W, window_page_size=page,
+                                                       compressed_topk=K, compressed_page_size=page))
+                        run_inv = lambda: inv.run(q, window, w_idx, compressed_pool=comp,  # noqa: E731
+                                                  compressed_indices=c_idx, sinks=sinks, out=out, lse=lse)
+                        out.fill_(float("nan"))
+                        run_inv()
+                        torch.cuda.synchronize()
+                        inv_err = compare(out[:m], ref).rel_l2
+                        inv_ms = time_ms(run_inv, reps=args.reps)
+                        rows.append(dict(kernel=f"fp8mla v4 [{inv.backend},invariant]", kv=name, H=H, B=B, L=L,
+                                         window=W, topk=K, page=page, splits=inv.splits_for(B), ms=inv_ms,
+                                         gbps=nbytes / inv_ms / 1e6, tflops=flops / inv_ms / 1e9,
+                                         pct_floor=100 * floor / inv_ms, floor_ms=floor, rel_l2=inv_err))
+                        print(f"fp8mla v4 [{inv.backend},invariant] {name} H{H} B{B} L{L} splits "
+                              f"{rows[-1]['splits']} {inv_ms:8.4f} ms {rows[-1]['gbps']:7.0f} GB/s "
+                              f"{rows[-1]['pct_floor']:5.1f}% floor  err {inv_err:.2e}", flush=True)
                     label = f"fp8mla v4 [{attn.backend}]"
                     row = dict(kernel=label, kv=name, H=H, B=B, L=L, window=W, topk=K, page=page,
                                splits=attn.splits_for(B), ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9,

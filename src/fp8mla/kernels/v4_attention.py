@@ -22,7 +22,12 @@ to the denominator; a row with no valid entry gives out 0 and lse -inf, or with 
 
 Splits: each split writes a normalized partial (o, lse base 2); with a sink, split 0 also writes the sink as one
 more partial (o = 0, lse = sink * log2 e), and ``sparse_decode._merge_splits_kernel`` combines them all by
-log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue.
+log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue. The default cut
+splits the two padded rows laid end to end in ``num_splits`` equal ranges (chosen per call from its size). The
+batch-invariant cut (``ROW_CUT``) follows the row alone: its ``len = window length + compressed length`` entries
+(the compressed ones right after the window's last) in ``n = ceil(len / chunk)`` ranges of ``ceil(len / n)``
+entries (the last the rest); the grid has the pieces of a full row, and programs past a shorter row's pieces write empty
+partials (o 0, lse -inf: weight 0 in the merge).
 """
 from __future__ import annotations
 
@@ -116,7 +121,7 @@ def _v4_attention_kernel(
     stride_pl_i,
     FMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
     Q_SPLIT: tl.constexpr, HAS_W_LEN: tl.constexpr, HAS_C: tl.constexpr, HAS_C_LEN: tl.constexpr,
-    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, ROW_CUT: tl.constexpr,
 ):
     t = tl.program_id(0) // num_head_tiles
     sp = tl.program_id(1)
@@ -136,22 +141,38 @@ def _v4_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
-    j0 = sp * chunk
-    j1 = j0 + chunk
     w_end = w_topk
     if HAS_W_LEN:
         w_end = tl.minimum(tl.maximum(tl.load(w_len + t), 0), w_topk)
-    acc, m_i, l_i = _segment(acc, m_i, l_i, qa, qb, w8, w16, w_stride_p, w_stride_s, w_scale_off, w_scale_stride,
-                             w_page, w_slots, w_idx + t64 * w_stride_idx, j0, tl.minimum(j1, w_end), sm_scale_log2,
-                             FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
+    c_end = 0
     if HAS_C:
         c_end = c_topk
         if HAS_C_LEN:
             c_end = tl.minimum(tl.maximum(tl.load(c_len + t), 0), c_topk)
+    if ROW_CUT:
+        # the batch-invariant cut: the row's own entries (window then compressed, w_end + c_end of them) in
+        # ceil(len / chunk) pieces of ceil(len / pieces) entries (the last the rest); split programs past them
+        # write empty partials. Not rounded to whole BLOCK_N blocks: the compressed entries start anywhere in a
+        # block anyway, and the rounding (the compiler then knows the alignment) spills 64 B on sm_80, 24 B without
+        row_len = w_end + c_end
+        pieces = tl.maximum(tl.cdiv(row_len, chunk), 1)
+        per = tl.cdiv(row_len, pieces)
+        j0 = sp * per
+        j1 = tl.minimum(j0 + per, row_len)
+        c_start = w_end    # the compressed entries follow the window's last one
+    else:
+        j0 = sp * chunk
+        j1 = j0 + chunk
+        c_start = w_topk   # the compressed entries follow the whole window row
+    c_lo = tl.maximum(j0 - c_start, 0)   # both ranges fixed before the walk: two values live through it
+    c_hi = tl.minimum(j1 - c_start, c_end)
+    acc, m_i, l_i = _segment(acc, m_i, l_i, qa, qb, w8, w16, w_stride_p, w_stride_s, w_scale_off, w_scale_stride,
+                             w_page, w_slots, w_idx + t64 * w_stride_idx, j0, tl.minimum(j1, w_end), sm_scale_log2,
+                             FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
+    if HAS_C:
         acc, m_i, l_i = _segment(acc, m_i, l_i, qa, qb, c8, c16, c_stride_p, c_stride_s, c_scale_off,
-                                 c_scale_stride, c_page, c_slots, c_idx + t64 * c_stride_idx,
-                                 tl.maximum(j0 - w_topk, 0), tl.minimum(j1 - w_topk, c_end), sm_scale_log2,
-                                 FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
+                                 c_scale_stride, c_page, c_slots, c_idx + t64 * c_stride_idx, c_lo, c_hi,
+                                 sm_scale_log2, FMT, BLOCK_N, FP32_DOT, Q_SPLIT)
 
     # -- epilogue: "no token" is l == 0 (out 0, lse -inf); NaN gave l = NaN and stays NaN ----------------------
     if HAS_SINK and not SPLIT:
@@ -227,14 +248,21 @@ def launch_config(fmt: int, device, *, block_h: int | None = None, block_n: int 
     return cfg
 
 
+def invariant_splits(topk: int, chunk: int) -> int:
+    """Split programs a row in the batch-invariant cut: enough for the longest row (both index rows full)."""
+    return max(1, -(-topk // chunk))
+
+
 def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compressed: Segment | None, *, fmt: int,
                  sm_scale: float, num_splits: int, lse_scale: float, block_h: int, block_n: int, num_warps: int,
-                 num_stages: int, fp32_dot: bool) -> None:
+                 num_stages: int, fp32_dot: bool, invariant_chunk: int | None = None) -> None:
     """Launch the V4 kernel (and the split merge when ``num_splits > 1``).
 
     q ``[n, H, 512]`` bf16/fp16 (last dim contiguous); out ``[n, H, 512]`` (last dim contiguous), lse ``[n, H]``
     fp32; part_o ``[>= n * parts, H, 512]`` / part_lse ``[>= n * parts, H]`` fp32 contiguous when splitting,
     ``parts = num_splits + (sinks is not None)``; sinks fp32 ``[H]`` or None. ``lse_scale``: 1 (base 2) or ln 2.
+    ``invariant_chunk`` (the batch-invariant cut, a multiple of ``block_n``): each row's own entries are cut in
+    ``ceil(len / invariant_chunk)`` pieces (:func:`invariant_splits` programs a row; ``num_splits`` is ignored).
     """
     import torch
     n, H, _ = q.shape
@@ -243,9 +271,13 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
     topk_w = window.indices.shape[1]
     topk_c = compressed.indices.shape[1] if compressed is not None else 0
     total = max(1, topk_w + topk_c)
-    chunk = -(-total // num_splits)
-    chunk = -(-chunk // block_n) * block_n
-    num_splits = -(-total // chunk)
+    if invariant_chunk is not None:
+        chunk = invariant_chunk
+        num_splits = invariant_splits(topk_w + topk_c, invariant_chunk)
+    else:
+        chunk = -(-total // num_splits)
+        chunk = -(-chunk // block_n) * block_n
+        num_splits = -(-total // chunk)
     split = num_splits > 1
     has_sink = sinks is not None
     parts = num_splits + int(has_sink)
@@ -267,7 +299,8 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
         FMT=fmt, BLOCK_H=block_h, BLOCK_N=block_n, FP32_DOT=fp32_dot,
         Q_SPLIT=q.dtype == torch.float16 and not fp32_dot, HAS_W_LEN=window.lengths is not None,
         HAS_C=compressed is not None, HAS_C_LEN=compressed is not None and compressed.lengths is not None,
-        HAS_SINK=has_sink, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINK=has_sink, SPLIT=split, ROW_CUT=invariant_chunk is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         block_r, block_c = 8, 64
