@@ -43,34 +43,17 @@ def device_kind(monkeypatch):
     def use(kind):
         monkeypatch.setattr(rt, "gluon_usable", lambda device: kind == "sm90")
         monkeypatch.setattr(rt, "triton_usable", lambda device: True)
-        import fp8mla.backends.gluon as gb
-        monkeypatch.setattr(gb, "gluon_usable", lambda device: kind == "sm90")
         return torch.device("cpu" if kind == "cpu" else "cuda")
     return use
 
 
 def _dense_choice(device, requested, H, page, fmt, q, dims, qo_lens, host, graph, opts):
     """(backend, build) that MLAPagedAttention's plan picks (its backends.build replaced by a recorder)."""
-    import fp8mla.attention as att
-    from fp8mla.backends import AttentionSpec, gluon as gb
+    from fp8mla.backends import AttentionSpec
     attn = fp8mla.MLAPagedAttention(backend=requested, use_cuda_graph=graph, **opts)
     spec = AttentionSpec(H, dims[0], dims[1], page, True, 0.1, q, get_format(fmt), device, graph)
-    layout = _layout(page, qo_lens, host)
-
-    def record(name, layout, spec, options, state):
-        if name != "gluon":
-            return None
-        o = {**gb.DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
-        b = gb._select_cached(spec, layout, o, state)
-        if isinstance(b, str):
-            raise ValueError(f"backend 'gluon': {b}")
-        return b
-    real = att.backends.build
-    att.backends.build = record
-    try:
-        return attn._build(layout, spec)
-    finally:
-        att.backends.build = real
+    choice = attn._select(_layout(page, qo_lens, host), spec)
+    return choice.backend, choice.build
 
 
 DENSE = [
@@ -129,7 +112,7 @@ DENSE_REFUSED = [
     ("sm90", "gluon", dict(fmt="bf16"), ValueError, "backend: 'gluon' does not support this plan: .*bf16"),
     ("cuda", "gluon", dict(), RuntimeError, "backend: 'gluon' cannot run on cuda"),
     ("cpu", "gluon", dict(), RuntimeError, "backend: 'gluon' cannot run on cpu"),
-    ("sm90", "auto", dict(H=32, heads_on_m=True), ValueError, "heads_on_m: .*num_heads 32"),
+    ("sm90", "auto", dict(H=32, heads_on_m=True), ValueError, "heads_on_m: .*num_heads.*got 32"),
     ("sm90", "auto", dict(fmt="fp8_e4m3_group", fp8_math=True), ValueError, "fp8_math: .*group"),
     ("cuda", "auto", dict(fp8_math=True), ValueError, "fp8_math: .*gluon kernel only.*'triton'"),
     ("cpu", "auto", dict(H=128, heads_on_m=True), ValueError, "heads_on_m: .*gluon kernel only.*'torch'"),
@@ -160,13 +143,8 @@ def test_dense_refusal(device_kind, kind, requested, kw, error, match):
 
 def _sparse_choice(device, requested, H=16, topk=2048, fmt="fp8_ds_mla", q=torch.bfloat16, invariant=False):
     """The backend MLASparseAttention's plan picks."""
-    from fp8mla.sparse import SparseKernelError, _gluon_support
-    fp8mla.MLASparseAttention(backend=requested, batch_invariant=invariant)
-    name = rt.choose_backend(requested, device, _gluon_support(requested, H, get_format(fmt, sparse_ok=True), q,
-                                                                  topk, invariant))
-    if name == "triton" and topk % 64:
-        raise SparseKernelError("topk: the triton sparse kernel needs a multiple of 64")
-    return name
+    attn = fp8mla.MLASparseAttention(backend=requested, batch_invariant=invariant)
+    return attn._select(H, topk, get_format(fmt, sparse_ok=True), q, device).backend
 
 
 SPARSE = [
@@ -208,3 +186,33 @@ def test_sparse_choice(device_kind, kind, requested, kw, want):
 def test_sparse_refusal(device_kind, kind, requested, kw, match):
     with pytest.raises((ValueError, RuntimeError), match=match):
         _sparse_choice(device_kind(kind), requested, **kw)
+
+
+def test_records_agree_with_the_kernels():
+    """The records are data; the numbers they hold are the kernels' own."""
+    from fp8mla.backends import capabilities as c
+    from fp8mla.backends.gluon import DEFAULTS
+    from fp8mla.kernels.sm90 import sparse as sm90_sparse
+    from fp8mla.sparse import INDEX_BLOCK
+    assert c.GLUON_WIDE.heads == (1, k.MAX_WIDE_HEADS) and c.GLUON_HEADS_ON_M.heads == (k.MH_MIN_HEADS,
+                                                                                        k.MAX_WIDE_HEADS)
+    assert (c.GLUON_WIDE.max_qo, c.GLUON_WIDE.max_rows) == (k.MAX_MTP_QO, k.MAX_MTP_ROWS)
+    assert c.GLUON_WIDE.head_dims == c.GLUON_HEADS_ON_M.head_dims == ((k.DC, k.DK),)
+    assert c.GLUON_WIDE.page_multiple == c.GLUON_HEADS_ON_M.page_multiple == k.TILE
+    assert c.GLUON_SPARSE.heads == (1, sm90_sparse.MAX_HEADS) and c.TRITON_SPARSE.topk_multiple == INDEX_BLOCK
+    assert DEFAULTS["num_stages"] == c.DEFAULT_STAGES
+
+
+
+def test_every_record_names_a_backend_module():
+    import importlib
+    from fp8mla.backends.capabilities import BUILDS
+    for api, caps in BUILDS.items():
+        assert len({cap.name for cap in caps}) == len(caps)
+        for cap in caps:
+            assert cap.api == api
+            mod = importlib.import_module(f"fp8mla.backends.{cap.module}")
+            assert callable(mod.build), cap
+            if cap.finish:
+                module, fn = cap.finish.split(":")
+                assert callable(getattr(importlib.import_module(f"fp8mla.backends.{module}"), fn)), cap
