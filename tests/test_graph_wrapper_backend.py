@@ -65,13 +65,13 @@ def test_a_graph_wrapper_that_ran_never_switches_backend(monkeypatch):
     monkeypatch.setattr(attention_mod, "select", pick)
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="auto", max_batch_size=8)
     attn.plan(**b.plan_args)                  # torch
-    attn._selected = None                     # (the wrapper keeps its choice per spec: forget it, ask again)
+    attn._selected.clear()                     # (the wrapper keeps its choice per spec: forget it, ask again)
     attn.plan(**b.plan_args)                  # triton: nothing ran yet, taken
     assert attn._plan.backend == "triton"
-    attn._selected = None
+    attn._selected.clear()
     attn.plan(**b.plan_args)                  # torch again, then it runs
     attn.run(**b.run_args)
-    attn._selected = None
+    attn._selected.clear()
     with pytest.raises(ValueError, match="CUDA-graph wrapper has run the 'torch' backend"):
         attn.plan(**b.plan_args)              # triton after a run: refused
     assert attn._plan.backend == "torch"      # the plan that ran stays

@@ -150,7 +150,7 @@ class MLAPagedAttention:
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
         self._rows_fast = None       # replan_rows' per-table constants
-        self._selected = None        # (key, backends.select's choice) of the last plan
+        self._selected = {}          # backends.select's choices, by (spec, the batch's qo_len range)
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
         self._graph_backend = None   # CUDA graphs: the backend run() last launched (a capture holds its launches)
         self._scales = DeviceScales()   # the fp32 [2] device tensor (ckv_scale, kpe_scale) of the last run
@@ -329,15 +329,17 @@ class MLAPagedAttention:
         the only facts of a layout a build's support depends on: a wrapper's re-plans select once. A refusal is
         never kept (a later plan may fit)."""
         qo = qo_range(layout)
-        key = (self._backend, spec, qo)
-        kept = self._selected
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        key = (spec, qo)
+        kept = self._selected.get(key)
+        if kept is not None:
+            return kept
         q = dense_question(spec, qo, self._kernel_options)
         choice = select(q, self._backend)
         if isinstance(choice, Refusal):
             raise _refusal(choice, q)
-        self._selected = (key, choice)
+        if len(self._selected) >= 8:   # (a wrapper meets few specs and query-length ranges; keep the memo small)
+            self._selected.clear()
+        self._selected[key] = choice
         return choice
 
     def _build(self, layout: PagedLayout, spec: AttentionSpec):
@@ -511,7 +513,7 @@ def _check_kernel_options(opts: dict) -> None:
 def _refusal(r: Refusal, q) -> Exception:
     """The exception of a refused plan. Under ``auto`` only an option that asks for a gluon build (``fp8_math``,
     ``heads_on_m=True``) leaves no build: named with where the plan would run without it, and what gluon misses."""
-    if r.requested != "auto":
+    if r.requested != "auto" or not (q.fp8_math or q.heads_on_m):
         return refusal_error(r)
     flag, what = ("fp8_math", "FP8 tensor-core math runs") if q.fp8_math else \
         ("heads_on_m", "the heads-on-M build runs")

@@ -141,7 +141,7 @@ def select(q: Question, requested: str = "auto"):
                 return Choice(cap, build, tuple((c.name, w) for c, w, _ in seen))
         elif not why:
             return Choice(cap, None, tuple((c.name, w) for c, w, _ in seen))
-        if asked:
+        if asked and device_ok:
             why = f"{cap.option}=True: {cap.title} does not take this plan: {why}"
         seen.append((cap, why, device_ok))
         if auto and device_ok and not cap.falls_back:
