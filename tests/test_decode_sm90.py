@@ -440,7 +440,7 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
+def test_select_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
     """No switch decides it: page 1, 16, 32 and multiples of 64, 1..128 heads, qo_len 1..8 with max qo_len x H <=
     512, per-tensor and group scales get a build (the measured ones among KNOWN_BUILDS); every other plan is
     refused with a reason that names what."""

@@ -75,7 +75,7 @@ def gb(monkeypatch):
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
+def test_select_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
     def case(H=128, page=64, qo_lens=(1,), fmt="fp8_e4m3", q=torch.bfloat16, **opts):
         return gluon_build(_spec(H, page, fmt, q), _layout(page, qo_lens), opts)
 

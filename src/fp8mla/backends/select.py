@@ -126,21 +126,19 @@ def select(q: Question, requested: str = "auto"):
     for cap in BUILDS[q.api]:
         if not (auto or cap.backend == requested) or (auto and not cap.auto):
             continue
-        asked = cap.option is not None and getattr(q, cap.option)   # the build an option asks for by name
-        if cap.option is not None and asked is False or q.heads_on_m and cap.option != "heads_on_m":
+        asked = getattr(q, cap.option) if cap.option else None   # an option that asks for (or excludes) this build
+        if asked is False or (q.heads_on_m and cap.option != "heads_on_m"):
             continue
         if q.fp8_math and not cap.fp8_math_formats and not asked:
             continue
         device_ok = _device_fits(cap, q, auto)
-        why = _device_refusal(cap, q, auto) if not device_ok else refusal(cap, q)
+        why = refusal(cap, q) if device_ok else _device_refusal(cap, q, auto)
+        build = None
         if not why and cap.finish is not None:
             build = _finish(cap, q)
-            if isinstance(build, str):
-                why = build
-            else:
-                return Choice(cap, build, tuple((c.name, w) for c, w, _ in seen))
-        elif not why:
-            return Choice(cap, None, tuple((c.name, w) for c, w, _ in seen))
+            why = build if isinstance(build, str) else ""
+        if not why:
+            return Choice(cap, build, tuple((c.name, w) for c, w, _ in seen))
         if asked and device_ok:
             why = f"{cap.option}=True: {cap.title} does not take this plan: {why}"
         seen.append((cap, why, device_ok))
