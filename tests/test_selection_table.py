@@ -212,7 +212,17 @@ def test_every_record_names_a_backend_module():
         for cap in caps:
             assert cap.api == api
             mod = importlib.import_module(f"fp8mla.backends.{cap.module}")
-            assert callable(mod.build), cap
+            assert callable(getattr(mod, "build" if api != "v4" else "run")), cap
             if cap.finish:
                 module, fn = cap.finish.split(":")
                 assert callable(getattr(importlib.import_module(f"fp8mla.backends.{module}"), fn)), cap
+
+
+@pytest.mark.parametrize("kind, requested, want", [("sm90", "auto", "triton"), ("cuda", "auto", "triton"),
+                                                   ("cpu", "auto", "torch"), ("cpu", "triton", "triton"),
+                                                   ("cuda", "torch", "torch")])
+def test_v4_choice(device_kind, kind, requested, want):
+    from fp8mla.backends.select import select, v4_question
+    from fp8mla.formats_v4 import get_v4_format
+    q = v4_question(64, get_v4_format("fp8_v4"), torch.bfloat16, device_kind(kind), 128)
+    assert select(q, requested).backend == want

@@ -91,5 +91,11 @@ TRITON_SPARSE = Capability("triton-sparse", "triton", "sparse_triton", "sparse",
                            device="triton", auto_device="cuda", topk_multiple=64, falls_back=False)
 TORCH_SPARSE = Capability("torch-sparse", "torch", "sparse_torch", "sparse", "the torch sparse code")
 
+# -- DeepSeek V4 (V4SparseAttention): a Hopper build goes first here when it lands -------------------------------
+TRITON_V4 = Capability("triton-v4", "triton", "v4_triton", "v4", "the triton V4 kernel", device="triton",
+                       auto_device="cuda")
+TORCH_V4 = Capability("torch-v4", "torch", "v4_torch", "v4", "the torch V4 code")
+
 BUILDS = {"dense": (GLUON_HEADS_ON_M, GLUON_WIDE, TRITON, TORCH),
-          "sparse": (GLUON_SPARSE, TRITON_SPARSE, TORCH_SPARSE)}
+          "sparse": (GLUON_SPARSE, TRITON_SPARSE, TORCH_SPARSE),
+          "v4": (TRITON_V4, TORCH_V4)}

@@ -22,7 +22,7 @@ from ._invariant import GLUON_REFUSAL
 from .capabilities import BUILDS, DEFAULT_STAGES, Capability
 
 __all__ = ["Capability", "Choice", "Question", "Refusal", "dense_question", "qo_range", "refusal_error", "select",
-           "sparse_question", "without_gluon"]
+           "sparse_question", "v4_question", "without_gluon"]
 
 # What a device kind needs, in the words of the refusals (runtime's checks decide it)
 DEVICE_NEEDS = {"sm90": "needs an sm_90 GPU and triton.experimental.gluon",
@@ -113,6 +113,13 @@ def sparse_question(num_heads: int, topk: int, fmt, q_dtype, device, batch_invar
     device = torch.device(device)
     return Question("sparse", device, runtime.device_tags(device), num_heads, (512, 64), 0, q_dtype, fmt.name,
                     topk=topk, batch_invariant=batch_invariant)
+
+
+def v4_question(num_heads: int, fmt, q_dtype, device, topk: int) -> Question:
+    """The question of a V4 plan (``V4SparseAttention``: 512-wide K = V rows, ``topk`` = window + compressed)."""
+    device = torch.device(device)
+    return Question("v4", device, runtime.device_tags(device), num_heads, (512, 0), 0, q_dtype, fmt.name,
+                    topk=topk)
 
 
 def select(q: Question, requested: str = "auto"):
