@@ -5,9 +5,11 @@ global token slots ``page * page_size + offset`` into the pool; ``-1`` marks an 
 FlashMLA). One call serves decode (one token per request), multi-token decode (MTP) and prefill (every token of a
 chunk): rows of ``indices`` are independent, so no request structure is needed. docs/sparse.md has the contract.
 
-``plan()`` fixes the shapes, dtypes, format and the split workspace (no tensor data, O(1) host work); ``run()``
-checks its tensors against the plan and launches, with no device-to-host sync (``FP8MLA_CHECK=1`` adds the host
-check of the index values), so it can be captured in a CUDA graph.
+``plan()`` fixes the shapes, dtypes and format (no tensor data, O(1) host work), asks ``backends.select`` for the
+build and hands a ``backends.SparseSpec`` to that backend (``sparse_torch``, ``sparse_triton``, ``sparse_gluon``),
+whose plan owns its split rule and split workspace, as ``MLAPagedAttention``'s backends do; ``run()`` checks its
+tensors against the plan, makes the pool's views and calls the backend plan's ``run``, with no device-to-host
+sync (``FP8MLA_CHECK=1`` adds the host check of the index values), so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
