@@ -203,7 +203,6 @@ def test_records_agree_with_the_kernels():
     assert DEFAULTS["num_stages"] == c.DEFAULT_STAGES
 
 
-
 def test_every_record_names_a_backend_module():
     import importlib
     from fp8mla.backends.capabilities import BUILDS

@@ -1,5 +1,5 @@
-"""Which build runs a plan: one ``select`` for the dense API (``MLAPagedAttention``) and the sparse one
-(``MLASparseAttention``).
+"""Which build runs a plan: one ``select`` for the dense API (``MLAPagedAttention``), the sparse one
+(``MLASparseAttention``) and DeepSeek V4's (``V4SparseAttention``).
 
 Every build declares what it supports in one :class:`Capability` record (``backends/capabilities.py``); a plan is
 described by a :class:`Question`. ``select(question, requested)`` walks the builds of the question's API in their
@@ -56,6 +56,8 @@ class Question:
 
 @dataclass(frozen=True)
 class Choice:
+    """The build that runs a plan."""
+
     capability: Capability
     build: object = None      # the named variant (``sm90.Sm90Build``) of a build with a ``finish``
     passed_over: tuple = ()   # (build name, why) of the builds before it that did not take the plan
@@ -71,6 +73,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Refusal:
+    """No build takes the plan (among those ``requested`` allows): each considered build with its reason."""
+
     requested: str
     reasons: tuple        # (capability, why, device_fits) for every build considered
     device: torch.device
@@ -84,10 +88,6 @@ class Refusal:
     @property
     def device_fits(self) -> bool:
         return any(ok for _, _, ok in self.reasons)
-
-    def reason_of(self, backend: str) -> str | None:
-        whys = [why for cap, why, _ in self.reasons if cap.backend == backend]
-        return whys[-1] if whys else None
 
 
 def qo_range(layout) -> tuple | None:
