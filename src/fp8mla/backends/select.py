@@ -115,11 +115,11 @@ def sparse_question(num_heads: int, topk: int, fmt, q_dtype, device, batch_invar
                     topk=topk, batch_invariant=batch_invariant)
 
 
-def v4_question(num_heads: int, fmt, q_dtype, device, topk: int) -> Question:
+def v4_question(num_heads: int, fmt, q_dtype, device, topk: int, batch_invariant: bool = False) -> Question:
     """The question of a V4 plan (``V4SparseAttention``: 512-wide K = V rows, ``topk`` = window + compressed)."""
     device = torch.device(device)
     return Question("v4", device, runtime.device_tags(device), num_heads, (512, 0), 0, q_dtype, fmt.name,
-                    topk=topk)
+                    topk=topk, batch_invariant=batch_invariant)
 
 
 def select(q: Question, requested: str = "auto"):
