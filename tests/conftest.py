@@ -69,6 +69,15 @@ def sm90_compile_tools():
     require_compile_tools()
 
 
+def gluon_build(spec, layout, options: dict):
+    """What the gluon builds answer for a dense plan (``backends.select``): the named build (``sm90.Sm90Build``),
+    or why neither takes it (a str). The plan's device is asked as it is: patch ``fp8mla.runtime.gluon_usable``
+    to describe an sm_90 GPU."""
+    from fp8mla.backends.select import Refusal, dense_question, qo_range, select
+    choice = select(dense_question(spec, qo_range(layout), options), "gluon")
+    return choice.reason if isinstance(choice, Refusal) else choice.build
+
+
 def compile_report_in_child(module: str = "devtools.sass", timeout: int = 600,
                             **kw) -> tuple[dict, str]:
     """``<module>.compile_report(**kw, sass_path=...)`` for sm_90a in a child process (the CPU suite may run under

@@ -216,23 +216,23 @@ def test_refusals_name_the_argument(kwargs, match):
         fp8mla.MLAPagedAttention(**kwargs)
 
 
-def test_auto_never_picks_gluon_in_the_mode():
-    """``auto`` asks the gluon check only through the wrapper's ``supports_gluon``, which refuses in the mode."""
-    attn = fp8mla.MLAPagedAttention(batch_invariant=True)
-    b = make_paged_batch([5], [1], 16, 16, "fp8_e4m3", device=DEVICE, seed=1)
-    seen = []
-    real = fp8mla.attention.choose_backend
-
-    def spy(requested, device, supports_gluon=None):
-        seen.append(supports_gluon())
-        return real(requested, device, supports_gluon=supports_gluon)
-    fp8mla.attention.choose_backend = spy
-    try:
-        attn.plan(**b.plan_args)
-    finally:
-        fp8mla.attention.choose_backend = real
+def test_auto_never_picks_gluon_in_the_mode(monkeypatch):
+    """``auto`` passes the gluon builds over in the mode (their records have no batch-invariant mode), naming why,
+    on an sm_90 GPU too (described to the selector)."""
+    from fp8mla.backends import AttentionSpec
     from fp8mla.backends._invariant import GLUON_REFUSAL
-    assert seen == [(False, GLUON_REFUSAL)] and attn.backend != "gluon"
+    from fp8mla.formats import get_format
+    from fp8mla.layout import PagedLayout
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(fp8mla.runtime, "triton_usable", lambda device: True)
+    attn = fp8mla.MLAPagedAttention(batch_invariant=True)
+    b = make_paged_batch([5], [1], 16, 16, "fp8_e4m3", device="cpu", seed=1)
+    spec = AttentionSpec(16, 512, 64, 16, True, 0.1, torch.bfloat16, get_format("fp8_e4m3"), torch.device("cuda"))
+    a = b.plan_args
+    choice = attn._select(PagedLayout.from_csr(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], 16),
+                          spec)
+    assert choice.backend == "triton"
+    assert choice.passed_over == (("gluon-heads-on-m", GLUON_REFUSAL), ("gluon-wide", GLUON_REFUSAL))
 
 
 def test_engine_switches(monkeypatch):

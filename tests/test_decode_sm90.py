@@ -414,7 +414,7 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
     spec = AttentionSpec(128, 512, 64, 64, True, 192 ** -0.5, torch.bfloat16, get_format("fp8_e4m3"),
                          torch.device("cpu"), True)
     g = torch.Generator().manual_seed(3)
@@ -440,14 +440,15 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
+def test_select_takes_every_built_variant_and_refuses_the_rest_by_name(monkeypatch):
     """No switch decides it: page 1, 16, 32 and multiples of 64, 1..128 heads, qo_len 1..8 with max qo_len x H <=
     512, per-tensor and group scales get a build (the measured ones among KNOWN_BUILDS); every other plan is
     refused with a reason that names what."""
-    from fp8mla.backends import AttentionSpec, gluon as gb
+    from conftest import gluon_build
+    from fp8mla.backends import AttentionSpec
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
 
     def case(H=16, page=64, qo_lens=(1,), fmt="fp8_e4m3", dims=(512, 64), q=torch.bfloat16):
         spec = AttentionSpec(H, dims[0], dims[1], page, True, 192 ** -0.5, q, get_format(fmt), torch.device("cpu"))
@@ -457,7 +458,7 @@ def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(mon
         lay = PagedLayout.from_csr(qo, torch.arange(B + 1, dtype=torch.int32) * n,
                                    torch.arange(n * B, dtype=torch.int32), torch.full((B,), 130, dtype=torch.int32),
                                    page)
-        b = gb.select_build(spec, lay, {})
+        b = gluon_build(spec, lay, {})
         return (False, b) if isinstance(b, str) else (True, b)
 
     for kw in (dict(), dict(page=1), dict(page=16), dict(page=32), dict(page=128), dict(H=1), dict(H=40),
@@ -470,8 +471,8 @@ def test_select_build_takes_every_built_variant_and_refuses_the_rest_by_name(mon
     assert case(fmt="fp8_e4m3_group", H=128)[1] == k.KNOWN_BUILDS["group_h128"]
     assert case(qo_lens=(2, 1))[1] == k.KNOWN_BUILDS["mtp_h16_qo2"]
     for kw, word in ((dict(H=129), "num_heads"), (dict(page=8), "page_size"), (dict(page=48), "page_size"),
-                     (dict(fmt="bf16"), "kv format"), (dict(dims=(256, 64)), "head dims"),
-                     (dict(q=torch.float32), "query dtype"), (dict(qo_lens=(9,)), "qo_len"),
+                     (dict(fmt="bf16"), "kv_data_type"), (dict(dims=(256, 64)), "head_dim"),
+                     (dict(q=torch.float32), "q_data_type"), (dict(qo_lens=(9,)), "qo_len"),
                      (dict(H=128, qo_lens=(5, 1)), "qo_len"), (dict(qo_lens=(2, 0)), "qo_len")):
         ok, why = case(**kw)
         assert not ok and word in why, (kw, why)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fp8mla
-from conftest import compile_report_in_child
+from conftest import compile_report_in_child, gluon_build
 from fp8mla.backends import gluon as gb
 from fp8mla.kernels import sm90 as k
 from fp8mla.testing import compare, make_paged_batch
@@ -107,6 +107,12 @@ def test_p_scale_keeps_p_normal_and_in_range():
     assert torch.equal(x.to(torch.float8_e4m3fn).float(), x)
 
 
+def _wide(spec, options: dict):
+    """The wide build the selector names for a one-query plan of ``spec`` (``gluon.wide_build``)."""
+    from fp8mla.backends.select import dense_question
+    return gb.wide_build(dense_question(spec, (1, 1), options))
+
+
 def _spec(H=16, fmt="fp8_e4m3", q=torch.bfloat16, page=64):
     from fp8mla.backends import AttentionSpec
     return AttentionSpec(H, 512, 64, page, True, 0.1, q, fp8mla.FORMATS[fmt], torch.device("cpu"))
@@ -118,11 +124,11 @@ def test_plan_takes_two_terms_and_a_ring_that_fits():
     assert k.FP8_MATH_TERMS == 2
     for dtype in (torch.bfloat16, torch.float16):
         for H, stages in ((16, 3), (16, 4), (128, 3)):
-            b = gb._build_for(_spec(H, q=dtype), {"fp8_math": True, "num_stages": stages}, 1)
+            b = _wide(_spec(H, q=dtype), {"fp8_math": True, "num_stages": stages})
             assert b.fp8_math and b.stages == 3 and b.q_terms == 2 and b.smem() <= k.SMEM_LIMIT, (H, stages)
             assert b.constexprs()["QK8"] == 2 and b.constexprs().get("QKC", False) == (H <= 16)
     assert k.smem_bytes(4, 16, False, k.FP8_MATH_TERMS) > k.SMEM_LIMIT   # why 4 stages are lowered
-    assert k.KNOWN_BUILDS["fp8_math_h16"] == gb._build_for(_spec(), {"fp8_math": True}, 1)
+    assert k.KNOWN_BUILDS["fp8_math_h16"] == _wide(_spec(), {"fp8_math": True})
 
 
 @pytest.mark.parametrize("H,max_qo", [(16, 1), (128, 1), (16, 2)])
@@ -153,10 +159,10 @@ def test_refusals(monkeypatch):
         with pytest.raises(ValueError, match="fp8_math"):
             fp8mla.MLAPagedAttention(fp8_math=True, **kw)
     # group scales: refused by name before anything is scheduled (the FlashInfer-way group plan too)
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
     if k.gluon is not None:
-        why = gb.select_build(_spec(fmt="fp8_e4m3_group"), SimpleNamespace(qo_lens=[1], max_qo_len=1),
-                              {"fp8_math": True})
+        why = gluon_build(_spec(fmt="fp8_e4m3_group"), SimpleNamespace(qo_lens=[1], max_qo_len=1),
+                          {"fp8_math": True})
         assert isinstance(why, str) and why.startswith("fp8_math: ") and "group" in why
         with pytest.raises(ValueError, match="fp8_math: .*group"):
             gb.build(SimpleNamespace(batch_size=1, qo_lens=[1], max_qo_len=1), _spec(fmt="fp8_e4m3_group"),

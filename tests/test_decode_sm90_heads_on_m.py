@@ -17,7 +17,7 @@ import torch
 
 import fp8mla
 from fp8mla.kernels import sm90 as k
-from conftest import compile_report_in_child
+from conftest import compile_report_in_child, gluon_build
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -69,15 +69,15 @@ def _layout(page=64, qo_lens=(1,), lens=None, host=True):
 @pytest.fixture
 def gb(monkeypatch):
     from fp8mla.backends import gluon as gb
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
     monkeypatch.setattr(gb, "num_sms", lambda device: 132)
     return gb
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
-def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
+def test_select_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
     def case(H=128, page=64, qo_lens=(1,), fmt="fp8_e4m3", q=torch.bfloat16, **opts):
-        return gb.select_build(_spec(H, page, fmt, q), _layout(page, qo_lens), opts)
+        return gluon_build(_spec(H, page, fmt, q), _layout(page, qo_lens), opts)
 
     for kw in (dict(), dict(H=33), dict(H=64), dict(H=96), dict(page=128), dict(page=256), dict(q=torch.float16),
                dict(heads_on_m=True), dict(num_stages=3)):
@@ -97,26 +97,28 @@ def test_select_build_takes_heads_on_m_where_it_fits_and_says_why_not(gb):
                      (dict(H=64, heads_on_m=False), k.Sm90Build.for_plan(64, 64))):
         assert case(**kw) == want, kw
     # heads_on_m=True: a plan it cannot take is refused, naming why
-    for kw, word in ((dict(H=32), "num_heads 32"), (dict(page=32), "page_size 32"), (dict(page=1), "page_size 1"),
-                     (dict(qo_lens=(2, 1)), "qo_len"), (dict(fmt="fp8_e4m3_group"), "group"),
-                     (dict(fp8_math=True), "fp8_math"), (dict(num_stages=4), "num_stages 4")):
+    for kw, word in ((dict(H=32), "num_heads: the heads-on-M build takes 33..128, got 32"),
+                     (dict(page=32), "page_size: the heads-on-M build takes a multiple of 64, got 32"),
+                     (dict(page=1), "got 1"), (dict(qo_lens=(2, 1)), "qo_len"), (dict(fmt="fp8_e4m3_group"), "group"),
+                     (dict(fp8_math=True), "fp8_math"), (dict(num_stages=4), "num_stages: "),
+                     (dict(num_stages=4), "got 4")):
         why = case(heads_on_m=True, **kw)
         assert isinstance(why, str) and why.startswith("heads_on_m=True: ") and word in why, (kw, why)
     # auto takes heads-on-M wherever it takes the plan: CUDA-graph plans and device-only lengths too (its
     # longest-first schedule is made on the device then), whatever the batch
-    graph = gb.select_build(_spec(128, graph=True), _layout(64, (1,)), {})
+    graph = gluon_build(_spec(128, graph=True), _layout(64, (1,)), {})
     assert graph == k.KNOWN_BUILDS["mh128_p64"], graph
-    assert gb.select_build(_spec(128, graph=True), _layout(64, (1,)), dict(heads_on_m=False)) == k.KNOWN_BUILDS["h128_p64"]
+    assert gluon_build(_spec(128, graph=True), _layout(64, (1,)), dict(heads_on_m=False)) == k.KNOWN_BUILDS["h128_p64"]
     for n in (1, 66, 67, 200):   # fewer and more requests than the 66 schedule slots at H128
         assert case(qo_lens=(1,) * n) == k.KNOWN_BUILDS["mh128_p64"], n
     assert case(H=64, qo_lens=(1,) * 133) == k.KNOWN_BUILDS["mh64_p64"]
     spread = [64 * (1 + (i * 37) % 128) for i in range(64)]
     for host in (True, False):
-        assert gb.select_build(_spec(128), _layout(64, (1,) * 64, spread, host=host), {}) == k.KNOWN_BUILDS["mh128_p64"]
-        assert gb.select_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=host),
+        assert gluon_build(_spec(128), _layout(64, (1,) * 64, spread, host=host), {}) == k.KNOWN_BUILDS["mh128_p64"]
+        assert gluon_build(_spec(128), _layout(64, (1,) * 8, [8192] * 8, host=host),
                                dict(heads_on_m=False)) == k.KNOWN_BUILDS["h128_p64"]
     # what the Gluon kernel refuses anyway is refused as before, whatever heads_on_m says
-    assert "num_heads" in case(H=129, heads_on_m=True) and "kv format" in case(fmt="bf16", heads_on_m=None)
+    assert "num_heads" in case(H=129, heads_on_m=True) and "kv_data_type" in case(fmt="bf16", heads_on_m=None)
 
 
 def test_heads_on_m_option_is_checked():

@@ -54,23 +54,24 @@ def test_a_graph_wrapper_that_ran_never_switches_backend(monkeypatch):
     """A later plan that the selector would send to another backend is refused by name once the wrapper has run
     (before any run it may still move: nothing was captured)."""
     b = make_paged_batch([70, 33], [1, 1], 16, 16, "fp8_e4m3", device=DEVICE, seed=8)
-    picks = iter(["torch", "triton", "torch", "triton"])
-    real = attention_mod.choose_backend
+    from fp8mla.backends.capabilities import TORCH, TRITON
+    from fp8mla.backends.select import Choice
+    picks = iter([TORCH, TRITON, TORCH, TRITON])
+    real = attention_mod.select
 
-    def pick(requested, device, supports_gluon=None):
-        real(requested, device, supports_gluon=supports_gluon)
-        return next(picks)
-    monkeypatch.setattr(attention_mod, "choose_backend", pick)
+    def pick(question, requested="auto"):
+        real(question, requested)
+        return Choice(next(picks))
+    monkeypatch.setattr(attention_mod, "select", pick)
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, backend="auto", max_batch_size=8)
-    attn._choice = None
     attn.plan(**b.plan_args)                  # torch
-    attn._choice = None
+    attn._selected.clear()                     # (the wrapper keeps its choice per spec: forget it, ask again)
     attn.plan(**b.plan_args)                  # triton: nothing ran yet, taken
     assert attn._plan.backend == "triton"
-    attn._choice = None
+    attn._selected.clear()
     attn.plan(**b.plan_args)                  # torch again, then it runs
     attn.run(**b.run_args)
-    attn._choice = None
+    attn._selected.clear()
     with pytest.raises(ValueError, match="CUDA-graph wrapper has run the 'torch' backend"):
         attn.plan(**b.plan_args)              # triton after a run: refused
     assert attn._plan.backend == "torch"      # the plan that ran stays

@@ -97,7 +97,7 @@ def test_sparse_and_ragged_plan_take_integer_scalars(num):
         st = fp8mla.MLASparseAttention(backend="triton")
         st.plan(num(16), num(64), num(64), 0.1, torch.bfloat16, "fp8_e4m3", device="cpu", block_n=num(32),
                 num_warps=num(4))
-        assert type(st._plan.config["block_n"]) is int and type(st._plan.config["num_warps"]) is int
+        assert type(st._plan.impl.config["block_n"]) is int and type(st._plan.impl.config["num_warps"]) is int
     from fp8mla.ragged import MLARaggedPrefill
     rp = MLARaggedPrefill(backend="torch")
     ind = torch.tensor([0, 3], dtype=torch.int32)

@@ -368,7 +368,6 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     from fp8mla.models import DeepseekMLAModel, load_config
     from fp8mla.models.runner import DecodeRunner
     monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
     monkeypatch.setattr(gb, "num_sms", lambda device: 132)
     B, page, ctx = 64, 64, 1000
     cfg = load_config("tiny").replace(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)

@@ -336,9 +336,11 @@ def test_fp8_math_refusal_is_not_kept_by_a_graph_wrapper(monkeypatch):
     attn = fp8mla.MLAPagedAttention(use_cuda_graph=True, fp8_math=True)
     with pytest.raises(ValueError, match="fp8_math"):
         attn.plan(**cache.plan_inputs([s]), **kw)
-    assert getattr(attn, "_choice", None) is None
+    assert not attn._selected
     built = []
-    monkeypatch.setattr(att, "choose_backend", lambda *a, **k: "gluon")
+    from fp8mla.backends.capabilities import GLUON_WIDE
+    from fp8mla.backends.select import Choice
+    monkeypatch.setattr(att, "select", lambda *a, **k: Choice(GLUON_WIDE))
     monkeypatch.setattr(att.backends, "build", lambda name, *a: built.append(name) or object())
     attn.plan(**cache.plan_inputs([s]), **kw)
-    assert built == ["gluon"] and attn._choice[1] == "gluon"
+    assert built == ["gluon"] and [c.backend for c in attn._selected.values()] == ["gluon"]

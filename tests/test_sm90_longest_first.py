@@ -90,7 +90,7 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
     from fp8mla.backends import AttentionSpec, gluon as gb
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
-    monkeypatch.setattr(gb, "gluon_usable", lambda device: True)
+    monkeypatch.setattr("fp8mla.runtime.gluon_usable", lambda device: True)
     monkeypatch.setattr(gb, "num_sms", lambda device: 132)
     g = torch.Generator().manual_seed(7)
     lens = torch.randint(512, 16385, (64,), generator=g).to(torch.int32)

@@ -101,7 +101,7 @@ def test_gluon_plan_refusals_and_splits(monkeypatch):
     """backend="gluon" (as if on an sm_90 GPU): a plan outside the Hopper sparse build raises naming the argument;
     one inside it (any topk) plans 64-head groups and one-wave splits."""
     import fp8mla.runtime as rt
-    import fp8mla.sparse as sparse_mod
+    from fp8mla.backends import sparse_gluon
     monkeypatch.setattr(rt, "gluon_usable", lambda device: True)
     g = fp8mla.MLASparseAttention(backend="gluon")
     for kw, match in ((dict(kv_data_type="fp8_e4m3"), "kv_data_type: the gluon sparse build reads fp8_ds_mla"),
@@ -118,43 +118,37 @@ def test_gluon_plan_refusals_and_splits(monkeypatch):
         g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", gather="async")
     g.plan(16, 37, 64, 0.1, torch.bfloat16, "fp8_ds_mla")     # odd topk: the last tile is masked per entry
     assert g.backend == "gluon"
-    g.plan(128, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
-    assert g.backend == "gluon" and g._plan.config == {"block_h": 64}
     # one wave of one CTA per SM: splits = SMs // (tokens x head groups), each split >= min_split (256) entries
-    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 132)
+    monkeypatch.setattr(sparse_gluon, "num_sms", lambda device: 132)   # (the plan asks the SM count once)
+    g.plan(128, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
+    assert g.backend == "gluon" and g._plan.impl.config == {"block_h": 64}
     assert g.splits_for(64) == 1 and g.splits_for(33) == 2 and g.splits_for(1) == 8 and g.splits_for(2) == 8
     g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
     assert g.splits_for(64) == 2 and g.splits_for(132) == 1 and g.splits_for(1) == 8
-    monkeypatch.setattr(sparse_mod, "num_sms", lambda device: 4)
+    monkeypatch.setattr(sparse_gluon, "num_sms", lambda device: 4)
+    g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla")
     assert g.splits_for(1) == 4 and g.splits_for(3) == 1 and g.splits_for(64) == 1
     g.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", num_splits=5)
     assert g.splits_for(64) == 5
 
 
 def test_auto_picks_gluon_only_on_hopper(monkeypatch):
-    """backend="auto": the Gluon sparse build on an sm_90 GPU for a plan it takes (AUTO_SELECT is on), the Triton
-    kernel on another GPU or for a plan gluon refuses, torch on the CPU."""
+    """backend="auto": the Gluon sparse build on an sm_90 GPU for a plan it takes, the Triton kernel on another GPU
+    or for a plan gluon refuses (the reason kept with the choice), torch on the CPU."""
     import fp8mla.runtime as rt
-    import fp8mla.sparse as sparse_mod
     from fp8mla.formats import get_format
-    from fp8mla.kernels.sm90 import sparse as sm90_sparse
-    assert sm90_sparse.AUTO_SELECT is True
     rec, e4m3 = get_format("fp8_ds_mla", sparse_ok=True), get_format("fp8_e4m3", sparse_ok=True)
-    ok = sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)
-    assert ok() == (True, "")
+    auto = fp8mla.MLASparseAttention()
     monkeypatch.setattr(rt, "triton_usable", lambda device: True)
     monkeypatch.setattr(rt, "gluon_usable", lambda device: True)     # an H200
-    assert rt.choose_backend("auto", "cuda", ok) == "gluon"
-    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, e4m3, torch.bfloat16,
-                                                                       2048)) == "triton"
-    assert rt.choose_backend("auto", "cuda", sparse_mod._gluon_support("auto", 16, rec, torch.float16,
-                                                                       2048)) == "triton"
-    assert rt.choose_backend("auto", "cpu", ok) == "torch"
+    assert auto._select(16, 2048, rec, torch.bfloat16, "cuda").backend == "gluon"
+    c = auto._select(16, 2048, e4m3, torch.bfloat16, "cuda")
+    assert c.backend == "triton" and c.passed_over == (
+        ("gluon-sparse", "kv_data_type: the gluon sparse build reads fp8_ds_mla, got 'fp8_e4m3'"),)
+    assert auto._select(16, 2048, rec, torch.float16, "cuda").backend == "triton"
+    assert auto._select(16, 2048, rec, torch.bfloat16, "cpu").backend == "torch"
     monkeypatch.setattr(rt, "gluon_usable", lambda device: False)    # another GPU (sm_80 / 89 / 100 / 120)
-    assert rt.choose_backend("auto", "cuda", ok) == "triton"
-    monkeypatch.setattr(sm90_sparse, "AUTO_SELECT", False)
-    assert sparse_mod._gluon_support("auto", 16, rec, torch.bfloat16, 2048)() == (
-        False, "the gluon sparse build is not auto-selected")
+    assert auto._select(16, 2048, rec, torch.bfloat16, "cuda").backend == "triton"
     monkeypatch.undo()
     a = fp8mla.MLASparseAttention()   # the real selection on this machine's CPU plan
     a.plan(16, 2048, 64, 0.1, torch.bfloat16, "fp8_ds_mla", device="cpu")

@@ -72,11 +72,11 @@ def test_gluon_refused_by_name():
         fp8mla.MLASparseAttention(backend="gluon", batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant: expected True or False"):
         fp8mla.MLASparseAttention(batch_invariant=1)
-    from fp8mla.sparse import _gluon_support
+    from fp8mla.backends.capabilities import GLUON_SPARSE
+    from fp8mla.backends.select import refusal, sparse_question
     from fp8mla.formats import get_format
-    check = _gluon_support("auto", 64, get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16, 2048,
-                           invariant=True)
-    assert check() == (False, GLUON_REFUSAL)
+    q = sparse_question(64, 2048, get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16, "cpu", True)
+    assert refusal(GLUON_SPARSE, q) == GLUON_REFUSAL
 
 
 @pytest.mark.parametrize("backend", [p for p in BACKEND_PARAMS if p.id == "triton"])

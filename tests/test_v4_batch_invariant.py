@@ -242,12 +242,16 @@ def test_backends_that_cannot_honour_it_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="batch_invariant: backend 'gluon' does not cut a row by the row alone"):
         fp8mla.V4SparseAttention(backend="gluon", batch_invariant=True)
     fp8mla.V4SparseAttention(backend="gluon")   # the default mode takes it (the plan then checks it)
-    if "triton" not in fp8mla.available_backends(DEVICE):
-        pytest.skip("triton cannot run here")
-    monkeypatch.setattr(v4, "choose_backend", lambda requested, device, *a: "gluon")
-    attn = fp8mla.V4SparseAttention(batch_invariant=True)
-    attn.plan(16, SM_SCALE, torch.bfloat16, "fp8_v4", window_topk=64, window_page_size=64, device=DEVICE)
-    assert attn.backend == "triton"
+    # "auto" on a Hopper GPU: the selector passes over the gluon V4 build in this mode (its record says it does not
+    # honour it), and takes it otherwise
+    from fp8mla import runtime
+    from fp8mla.backends.select import select, v4_question
+    from fp8mla.formats_v4 import get_v4_format
+    monkeypatch.setattr(runtime, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(runtime, "triton_usable", lambda device: True)
+    for invariant, want in ((True, "triton"), (False, "gluon")):
+        q = v4_question(16, get_v4_format("fp8_v4"), torch.bfloat16, "cuda", 64, batch_invariant=invariant)
+        assert select(q, "auto").backend == want
 
 
 # -- GPU: V4's sizes, CUDA graphs --------------------------------------------------------------------------------

@@ -31,24 +31,34 @@ def test_supports_names_what_it_refuses():
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """An sm_90 device as choose_backend sees it."""
+    """An sm_90 device as the selector sees it."""
     monkeypatch.setattr(runtime, "gluon_usable", lambda device: True)
     monkeypatch.setattr(runtime, "triton_usable", lambda device: True)
     return torch.device("cuda", 0)
 
 
+def _pick(requested, device, q_dtype, heads=64, fmt="fp8_v4", invariant=False):
+    from fp8mla.backends.select import Refusal, refusal_error, select, v4_question
+    from fp8mla.formats_v4 import get_v4_format
+    choice = select(v4_question(heads, get_v4_format(fmt), q_dtype, device, 640, batch_invariant=invariant),
+                    requested)
+    if isinstance(choice, Refusal):
+        raise refusal_error(choice)
+    return choice.backend
+
+
 def test_auto_picks_gluon_on_hopper_where_it_takes_the_plan(hopper):
-    pick = lambda req, q: runtime.choose_backend(req, hopper, v4_gluon.support(req, 64, "fp8_v4", q))  # noqa: E731
-    assert pick("auto", torch.bfloat16) == "gluon"
-    assert pick("auto", torch.float16) == "triton"
-    assert pick("gluon", torch.bfloat16) == "gluon"
+    assert _pick("auto", hopper, torch.bfloat16) == "gluon"
+    assert _pick("auto", hopper, torch.bfloat16, fmt="fp8_v41") == "gluon"
+    assert _pick("auto", hopper, torch.float16) == "triton"
+    assert _pick("auto", hopper, torch.bfloat16, heads=129) == "triton"
+    assert _pick("gluon", hopper, torch.bfloat16) == "gluon"
     with pytest.raises(ValueError, match="q_data_type"):
-        pick("gluon", torch.float16)
+        _pick("gluon", hopper, torch.float16)
 
 
-def test_auto_respects_the_switch(hopper, monkeypatch):
-    monkeypatch.setattr(sm90_v4, "AUTO_SELECT", False)
-    assert runtime.choose_backend("auto", hopper, v4_gluon.support("auto", 64, "fp8_v4", torch.bfloat16)) == "triton"
+def test_the_batch_invariant_mode_never_picks_gluon(hopper):
+    assert _pick("auto", hopper, torch.bfloat16, invariant=True) == "triton"
 
 
 def test_gluon_on_the_cpu_names_why():

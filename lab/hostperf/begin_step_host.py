@@ -23,19 +23,12 @@ import torch
 
 
 def mock_gluon() -> None:
-    import fp8mla.attention as at
+    """Plans as on an H200: the selector sees an sm_90 CUDA device with Triton (``auto`` then picks as there)."""
     import fp8mla.backends.gluon as gl
     import fp8mla.runtime as rt
-    for mod in (rt, gl):
-        mod.gluon_usable = lambda d: True
-        mod.num_sms = lambda d: 132
-    orig = at.choose_backend
-
-    def choose(requested, device, supports_gluon=None):
-        if requested == "auto":  # what auto picks on an H200
-            requested = "gluon" if supports_gluon is not None and supports_gluon()[0] else "triton"
-        return orig(requested, device, supports_gluon)
-    at.choose_backend = choose
+    rt.gluon_usable = lambda d: True
+    rt.device_tags = lambda d: frozenset({"cuda", "triton", "sm90"})
+    rt.num_sms = gl.num_sms = lambda d: 132
 
 
 def median_ms(fn, reps: int, sync) -> float:

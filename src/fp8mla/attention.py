@@ -3,9 +3,9 @@
 ``plan()`` turns its arguments into one :class:`~fp8mla.layout.PagedLayout` (validated once; O(batch) host
 work; no device-to-host sync when ``qo_indptr`` is a CPU tensor, as the engine adapters pass it) and hands it to
 one backend (``fp8mla.backends``: torch, triton, gluon, or the gather_cast strategy), chosen by
-:func:`fp8mla.runtime.choose_backend`. ``run()`` checks its tensors against the plan and launches. The query
-dtype and the KV dtype are planned separately, so BF16 queries read an FP8 pool directly: nothing converts
-the pool.
+``fp8mla.backends.select`` from the records each build declares. ``run()`` checks its tensors against the plan
+and launches. The query dtype and the KV dtype are planned separately, so BF16 queries read an FP8 pool
+directly: nothing converts the pool.
 """
 from __future__ import annotations
 
@@ -15,24 +15,22 @@ from dataclasses import dataclass
 import torch
 
 from . import backends
-from ._checks import (ArgumentTypeError, as_int, check_int, check_positive_int, check_tensor, plain_number,
-                      same_device)
+from ._checks import as_int, check_int, check_positive_int, check_tensor, plain_number
+from ._scales import MAX_SM_SCALE, Q_DTYPES, DeviceScales, check_q_dtype, check_scale, check_sm_scale  # noqa: F401
 from .backends import AttentionSpec
 from .backends._invariant import GLUON_REFUSAL, check_chunk
+from .backends.select import Refusal, dense_question, qo_range, refusal_error, select, without_gluon
 from .formats import FORMATS, KVFormat, get_format
 from .layout import PagedLayout, debug_checks
-from .runtime import available_backends, choose_backend
+from .runtime import available_backends
 
 __all__ = ["MLAPagedAttention", "available_backends"]
 
-Q_DTYPES = (torch.bfloat16, torch.float16)
 STRATEGIES = ("native", "gather_cast")
 CAPACITY_OPTIONS = ("max_batch_size", "max_qo_len", "max_kv_indices", "max_partials")  # CUDA-graph buffer sizes
 KERNEL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "ctas_per_sm", "min_chunk", "evict_first",
                   "index64", "v_convert", "fp8_math", "heads_on_m", "invariant_chunk") + CAPACITY_OPTIONS
 FLASHINFER_BACKENDS = ("fa2", "fa3")
-# Scores beyond this scale overflow fp32 (|q.k| of unit-variance 576-dim rows is ~1e2; x 1e6 is still finite).
-MAX_SM_SCALE = 1e6
 
 
 @dataclass
@@ -152,10 +150,10 @@ class MLAPagedAttention:
         self._kernel_options = kernel_options
         self._plan: _Plan | None = None
         self._rows_fast = None       # replan_rows' per-table constants
+        self._selected = {}          # backends.select's choices, by (spec, the batch's qo_len range)
         self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
         self._graph_backend = None   # CUDA graphs: the backend run() last launched (a capture holds its launches)
-        self._scales = None          # fp32 [2] device tensor: (ckv_scale, kpe_scale) of the last run
-        self._scales_host = None     # what _scales holds, when it came from host floats
+        self._scales = DeviceScales()   # the fp32 [2] device tensor (ckv_scale, kpe_scale) of the last run
 
     @property
     def backend(self) -> str | None:
@@ -219,15 +217,8 @@ class MLAPagedAttention:
         num_heads = check_positive_int("num_heads", num_heads)
         head_dim_ckv = check_positive_int("head_dim_ckv", head_dim_ckv)
         head_dim_kpe = check_int("head_dim_kpe", head_dim_kpe, 0, "a non-negative int (0: no rope part)")
-        if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and sm_scale.device.type == "cpu":
-            sm_scale = float(sm_scale)
-        sm_scale = plain_number(sm_scale)
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
-                or not 0 < sm_scale <= MAX_SM_SCALE:
-            raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g} (larger scales "
-                             f"overflow the fp32 scores), got {sm_scale!r}")
-        if q_data_type not in Q_DTYPES:
-            raise ArgumentTypeError(f"q_data_type: expected one of {list(Q_DTYPES)}, got {q_data_type}")
+        sm_scale = check_sm_scale(sm_scale)
+        check_q_dtype(q_data_type)
         fmt = get_format(kv_data_type, arg="kv_data_type")
         fmt.num_groups(head_dim_ckv)  # validates head_dim_ckv for the group format
         spec = AttentionSpec(num_heads, head_dim_ckv, head_dim_kpe, layout.page_size, bool(causal),
@@ -333,49 +324,35 @@ class MLAPagedAttention:
         """The group-scale plan (format fp8_e4m3_group) of a plain e4m3 plan's layout and spec."""
         return self._build(layout, AttentionSpec(**{**spec.__dict__, "kv_format": FORMATS["fp8_e4m3_group"]}))[1]
 
-    def _build(self, layout: PagedLayout, spec: AttentionSpec):
-        opts = self._kernel_options
-        triton_dims = all(d >= 16 and d & (d - 1) == 0 for d in (spec.head_dim_ckv, spec.head_dim_kpe))
-        requested = self._backend
-        if requested == "auto" and not triton_dims:
-            requested = "torch"  # the kernels need power-of-two dims >= 16 (rope-free MLA runs on torch)
-        verdict = []  # the gluon check's answer, when asked: build() need not repeat it for this layout
+    def _select(self, layout: PagedLayout, spec: AttentionSpec):
+        """The build that runs this plan (``backends.select``), kept for the spec and the batch's query lengths,
+        the only facts of a layout a build's support depends on: a wrapper's re-plans select once. A refusal is
+        never kept (a later plan may fit)."""
+        qo = qo_range(layout)
+        key = (spec, qo)
+        kept = self._selected.get(key)
+        if kept is not None:
+            return kept
+        q = dense_question(spec, qo, self._kernel_options)
+        choice = select(q, self._backend)
+        if isinstance(choice, Refusal):
+            raise _refusal(choice, q)
+        if len(self._selected) >= 8:   # (a wrapper meets few specs and query-length ranges; keep the memo small)
+            self._selected.clear()
+        self._selected[key] = choice
+        return choice
 
-        def supports_gluon():
-            if opts.get("batch_invariant"):
-                verdict.append((False, GLUON_REFUSAL))
-            else:
-                verdict.append(backends.supports_gluon(spec, layout, opts))
-            return verdict[-1]
-        # CUDA-graph wrappers re-plan every step with the same spec: the choice (which asks the device's
-        # capability, a few microseconds each) is kept for the spec and whether every request has one query,
-        # the only layout fact a backend's support depends on
-        qo = layout.qo_lens
-        key = (requested, spec, qo is not None and qo.count(1) == len(qo))
-        kept = getattr(self, "_choice", None)
-        if spec.use_cuda_graph and kept is not None and kept[0] == key:
-            name = kept[1]
-        else:
-            name = choose_backend(requested, spec.device, supports_gluon=supports_gluon)
-            required = opts.get("fp8_math") or opts.get("heads_on_m")
-            if not (required and name != "gluon"):   # a refusal is not kept: a later plan may fit
-                self._choice = (key, name)
-        for flag, what in (("fp8_math", "FP8 tensor-core math runs"), ("heads_on_m", "the heads-on-M build runs")):
-            if opts.get(flag) and name != "gluon":
-                why = (verdict[-1][1] if verdict and not verdict[-1][0]
-                       else f"no sm_90 GPU with Gluon for {spec.device}")
-                raise ValueError(f"{flag}: {what} on the gluon kernel only, and this plan would run on {name!r}: "
-                                 f"{why}")
+    def _build(self, layout: PagedLayout, spec: AttentionSpec):
+        choice = self._select(layout, spec)
+        name = choice.backend
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"
-            return f"gather_cast+{inner}", gather_cast.build(layout, spec, opts, {}, inner=inner)
+            return f"gather_cast+{inner}", gather_cast.build(layout, spec, self._kernel_options, {}, inner=inner)
         state = self._state.setdefault(name, {})
         if spec.use_cuda_graph:
             state["external"] = self._external
-        if name == "gluon" and verdict and verdict[-1][0]:
-            state["supported_layout"] = (spec, layout)
-        return name, backends.build(name, layout, spec, opts, state)
+        return name, backends.build(choice.module, layout, spec, self._kernel_options, state)
 
     # -- run ------------------------------------------------------------------------------------------------
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
@@ -455,7 +432,7 @@ class MLAPagedAttention:
             if lse.stride(-1) != 1:
                 raise ValueError(f"lse: expected a contiguous last dimension (heads), got strides {lse.stride()}")
         if hasattr(impl, "scale_values"):
-            impl.scale_values = self._scales_host
+            impl.scale_values = self._scales.host
         if spec.use_cuda_graph:
             self._graph_backend = p.backend   # (plan() keeps later plans of the wrapper on it)
         impl.run(q_nope, q_pe, ckv_cache, kpe_cache, scales, ckv_scale_arr, out, lse, bool(return_lse_base_on_e))
@@ -483,8 +460,7 @@ class MLAPagedAttention:
 
     def _resolve_scales(self, fmt: KVFormat, ckv_scale, kpe_scale, ckv_scale_arr, P: int,
                         spec: AttentionSpec) -> torch.Tensor:
-        """The fp32 [2] device tensor (ckv, kpe) the kernels read; refilled only when a host value changes, so a
-        captured replay costs nothing here."""
+        """The fp32 [2] device tensor (ckv, kpe) the kernels read (``DeviceScales``)."""
         Dc = spec.head_dim_ckv
         if fmt.scale_kind == "group":
             if ckv_scale_arr is None:
@@ -510,32 +486,11 @@ class MLAPagedAttention:
         if fmt.is_fp8 and kpe_scale is None:
             raise ValueError(f"kpe_scale: ckv_scale and kpe_scale are required for an FP8 pool ({fmt.name}; real = "
                              "stored x scale; kpe_scale 1.0 when k_pe was stored unscaled), got kpe_scale=None")
-        ckv = _check_scale("ckv_scale", ckv_scale, fmt, spec.device, allowed=fmt.scale_kind == "tensor")
-        kpe = _check_scale("kpe_scale", kpe_scale, fmt, spec.device, allowed=fmt.is_fp8)
-        if self._scales is None or self._scales.device != spec.device:
-            self._scales = torch.ones(2, dtype=torch.float32, device=spec.device)
-            self._scales_host = (1.0, 1.0)
-        if isinstance(ckv, float) and isinstance(kpe, float):
-            if self._scales_host != (ckv, kpe):
-                self._scales.copy_(torch.tensor([ckv, kpe]), non_blocking=True)
-                self._scales_host = (ckv, kpe)
-            return self._scales
-        for i, v in enumerate((ckv, kpe)):
-            if isinstance(v, torch.Tensor):
-                # Checked on the device: an invalid scale becomes NaN, so the output is NaN, never plausible.
-                ok = torch.isfinite(v) & (v > 0)
-                self._scales[i].copy_(torch.where(ok, v, torch.full_like(v, math.nan)))
-                if debug_checks() and not bool(ok):
-                    raise ValueError(f"{('ckv_scale', 'kpe_scale')[i]}: expected a positive finite value, got "
-                                     f"{float(v)}")
-            else:
-                self._scales[i].fill_(v)
-        self._scales_host = None
-        return self._scales
+        ckv = check_scale("ckv_scale", ckv_scale, fmt, spec.device, allowed=fmt.scale_kind == "tensor")
+        kpe = check_scale("kpe_scale", kpe_scale, fmt, spec.device, allowed=fmt.is_fp8)
+        return self._scales.set(ckv, kpe, spec.device, debug_checks())
 
 
-FP32_MAX = float(torch.finfo(torch.float32).max)
-FP32_TINY = float(torch.finfo(torch.float32).tiny)
 _WARPS = (1, 2, 4, 8, 16)
 
 
@@ -555,6 +510,17 @@ def _check_kernel_options(opts: dict) -> None:
             raise ValueError(f"{name}: expected True, False or None, got {opts[name]!r}")
 
 
+def _refusal(r: Refusal, q) -> Exception:
+    """The exception of a refused plan. Under ``auto`` only an option that asks for a gluon build (``fp8_math``,
+    ``heads_on_m=True``) leaves no build: named with where the plan would run without it, and what gluon misses."""
+    if r.requested != "auto" or not (q.fp8_math or q.heads_on_m):
+        return refusal_error(r)
+    flag, what = ("fp8_math", "FP8 tensor-core math runs") if q.fp8_math else \
+        ("heads_on_m", "the heads-on-M build runs")
+    return ValueError(f"{flag}: {what} on the gluon kernel only, and this plan would run on "
+                      f"{select(without_gluon(q)).backend!r}: {r.reason}")
+
+
 def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
     """The batch-invariant mode's arguments: the gluon builds and the options that require them are refused by
     name, and its tuning options are taken only with the mode on."""
@@ -572,24 +538,3 @@ def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
             raise ValueError(f"{name}: runs on the gluon kernel only, and {GLUON_REFUSAL}")
     if opts.get("invariant_chunk") is not None:
         check_chunk("invariant_chunk", opts["invariant_chunk"])
-
-
-def _check_scale(name: str, v, fmt: KVFormat, device, *, allowed: bool):
-    """A per-tensor scale: None (= 1), a positive finite float, or a 1-element fp32 tensor on the plan's
-    device (returned as a 0-d tensor; its value is checked on the device)."""
-    if v is None:
-        return 1.0
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.dtype != torch.float32 or not same_device(v.device, device):
-            raise ValueError(f"{name}: expected a float or a 1-element fp32 tensor on {device}, got a "
-                             f"{v.dtype} tensor of shape {tuple(v.shape)} on {v.device}")
-        if not allowed:
-            raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name}, got a tensor")
-        return v.reshape(())
-    v = plain_number(v)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (FP32_TINY <= v <= FP32_MAX):
-        raise ValueError(f"{name}: expected a positive finite float in fp32's normal range [{FP32_TINY:.3g}, "
-                         f"{FP32_MAX:.3g}] (the kernels use it in fp32), got {v!r}")
-    if not allowed and v != 1.0:
-        raise ValueError(f"{name}: kv_data_type {fmt.name!r} takes no {name} (only 1.0), got {v!r}")
-    return float(v)

@@ -65,6 +65,18 @@ def gluon_usable(device) -> bool:
     return cuda_capability(device) == (9, 0) and _gluon_importable() and not interpreting()
 
 
+def device_tags(device) -> frozenset:
+    """What ``device`` can run, as the build records name it (``backends.capabilities``): "cuda" (a CUDA device),
+    "triton" (the portable Triton kernels run there) and "sm90" (the Hopper Gluon builds run there)."""
+    device = torch.device(device)
+    tags = {"cuda"} if device.type == "cuda" else set()
+    if triton_usable(device):
+        tags.add("triton")
+    if gluon_usable(device):
+        tags.add("sm90")
+    return frozenset(tags)
+
+
 def num_sms(device) -> int:
     device = torch.device(device)
     if device.type == "cuda":

@@ -5,29 +5,31 @@ global token slots ``page * page_size + offset`` into the pool; ``-1`` marks an 
 FlashMLA). One call serves decode (one token per request), multi-token decode (MTP) and prefill (every token of a
 chunk): rows of ``indices`` are independent, so no request structure is needed. docs/sparse.md has the contract.
 
-``plan()`` fixes the shapes, dtypes, format and the split workspace (no tensor data, O(1) host work); ``run()``
-checks its tensors against the plan and launches, with no device-to-host sync (``FP8MLA_CHECK=1`` adds the host
-check of the index values), so it can be captured in a CUDA graph.
+``plan()`` fixes the shapes, dtypes and format (no tensor data, O(1) host work), asks ``backends.select`` for the
+build and hands a ``backends.SparseSpec`` to that backend (``sparse_torch``, ``sparse_triton``, ``sparse_gluon``),
+whose plan owns its split rule and split workspace, as ``MLAPagedAttention``'s backends do; ``run()`` checks its
+tensors against the plan, makes the pool's views and calls the backend plan's ``run``, with no device-to-host
+sync (``FP8MLA_CHECK=1`` adds the host check of the index values), so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ._checks import ArgumentTypeError, check_positive_int, check_tensor, plain_number
-from ._softmax import softmax_rows
-from .attention import MAX_SM_SCALE, Q_DTYPES, _check_scale
-from .backends._invariant import GLUON_REFUSAL, SPARSE_INVARIANT_SPLIT
+from . import backends
+from ._checks import check_positive_int, check_tensor, plain_number
+from ._scales import DeviceScales, check_q_dtype, check_scale, check_sm_scale
+from .backends import SparseSpec
+from .backends._invariant import GLUON_REFUSAL
+from .backends._sparse_splits import INDEX_BLOCK
+from .backends.select import Refusal, refusal_error, select, sparse_question
 from .formats import KVFormat, get_format
 from .layout import debug_checks
-from .runtime import LN2, LOG2E, choose_backend, num_sms
 
 __all__ = ["MLASparseAttention", "SPARSE_BACKENDS", "SparseKernelError"]
 
 SPARSE_BACKENDS = ("auto", "torch", "triton", "gluon")
-INDEX_BLOCK = 64  # the Triton kernel walks index rows 64 entries at a time: topk must be a multiple of it
 HEAD_DIMS = (512, 64)
 
 
@@ -36,25 +38,10 @@ class SparseKernelError(ValueError):
 
 
 @dataclass
-class _SparsePlan:
-    num_heads: int
-    topk: int
-    page_size: int
-    sm_scale: float
-    q_dtype: torch.dtype
-    fmt: KVFormat
-    head_dim_ckv: int
-    head_dim_kpe: int
-    num_pages: int | None
-    device: torch.device
+class _Plan:
+    spec: SparseSpec
     backend: str
-    num_splits: int | None
-    min_split: int
-    invariant: bool = False           # the batch-invariant mode: splits follow topk only
-    config: dict | None = None        # the Triton launch configuration
-    part_o: torch.Tensor | None = None    # split workspace (fixed at plan: CUDA-graph safe)
-    part_lse: torch.Tensor | None = None
-    retired: list = field(default_factory=list)   # the invariant mode's outgrown workspaces (kept alive)
+    impl: object    # the backend's plan object (``backends.build_sparse``): its split rule, workspace and launch
 
 
 class MLASparseAttention:
@@ -98,9 +85,8 @@ class MLASparseAttention:
             raise ValueError(GLUON_REFUSAL)
         self._backend = backend
         self._invariant = batch_invariant
-        self._plan: _SparsePlan | None = None
-        self._scales = None
-        self._scales_host = None
+        self._plan: _Plan | None = None
+        self._scales = DeviceScales()
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, num_heads: int, topk: int, page_size: int, sm_scale: float, q_data_type: torch.dtype,
@@ -132,12 +118,8 @@ class MLASparseAttention:
         num_heads = check_positive_int("num_heads", num_heads)
         topk = check_positive_int("topk", topk)
         page_size = check_positive_int("page_size", page_size)
-        sm_scale = plain_number(sm_scale)
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
-                not (0 < sm_scale <= MAX_SM_SCALE):
-            raise ValueError(f"sm_scale: expected a positive finite float <= {MAX_SM_SCALE:g}, got {sm_scale!r}")
-        if q_data_type not in Q_DTYPES:
-            raise ArgumentTypeError(f"q_data_type: expected one of {list(Q_DTYPES)}, got {q_data_type!r}")
+        sm_scale = check_sm_scale(sm_scale)
+        check_q_dtype(q_data_type)
         fmt = get_format(kv_data_type, arg="kv_data_type", sparse_ok=True)
         if (head_dim_ckv, head_dim_kpe) != HEAD_DIMS:
             raise SparseKernelError(f"head_dim_ckv/head_dim_kpe: sparse MLA takes {HEAD_DIMS[0]} + {HEAD_DIMS[1]} "
@@ -159,35 +141,18 @@ class MLASparseAttention:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        backend = choose_backend(self._backend, device, _gluon_support(self._backend, num_heads, fmt,
-                                                                       q_data_type, topk, self._invariant))
-        if backend == "triton" and topk % INDEX_BLOCK:
-            # No quiet fallback to the torch code on a GPU: padding the rows costs nothing, the torch path a lot.
-            raise SparseKernelError(f"topk: the triton sparse kernel needs a multiple of {INDEX_BLOCK} (pad the index "
-                                    f"rows with -1, or plan backend='torch'), got {topk}")
-        p = _SparsePlan(num_heads, topk, page_size, float(sm_scale), q_data_type, fmt, head_dim_ckv, head_dim_kpe,
-                        num_pages, device, backend, num_splits, min_split, self._invariant)
-        if backend == "triton":
-            from .kernels import sparse_decode
-            p.config = sparse_decode.launch_config(num_heads, fmt, device, **kernel_options)
-            cap = self._split_capacity(p)
-            if cap:
-                p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
-                p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
-        elif backend == "gluon":
-            from .kernels.sm90 import sparse as sm90_sparse
-            if kernel_options:
-                raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
-                                "'gluon'")
-            p.config = {"block_h": sm90_sparse.HEAD_GROUP}
-            cap = self._split_capacity(p)
-            if cap:
-                p.part_o = torch.empty(cap, num_heads, head_dim_ckv, dtype=torch.float32, device=device)
-                p.part_lse = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
-        elif kernel_options:
-            raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "
-                            f"{backend!r}")
-        self._plan = p
+        choice = self._select(num_heads, topk, fmt, q_data_type, device)
+        spec = SparseSpec(num_heads, topk, page_size, sm_scale, q_data_type, fmt, head_dim_ckv, head_dim_kpe,
+                          num_pages, device, num_splits, min_split, self._invariant)
+        self._plan = _Plan(spec, choice.backend, backends.build_sparse(choice.module, spec, kernel_options))
+
+    def _select(self, num_heads: int, topk: int, fmt: KVFormat, q_dtype: torch.dtype, device):
+        """The build that runs a plan (``backends.select``), or the exception that names what is missing."""
+        choice = select(sparse_question(num_heads, topk, fmt, q_dtype, torch.device(device), self._invariant),
+                        self._backend)
+        if isinstance(choice, Refusal):
+            raise refusal_error(choice, SparseKernelError)
+        return choice
 
     @property
     def batch_invariant(self) -> bool:
@@ -201,22 +166,9 @@ class MLASparseAttention:
 
     def splits_for(self, num_tokens: int) -> int:
         """Programs each index row is split over for a call with ``num_tokens`` query tokens."""
-        p = self._require_plan()
-        return _splits(p, num_tokens)
+        return self._require_plan().impl.splits_for(num_tokens)
 
-    def _split_capacity(self, p: _SparsePlan) -> int:
-        """Largest ``tokens x splits`` any call can need: splits > 1 only while tokens x head tiles is under the
-        GPU's target program count, so this is bounded by O(SMs) and independent of the batch."""
-        if p.num_splits is not None or p.invariant:
-            return 0  # a fixed split count: the workspace is sized per call (see _run_kernel)
-        cap = 0
-        for n in range(1, _target_programs(p) + 1):
-            s = _splits(p, n)
-            if s > 1:
-                cap = max(cap, n * s)
-        return cap
-
-    def _require_plan(self) -> _SparsePlan:
+    def _require_plan(self) -> _Plan:
         if self._plan is None:
             raise RuntimeError("run: plan() has not been called")
         return self._plan
@@ -244,7 +196,8 @@ class MLASparseAttention:
         Returns:
             ``out`` or ``(out, lse)``. A row with no valid index gives out 0 and lse -inf.
         """
-        p = self._require_plan()
+        plan = self._require_plan()
+        p = plan.spec
         dev, H = p.device, p.num_heads
         check_tensor("q_nope", q_nope, dtype=p.q_dtype, ndim=3, device=dev)
         n = q_nope.shape[0]
@@ -255,7 +208,7 @@ class MLASparseAttention:
             raise ValueError(f"indices: expected a contiguous last dimension, got strides {tuple(indices.stride())}")
         ckv, kpe, sa, P = self._split_pool(p, kv_cache, kpe_cache)
         scales = self._resolve(p, ckv_scale, kpe_scale, ckv_scale_arr, sa, P)
-        if p.fmt.scale_kind == "group":
+        if p.kv_format.scale_kind == "group":
             sa = ckv_scale_arr
         if out is None:
             out = torch.empty(n, H, p.head_dim_ckv, dtype=p.q_dtype, device=dev)
@@ -270,18 +223,14 @@ class MLASparseAttention:
         if debug_checks() and indices.numel():
             _check_index_values(indices, P * p.page_size)
         if n:
-            if p.backend in ("triton", "gluon"):
-                self._run_kernel(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse,
-                                 bool(return_lse_base_on_e))
-            else:
-                _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, bool(return_lse_base_on_e))
+            plan.impl.run(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, bool(return_lse_base_on_e))
         return (out, lse) if return_lse else out
 
-    def _split_pool(self, p: _SparsePlan, kv_cache, kpe_cache):
+    def _split_pool(self, p: SparseSpec, kv_cache, kpe_cache):
         """(ckv, kpe, scale_arr, P): the views the kernels read. A record pool gives strided views of its bytes
         as e4m3 c_kv, fp32 scales and bf16 k_pe, so every path reads the records in place."""
         dev, page = p.device, p.page_size
-        if p.fmt.scale_kind == "record":
+        if p.kv_format.scale_kind == "record":
             if kpe_cache is not None:
                 raise ValueError("kpe_cache: an fp8_ds_mla record holds k_pe itself; expected None")
             # uint8 (vLLM's fp8_ds_mla pool) or float8_e4m3fn (FlashMLA's tests type the same bytes so)
@@ -298,7 +247,7 @@ class MLASparseAttention:
             return (kv_cache[..., :512].view(torch.float8_e4m3fn),
                     kv_cache.view(torch.bfloat16)[..., 264:328],
                     kv_cache.view(torch.float32)[..., 128:132], P)
-        dtype = p.fmt.storage_dtype
+        dtype = p.kv_format.storage_dtype
         Dc, Dk = p.head_dim_ckv, p.head_dim_kpe
         if kpe_cache is None:
             check_tensor("kv_cache", kv_cache, dtype=dtype, shape=(p.num_pages, page, Dc + Dk), device=dev)
@@ -312,9 +261,9 @@ class MLASparseAttention:
                 raise ValueError(f"{name}: expected a contiguous last dimension, got strides {tuple(t.stride())}")
         return ckv, kpe, None, ckv.shape[0]
 
-    def _resolve(self, p: _SparsePlan, ckv_scale, kpe_scale, ckv_scale_arr, record_scales, P: int):
+    def _resolve(self, p: SparseSpec, ckv_scale, kpe_scale, ckv_scale_arr, record_scales, P: int):
         """The fp32 [2] device tensor (ckv_scale, kpe_scale); the group scale tensor checked."""
-        fmt = p.fmt
+        fmt = p.kv_format
         if fmt.scale_kind == "record":
             for name, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale), ("ckv_scale_arr", ckv_scale_arr)):
                 if v is not None:
@@ -344,86 +293,9 @@ class MLASparseAttention:
                 name = "ckv_scale" if ckv_scale is None else "kpe_scale"
                 raise ValueError(f"{name}: an FP8 pool ({fmt.name}) needs {name} (real = stored x scale; 1.0 when "
                                  "stored unscaled), got None")
-        ckv = _check_scale("ckv_scale", ckv_scale, fmt, p.device, allowed=fmt.scale_kind == "tensor")
-        kpe = _check_scale("kpe_scale", kpe_scale, fmt, p.device, allowed=fmt.is_fp8 and fmt.scale_kind != "record")
-        if self._scales is None or self._scales.device != p.device:
-            self._scales = torch.ones(2, dtype=torch.float32, device=p.device)
-            self._scales_host = (1.0, 1.0)
-        if isinstance(ckv, float) and isinstance(kpe, float):
-            if self._scales_host != (ckv, kpe):
-                self._scales.copy_(torch.tensor([ckv, kpe]), non_blocking=True)
-                self._scales_host = (ckv, kpe)
-        else:
-            for i, v in enumerate((ckv, kpe)):
-                if isinstance(v, torch.Tensor):  # an invalid device scale becomes NaN: the output is NaN
-                    self._scales[i].copy_(torch.where(torch.isfinite(v) & (v > 0), v, torch.full_like(v, math.nan)))
-                else:
-                    self._scales[i].fill_(v)
-            self._scales_host = None
-        return self._scales
-
-    def _run_kernel(self, p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e):
-        from .kernels import sparse_decode
-        n = q_nope.shape[0]
-        splits = _splits(p, n)
-        part_o, part_lse = p.part_o, p.part_lse
-        if splits > 1 and (part_o is None or part_o.shape[0] < n * splits):
-            # only with a fixed split count (plan sized nothing). The batch-invariant mode keeps its workspace,
-            # grown to a power of two of the largest call; a replaced one stays alive (a graph captured on it
-            # replays on it, never on freed memory). A pinned num_splits allocates per call.
-            rows = n * splits if not p.invariant else 1 << (n * splits - 1).bit_length()
-            part_o = torch.empty(rows, p.num_heads, p.head_dim_ckv, dtype=torch.float32, device=p.device)
-            part_lse = torch.empty(rows, p.num_heads, dtype=torch.float32, device=p.device)
-            if p.invariant:
-                p.retired.append((p.part_o, p.part_lse))
-                p.part_o, p.part_lse = part_o, part_lse
-        if p.backend == "gluon":
-            from .kernels.sm90 import sparse as sm90_sparse
-            sm90_sparse.sparse_mla(q_nope, q_pe, ckv, kpe, sa, indices, out, lse, part_o, part_lse,
-                                   sm_scale=p.sm_scale, num_splits=splits, lse_scale=LN2 if base_e else 1.0)
-            return
-        sparse_decode.sparse_mla(q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, part_o, part_lse,
-                                 page_size=p.page_size, sm_scale=p.sm_scale, num_splits=splits,
-                                 lse_scale=LN2 if base_e else 1.0, **p.config)
-
-
-def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch.dtype, topk: int,
-                   invariant: bool = False):
-    """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
-    raises, naming why), for "auto" while ``kernels.sm90.sparse.AUTO_SELECT`` is on (``choose_backend`` asks only
-    on an sm_90 GPU with Gluon). Imported only when asked (a torch-only install has no triton). The
-    batch-invariant mode: refused (its wave of splits follows the call's token count)."""
-    def check():
-        if invariant:
-            return False, GLUON_REFUSAL
-        from .kernels.sm90 import sparse as sm90_sparse
-        if requested == "auto" and not sm90_sparse.AUTO_SELECT:
-            return False, "the gluon sparse build is not auto-selected"
-        return sm90_sparse.supports(num_heads, fmt.name, str(q_dtype).removeprefix("torch."), topk)
-    return check
-
-
-def _target_programs(p: _SparsePlan) -> int:
-    return 2 * num_sms(p.device)
-
-
-def _splits(p: _SparsePlan, n: int) -> int:
-    """Programs per index row: triton, enough that ``n x head tiles x splits`` reaches twice the SM count; gluon,
-    one wave of its one-CTA-per-SM kernel (``kernels.sm90.sparse.wave_splits``); each split walking at least
-    ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
-    if p.backend not in ("triton", "gluon"):
-        return 1
-    if p.num_splits is not None:
-        return min(p.num_splits, -(-p.topk // INDEX_BLOCK))
-    if p.invariant:  # the same for every call: the row's cut never follows the call's size
-        return -(-p.topk // SPARSE_INVARIANT_SPLIT)
-    if p.backend == "gluon":
-        from .kernels.sm90 import sparse as sm90_sparse
-        return sm90_sparse.wave_splits(num_sms(p.device), n, p.num_heads, p.topk, p.min_split)
-    tiles = -(-p.num_heads // p.config["block_h"])
-    want = -(-_target_programs(p) // max(1, n * tiles))
-    most = max(1, p.topk // p.min_split)
-    return max(1, min(want, most))
+        ckv = check_scale("ckv_scale", ckv_scale, fmt, p.device, allowed=fmt.scale_kind == "tensor")
+        kpe = check_scale("kpe_scale", kpe_scale, fmt, p.device, allowed=fmt.is_fp8 and fmt.scale_kind != "record")
+        return self._scales.set(ckv, kpe, p.device, debug_checks())
 
 
 def _check_index_values(indices: torch.Tensor, num_slots: int) -> None:
@@ -434,35 +306,3 @@ def _check_index_values(indices: torch.Tensor, num_slots: int) -> None:
         t, j = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"indices: expected slots in [0, {num_slots}) or -1, got indices[{t}, {j}] = "
                          f"{int(indices[t, j])}")
-
-
-def _run_torch(p, q_nope, q_pe, ckv, kpe, sa, scales, indices, out, lse, base_e) -> None:
-    """fp32 torch path: gathers the selected tokens (never the pool), a few query tokens at a time."""
-    n, H, Dc = q_nope.shape
-    page = p.page_size
-    num_slots = ckv.shape[0] * page
-    c_scale, k_scale = scales[0], scales[1]
-    step = max(1, (1 << 24) // (p.topk * (Dc + p.head_dim_kpe)))  # ~64 MB of gathered fp32 per chunk
-    if p.invariant:
-        step = 1  # row by row: every op's shapes follow the row, never the call's token count
-    for t0 in range(0, n, step):
-        t1 = min(n, t0 + step)
-        ids = indices[t0:t1].long()
-        valid = (ids >= 0) & (ids < num_slots)
-        safe = torch.where(valid, ids, torch.zeros_like(ids))
-        pg, sl = safe // page, safe % page
-        c = ckv[pg, sl].float()
-        k = kpe[pg, sl].float()
-        if sa is not None:
-            c = c * sa[pg, sl].repeat_interleave(128, dim=-1)
-        else:
-            c = c * c_scale
-        k = k * k_scale
-        vis = valid[:, None, :]
-        c = torch.where(valid[..., None], c, torch.zeros_like(c))
-        k = torch.where(valid[..., None], k, torch.zeros_like(k))
-        s = (torch.einsum("thd,tkd->thk", q_nope[t0:t1].float(), c) +
-             torch.einsum("thd,tkd->thk", q_pe[t0:t1].float(), k)) * p.sm_scale
-        o, ls = softmax_rows(s, c, vis)
-        out[t0:t1] = o.to(out.dtype)
-        lse[t0:t1] = ls if base_e else ls * LOG2E

@@ -19,7 +19,7 @@ from .attention import MAX_SM_SCALE, Q_DTYPES
 from .backends._invariant import V4_INVARIANT_CHUNK, check_chunk
 from .formats_v4 import HEAD_DIM, V4Format, get_v4_format, pool_geometry
 from .layout import debug_checks
-from .runtime import choose_backend
+from .backends.select import Refusal, refusal_error, select, v4_question
 
 __all__ = ["V4SparseAttention", "V4_BACKENDS", "write_v4_pool"]
 
@@ -165,9 +165,11 @@ class V4SparseAttention:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        from .backends import v4_gluon
-        backend = choose_backend(self._backend, device,
-                                 v4_gluon.support(self._backend, num_heads, fmt.name, q_data_type))
+        choice = select(v4_question(num_heads, fmt, q_data_type, device, window_topk + compressed_topk,
+                                    batch_invariant=self._invariant_chunk is not None), self._backend)
+        if isinstance(choice, Refusal):
+            raise refusal_error(choice)
+        backend = choice.backend
         p = V4Plan(num_heads, float(sm_scale), q_data_type, fmt, window_topk, window_page_size, compressed_topk,
                    compressed_page_size, num_window_pages, num_compressed_pages, device, backend, num_splits,
                    min_split)

@@ -1,12 +1,12 @@
 """The "gluon" backend: the warp-specialized Hopper decode kernel (``fp8mla.kernels.sm90``).
 
-``select_build(spec, layout, options)`` gives the named build (``sm90.Sm90Build``) of each plan it takes, or the
-reason it refuses one: the plan then stays on the Triton kernel (``auto``) or is refused by name
-(``backend="gluon"``), never answered wrongly. Taken: sm_90, H <= 16 (padded to 16) and 17..128
-heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per schedule slot), 1..8 query tokens
-per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
-copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
-scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
+Its two builds, the wide kernel and heads-on-M, declare what they take in ``capabilities.py`` (``GLUON_WIDE``,
+``GLUON_HEADS_ON_M``); ``backends.select`` picks one for each plan, or says why neither takes it: the plan then
+runs on the Triton kernel (``auto``) or is refused by name (``backend="gluon"``), never answered wrongly. Taken:
+sm_90, H <= 16 (padded to 16) and 17..128 heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs
+per schedule slot), 1..8 query tokens per request (multi-token decode: rows = (query token, head) pairs, max
+qo_len x H <= 512), page size 1 (rows copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3
+with per-tensor or per-token group scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
 layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build (``schedule_host``, O(batch)
 Python, staged in one copy: the decode runner's path; it and the merge's block sizes live in
 ``_gluon_host_schedule``), else on the device from the layout (no host read, no sync); lengths are clamped to the
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import LN2, gluon_usable, num_sms
+from ..runtime import LN2, num_sms
 from ._gluon_host_schedule import merge_sizes, schedule_host
 from ._graph import GraphBuffers
-from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
+from ._heads_on_m import aligned_slack
+from .capabilities import DEFAULT_STAGES
+from .select import Refusal, dense_question, qo_range, select
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
@@ -54,95 +56,54 @@ def _stages(ns: int, hpw: int, wide: bool, group: bool, fp8_math: bool) -> int:
     return k.ring_depth(ns, hpw, wide, terms, group)
 
 
-def _qo_refusal(spec, qo_lens) -> str:
-    """Why the query lengths are refused ("" when taken): 1..8 query tokens per request with max_qo x H within the
-    kernel's 512 rows."""
-    from ..kernels import sm90 as k
-    if qo_lens is None:
-        return "qo_indptr is device-only (the query lengths must be known on the host)"
-    if qo_lens.count(1) == len(qo_lens):
-        return ""
-    lo, hi = min(qo_lens), max(qo_lens)
-    if lo < 1 or hi > k.MAX_MTP_QO or hi * spec.num_heads > k.MAX_MTP_ROWS:
-        return (f"qo_len {lo}..{hi} at {spec.num_heads} heads: multi-token decode takes qo_len 1..{k.MAX_MTP_QO} "
-                f"with max qo_len x num_heads <= {k.MAX_MTP_ROWS}")
-    return ""
-
-
-def _spec_refusal(spec, options: dict) -> str:
-    """Why the Gluon kernel refuses a plan of this spec and these options ("" when it may take it): the checks
-    that do not depend on the page table."""
-    fmt = spec.kv_format
-    if not gluon_usable(spec.device):
-        return "needs an sm_90 GPU and triton.experimental.gluon"
+def wide_build(q):
+    """The wide build's named variant (``sm90.Sm90Build``) of a plan its record takes, at ``q.max_qo`` query tokens
+    per request, or why its ring does not fit shared memory (``capabilities.GLUON_WIDE``'s finish)."""
     from ..kernels import sm90 as k
     if k.gluon is None:
         return f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
-    checks = (
-        (1 <= spec.num_heads <= k.MAX_WIDE_HEADS, lambda: f"num_heads {spec.num_heads} > {k.MAX_WIDE_HEADS}"),
-        (spec.head_dim_ckv == k.DC and spec.head_dim_kpe == k.DK,
-         lambda: f"head dims {spec.head_dim_ckv}+{spec.head_dim_kpe}, the kernel is built for {k.DC}+{k.DK}"),
-        (spec.page_size in (1, 16, 32) or spec.page_size % PAGE_MULTIPLE == 0,
-         lambda: f"page_size {spec.page_size}: the kernel takes 1, 16, 32 or a multiple of 64"),
-        (fmt.is_fp8 and fmt.storage_dtype == torch.float8_e4m3fn,
-         lambda: f"kv format {fmt.name}: only FP8 e4m3 (per-tensor or per-token group scales)"),
-        (spec.q_dtype in (torch.bfloat16, torch.float16), lambda: f"query dtype {spec.q_dtype}"),
-        (not (options.get("fp8_math") and fmt.scale_kind == "group"),
-         lambda: f"fp8_math: FP8 tensor-core math takes per-tensor scales (kv format fp8_e4m3); this plan has "
-                 f"per-token group scales ({fmt.name}, or ckv_scale_arr at run())"),
-    )
-    for ok, why in checks:   # every plan asks: a message is formatted only when its check fails
-        if not ok:
-            return why()
-    return ""
-
-
-def _build_for(spec, options: dict, max_qo: int):
-    """The named build (``sm90.Sm90Build``) of an accepted spec at ``max_qo`` query tokens per request, or why its
-    ring does not fit shared memory."""
-    from ..kernels import sm90 as k
-    group = spec.kv_format.scale_kind == "group"
-    fp8_math = bool(options.get("fp8_math"))
-    hpw, _, wide = k.row_config(spec.num_heads, max_qo, k.GROUP_MAX_HPW if group else 32)
-    ns = _stages(int(options.get("num_stages") or DEFAULTS["num_stages"]), hpw, wide, group, fp8_math)
-    b = k.Sm90Build.for_plan(spec.num_heads, spec.page_size, max_qo, spec.causal, group, fp8_math, max(ns, 1))
+    group = q.kv_format == "fp8_e4m3_group"
+    hpw, _, wide = k.row_config(q.num_heads, q.max_qo, k.GROUP_MAX_HPW if group else 32)
+    ns = _stages(q.num_stages or DEFAULTS["num_stages"], hpw, wide, group, q.fp8_math)
+    b = k.Sm90Build.for_plan(q.num_heads, q.page_size, q.max_qo, q.causal, group, q.fp8_math, max(ns, 1))
     if ns < 2 or b.smem() > k.SMEM_LIMIT:
         most = max((n for n in range(2, 8) if k.smem_bytes(n, hpw, wide, b.q_terms, group=group) <= k.SMEM_LIMIT),
                    default=1)
-        return (f"num_stages: the gluon kernel's ring takes 2..{most} stages at {spec.num_heads} heads"
-                f"{' with group scales' if group else ''}{' with fp8_math' if fp8_math else ''}; {ns} stages need "
+        return (f"num_stages: the gluon kernel's ring takes 2..{most} stages at {q.num_heads} heads"
+                f"{' with group scales' if group else ''}{' with fp8_math' if q.fp8_math else ''}; {ns} stages need "
                 f"{b.smem()} B of shared memory, above {k.SMEM_LIMIT}")
     return b
 
 
-def _choose(spec, options: dict, max_qo: int):
-    """The build of an accepted spec: heads-on-M wherever it takes the plan (``heads_on_m`` None or True; True
-    requires it, False never takes it), else the ``_build_for`` build. Where it takes a plan, heads-on-M was measured
-    faster than the wide build at every shape timed, plain and in CUDA-graph wrappers, with host or device-only
-    lengths (its longest-first schedule is made on either side: ``schedule_host`` / ``sm90.schedule_device``):
-    0.80-0.93x the wide build's time at 14 shapes of 64 and 128 heads (equal, uniform, log-normal and one-long
-    lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
+def heads_on_m_build(q):
+    """The heads-on-M build's named variant of a plan its record takes (``capabilities.GLUON_HEADS_ON_M``): the
+    selector prefers it to the wide build wherever it takes the plan (``heads_on_m`` None; True requires it, False
+    never takes it). Where it takes a plan, heads-on-M was measured faster than the wide build at every shape timed,
+    plain and in CUDA-graph wrappers, with host or device-only lengths (its longest-first schedule is made on either
+    side: ``schedule_host`` / ``sm90.schedule_device``): 0.80-0.93x the wide build's time at 14 shapes of 64 and
+    128 heads (equal, uniform, log-normal and one-long lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in
+    CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
-    want = options.get("heads_on_m")
-    if want is not False:
-        why = heads_on_m_refusal(spec, options, max_qo)
-        if not why:
-            return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
-        if want:
-            return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
-    return _build_for(spec, options, max_qo)
+    if k.gluon is None:
+        return f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
+    return k.Sm90Build.for_heads_on_m(q.num_heads, q.page_size)
 
 
-def select_build(spec, layout, options: dict, max_qo: int | None = None):
-    """The named build (``sm90.Sm90Build``) that computes this plan, or the reason (a str) the Gluon kernel refuses
-    it: ``backend="auto"`` then falls back to the Triton kernel, ``backend="gluon"`` raises the reason. ``max_qo``:
-    the build's query tokens per request (default: the layout's longest). The heads-on-M build where it takes the
-    plan (``heads_on_m_refusal``; measured faster than the wide build on the H200 at 64 and 128 heads, pages of
-    64), unless ``options["heads_on_m"]`` is False; True requires it."""
-    why = _spec_refusal(spec, options) or _qo_refusal(spec, layout.qo_lens)
-    if why:
-        return why
-    return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1))
+def _named_build(spec, layout, options: dict, state: dict):
+    """The named build of a plan on this backend (``select`` over the gluon builds), or the reason it refuses it.
+    The build follows the plan's max_qo (fixed by the first plan of a CUDA-graph wrapper, ``plan_max_qo``); kept
+    for the spec and the batch's query lengths, so a wrapper's repeated plans select once."""
+    max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
+    qo = qo_range(layout)
+    key = (spec, qo, max_qo, id(options))
+    memo = state.get("selected")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    choice = select(dense_question(spec, qo, options, max_qo), "gluon")
+    if isinstance(choice, Refusal):
+        return choice.reason
+    state["selected"] = (key, choice.build)
+    return choice.build
 
 
 @dataclass
@@ -225,7 +186,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
         opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
         state["opts_from"] = options
-    b = _select_cached(spec, layout, opts, state)
+    b = _named_build(spec, layout, opts, state)
     if isinstance(b, str):
         raise ValueError(f"backend 'gluon': {b}")
     device = spec.device
@@ -332,30 +293,6 @@ def plan_max_qo(layout, spec, state: dict) -> int:
                          "first planned (and captured) with; plan the longest qo_len first or use one wrapper per "
                          "qo_len")
     return fixed
-
-
-def _select_cached(spec, layout, options: dict, state: dict):
-    """``select_build`` for a wrapper's repeated plans: the spec-level checks (GPU, Gluon, dims, format) run once per
-    spec, the per-layout one (the query lengths) every plan; the build follows the plan's max_qo (fixed by the
-    first plan of a CUDA-graph wrapper, ``plan_max_qo``)."""
-    checked = state.pop("supported_layout", None)  # MLAPagedAttention asked select_build for this very plan
-    if not (checked is not None and checked[0] is spec and checked[1] is layout):
-        if state.get("supported") != spec:
-            why = _spec_refusal(spec, options)
-            if why:
-                return why
-            state["supported"] = spec
-        why = _qo_refusal(spec, layout.qo_lens)
-        if why:
-            return why
-    max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
-    key = (spec, max_qo, id(options))
-    memo = state.get("build_memo")
-    if memo is not None and memo[0] == key:
-        return memo[1]
-    b = _choose(spec, options, max_qo)
-    state["build_memo"] = (key, b)
-    return b
 
 
 def _stage_items(h: dict, device) -> dict:

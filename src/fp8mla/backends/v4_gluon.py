@@ -1,6 +1,7 @@
-"""DeepSeek V4 attention on the Hopper Gluon build (``kernels/sm90/v4.py``): which plans it takes (``support``, for
-``runtime.choose_backend``: ``backend="auto"`` picks it on an sm_90 GPU for every plan it takes, ``"gluon"`` names
-why it does not), the split workspace fixed at plan (CUDA-graph safe), the launch per run (no copy, no sync)."""
+"""DeepSeek V4 attention on the Hopper Gluon build (``kernels/sm90/v4.py``): the split workspace fixed at plan
+(CUDA-graph safe), the launch per run (no copy, no sync). Which plans it takes is its record,
+``capabilities.GLUON_V4``: ``backend="auto"`` picks it on an sm_90 GPU for every plan it takes, ``"gluon"`` names
+why it does not."""
 from __future__ import annotations
 
 import torch
@@ -8,17 +9,6 @@ import torch
 from ..runtime import LN2, num_sms
 
 BACKEND = "gluon"
-
-
-def support(requested: str, num_heads: int, fmt_name: str, q_dtype: torch.dtype):
-    """``choose_backend``'s check: a callable giving ``(ok, why not)`` for the plan (imported only when asked: a
-    torch-only install has no triton). ``auto`` asks only while ``kernels.sm90.v4.AUTO_SELECT`` is on."""
-    def check():
-        from ..kernels.sm90 import v4 as sm90_v4
-        if requested == "auto" and not sm90_v4.AUTO_SELECT:
-            return False, "the gluon V4 build is not auto-selected"
-        return sm90_v4.supports(num_heads, fmt_name, str(q_dtype).removeprefix("torch."))
-    return check
 
 
 def prepare(p, kernel_options: dict) -> None:

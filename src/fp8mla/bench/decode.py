@@ -88,9 +88,10 @@ def reference_error(out, q_nope, q_pe, ckv, kpe, plan_args, nreq):
 
 def _mh_takes(attn) -> bool:
     """Whether the gluon kernel's heads-on-M build takes this wrapper's plan (whatever the default picked)."""
-    from ..backends._heads_on_m import heads_on_m_refusal
+    from ..backends.capabilities import GLUON_HEADS_ON_M
+    from ..backends.select import dense_question, qo_range, refusal
     p = attn._plan
-    return not heads_on_m_refusal(p.spec, {}, max(1, p.layout.max_qo_len or 1))
+    return not refusal(GLUON_HEADS_ON_M, dense_question(p.spec, qo_range(p.layout), {}))
 
 
 def _why(e: Exception, head: int = 200, tail: int = 400) -> str:

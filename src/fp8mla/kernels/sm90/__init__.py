@@ -72,7 +72,7 @@ wgmma (3.9).
 
 Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
 FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_pe 64. Anything else:
-``supports`` says no and the caller falls back to the Triton kernel.
+the builds' records (``backends/capabilities.py``) refuse it and ``auto`` falls back to the Triton kernel.
 
 Heads-on-M build (``heads_on_m``, 33..128 heads, one query per request, per-tensor e4m3, pages of a multiple of
 64; ``Sm90Build.for_heads_on_m``): 64 heads on the MMA's M side, the FP8 tile converted once into a 16-bit shared

@@ -13,7 +13,7 @@ Splits: an index row is cut over ``num_splits`` CTAs, each writing a normalized 
 fills the GPU is one wave (``wave_splits``): one CTA per SM (~200 KB of shared memory each), so more splits would
 only add waves and a longer merge (H200: 0.124 ms at H128 topk 2048 B64 with 1 split, 0.163 with 3).
 
-Numerics: bf16 queries only (an fp16 query is refused: ``supports``); fp16 K, V and P, fp32 accumulation. The
+Numerics: bf16 queries only (an fp16 query is refused: its record, ``backends.capabilities.GLUON_SPARSE``); fp16 K, V and P, fp32 accumulation. The
 record pool must be contiguous over pages (slot s is record s).
 """
 from __future__ import annotations
@@ -22,31 +22,13 @@ import triton
 
 from .sparse_partitions import GLUON_IMPORT_ERROR, NUM_WARPS, REGS, SMEM_LIMIT, TILE, gluon, smem_bytes
 
-# backend="auto" picks this build on Hopper for every plan ``supports`` takes (H200, topk 2048, B64: 6.5x the
-# Triton sparse kernel at 128 heads, 2.4x at 16 and 8; docs/benchmarks.md).
-AUTO_SELECT = True
-
 REC_BYTES = 656        # fp8_ds_mla record: 512 e4m3 | 4 fp32 scales | 64 bf16 k_pe
 DC, DK = 512, 64
 HEAD_GROUP = 64        # heads per CTA (the wgmma M side)
 MAX_HEADS = 128
 LAST_COMPILED = None
 
-__all__ = ["AUTO_SELECT", "HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "sparse_mla", "smem_bytes", "split_geometry",
-           "supports", "wave_splits"]
-
-
-def supports(num_heads: int, fmt_name: str, q_dtype_name: str, topk: int) -> tuple[bool, str]:
-    """(ok, why not) for a plan on this build."""
-    if fmt_name != "fp8_ds_mla":
-        return False, f"kv_data_type: the gluon sparse build reads fp8_ds_mla records, got {fmt_name!r}"
-    if q_dtype_name != "bfloat16":
-        return False, f"q_data_type: the gluon sparse build takes bfloat16 queries, got {q_dtype_name}"
-    if not 1 <= num_heads <= MAX_HEADS:
-        return False, f"num_heads: the gluon sparse build takes 1..{MAX_HEADS}, got {num_heads}"
-    if topk < 1:
-        return False, f"topk: the gluon sparse build needs at least 1 entry, got {topk}"
-    return True, ""
+__all__ = ["HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "sparse_mla", "smem_bytes", "split_geometry", "wave_splits"]
 
 
 def wave_splits(num_sms: int, num_tokens: int, num_heads: int, topk: int, min_split: int) -> int:

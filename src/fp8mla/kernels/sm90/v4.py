@@ -22,9 +22,8 @@ import triton
 from .v4_partitions import (FMT_BF16, FMT_V4, FMT_V41, GLUON_IMPORT_ERROR, NUM_WARPS, REGS, SMEM_LIMIT, TILE,
                             gluon, smem_bytes)
 
-# backend="auto" picks this build on Hopper for every plan ``supports`` takes. Compiled and its SASS checked
-# (tests/test_compile_v4_gluon.py); its GPU check is tests/test_v4_gluon.py.
-AUTO_SELECT = True
+# backend="auto" picks this build on Hopper for every plan it takes (its record: backends.capabilities.GLUON_V4).
+# Compiled and its SASS checked (tests/test_compile_v4_gluon.py); its GPU check is tests/test_v4_gluon.py.
 
 HEAD_GROUP = 64        # heads per CTA (the wgmma M side)
 MAX_HEADS = 128
@@ -32,7 +31,7 @@ FORMATS = {"bf16": FMT_BF16, "fp8_v4": FMT_V4, "fp8_v41": FMT_V41}
 LOG2E = 1.4426950408889634
 LAST_COMPILED = None
 
-__all__ = ["AUTO_SELECT", "FORMATS", "HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "split_geometry", "smem_bytes",
+__all__ = ["FORMATS", "HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "split_geometry", "smem_bytes",
            "pool_pointers", "supports", "tiles_of", "v4_attention", "wave_splits"]
 
 
