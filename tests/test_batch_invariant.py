@@ -170,14 +170,14 @@ def test_default_mode_is_not_claimed_invariant():
     """Without the mode the triton schedule cuts a request by its batch: a 1000-token request alone is split,
     beside seven like it it is not (the chunk is a share of the batch's tokens); the mode cuts it the same in
     both."""
-    triton_backend = pytest.importorskip("fp8mla.backends.triton")
+    from fp8mla.kernels.split import chunk_items_host
 
     def cuts(lens, fixed=None):
         B = len(lens)
         host = dict(qo_indptr=torch.arange(B + 1), kv_indptr=torch.arange(B + 1) * 64,
                     kv_len=torch.tensor(lens))
-        s = triton_backend.schedule_host(host, 16, num_indices=64 * B, target=8, block_n=64, min_chunk=256,
-                                         fixed_chunk=fixed)
+        s = chunk_items_host(host, 16, num_indices=64 * B, target=8, block_n=64, min_chunk=256,
+                             fixed_chunk=fixed)
         first = s["split_indptr"][1]
         return list(zip(s["item_start"][:first], s["item_end"][:first]))
     assert not fp8mla.MLAPagedAttention().batch_invariant
@@ -189,10 +189,10 @@ def test_default_mode_is_not_claimed_invariant():
 def test_device_schedule_overflow_runs_whole_requests():
     """A device-scheduled batch that needs more chunks than the workspace holds: the requests past it run as one
     item each (correct attention, not the invariant cut), counted; never an item past the arrays."""
-    triton_backend = pytest.importorskip("fp8mla.backends.triton")
+    from fp8mla.kernels.split import chunk_items
     lens = torch.tensor([300, 300, 300], dtype=torch.int32)
-    s = triton_backend.schedule(torch.arange(4), torch.arange(4) * 32, lens, 16, num_indices=96, target=4,
-                                max_items=7, block_n=64, min_chunk=64, fixed_chunk=64)
+    s = chunk_items(torch.arange(4), torch.arange(4) * 32, lens, 16, num_indices=96, target=4, max_items=7,
+                    block_n=64, min_chunk=64, fixed_chunk=64)
     split = s["split_indptr"].tolist()
     assert s["overflow"].tolist() == [2]
     assert split == [0, 5, 6, 7]   # the first keeps its 5 chunks (64 x 4 + 44), the others run whole
@@ -321,7 +321,8 @@ def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
     impl, state = attn._plan.impl, attn._state["triton"]
     layout = PagedLayout.from_block_table(table, torch.tensor([128, 6, 65, 1]), 16)
     assert tb.replan_rows(impl, layout, state) is impl
-    want = tb.schedule_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
+    from fp8mla.kernels.split import chunk_items_host
+    want = chunk_items_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
                             fixed_chunk=64)
     buf, n = state["graph"].buf, want["num_items"][0]
     assert n == 6 and buf["num_items"].tolist() == [6]

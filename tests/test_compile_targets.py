@@ -46,7 +46,7 @@ CASES = {
     "extend-group": ("extend", dict(heads=128, kv_mode=2)),
     "ragged-192-128": ("ragged", dict()),
     "ragged-256-256": ("ragged", dict(dims=(256, 256))),
-    "decode-merge": ("decode_merge", dict()),
+    "split-merge": ("split_merge", dict()),
     "merge-state": ("merge_state", dict()),
 }
 
@@ -61,7 +61,7 @@ SM90_CANDIDATES = [
 ]
 SM90_DEFAULTS = ["decode-fp8-h16", "decode-fp8-h128", "decode-group-h16", "decode-bf16-h16", "decode-bf16-h128",
                  "decode-group-h128", "extend-fp8",
-                 "extend-bf16", "ragged-192-128", "decode-merge", "merge-state"]
+                 "extend-bf16", "ragged-192-128", "split-merge", "merge-state"]
 LOOP_CHECKS = [("decode", 89, dict(heads=16, V_CVT=0, NCH=1)), ("decode", 90, dict(heads=16))]
 
 

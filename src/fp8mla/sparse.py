@@ -408,22 +408,20 @@ def _target_programs(p: _SparsePlan) -> int:
 
 
 def _splits(p: _SparsePlan, n: int) -> int:
-    """Programs per index row: triton, enough that ``n x head tiles x splits`` reaches twice the SM count; gluon,
-    one wave of its one-CTA-per-SM kernel (``kernels.sm90.sparse.wave_splits``); each split walking at least
-    ``min_split`` entries. Fixed per (plan, n): the same inputs always split, and merge, the same way."""
+    """Programs per index row (``kernels.split.rows``): triton, enough that ``n x head tiles x splits`` reaches twice
+    the SM count; gluon, one wave of its one-CTA-per-SM kernel; each split walking at least ``min_split`` entries.
+    Fixed per (plan, n): the same inputs always split, and merge, the same way."""
+    from .kernels.split import fill_splits, invariant_splits, wave_splits
     if p.backend not in ("triton", "gluon"):
         return 1
     if p.num_splits is not None:
         return min(p.num_splits, -(-p.topk // INDEX_BLOCK))
     if p.invariant:  # the same for every call: the row's cut never follows the call's size
-        return -(-p.topk // SPARSE_INVARIANT_SPLIT)
+        return invariant_splits(p.topk, SPARSE_INVARIANT_SPLIT)
+    tiles = -(-p.num_heads // p.config["block_h"])   # (gluon: 64-head groups)
     if p.backend == "gluon":
-        from .kernels.sm90 import sparse as sm90_sparse
-        return sm90_sparse.wave_splits(num_sms(p.device), n, p.num_heads, p.topk, p.min_split)
-    tiles = -(-p.num_heads // p.config["block_h"])
-    want = -(-_target_programs(p) // max(1, n * tiles))
-    most = max(1, p.topk // p.min_split)
-    return max(1, min(want, most))
+        return wave_splits(num_sms(p.device), n, tiles, p.topk, p.min_split)
+    return fill_splits(_target_programs(p), n, tiles, p.topk, p.min_split)
 
 
 def _check_index_values(indices: torch.Tensor, num_slots: int) -> None:

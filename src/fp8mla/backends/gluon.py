@@ -7,12 +7,12 @@ heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs per sch
 per request (multi-token decode: rows = (query token, head) pairs, max qo_len x H <= 512), page size 1 (rows
 copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3 with per-tensor or per-token group
 scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
-layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build (``schedule_host``, O(batch)
-Python, staged in one copy: the decode runner's path; it and the merge's block sizes live in
-``_gluon_host_schedule``), else on the device from the layout (no host read, no sync); lengths are clamped to the
-pages each row lists either way.
+layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build (``tile_items_host``, O(batch)
+Python, staged in one copy: the decode runner's path), else on the device from the layout (no host read, no sync);
+lengths are clamped to the pages each row lists either way. The schedules and the merge's block sizes live in
+``kernels.split.tiles``.
 
-``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
+``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``kernels.split.tiles``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
 once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
 kernels read the real counts from device memory, so a captured run replays right after a re-plan.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
-from ._gluon_host_schedule import merge_sizes, schedule_host
+from ..kernels.split import merge_sizes, safe_kv_len, tile_items_device, tile_items_host
 from ._graph import GraphBuffers
 from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
 
@@ -119,7 +119,7 @@ def _choose(spec, options: dict, max_qo: int):
     """The build of an accepted spec: heads-on-M wherever it takes the plan (``heads_on_m`` None or True; True
     requires it, False never takes it), else the ``_build_for`` build. Where it takes a plan, heads-on-M was measured
     faster than the wide build at every shape timed, plain and in CUDA-graph wrappers, with host or device-only
-    lengths (its longest-first schedule is made on either side: ``schedule_host`` / ``sm90.schedule_device``):
+    lengths (its longest-first schedule is made on either side: ``tile_items_host`` / ``tile_items_device``):
     0.80-0.93x the wide build's time at 14 shapes of 64 and 128 heads (equal, uniform, log-normal and one-long
     lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
@@ -244,7 +244,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     h = None
     if layout.host is not None:
         # heads-on-M: one CTA per item, launched longest first (m_list, staged with the items, maps the partials)
-        h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+        h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                           num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
@@ -268,7 +268,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
             t = _stage_items(h, device)
             n_items = len(h["item_req"])
         else:
-            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
+            t = tile_items_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
             n_items = slots + B
         cap = slots + B
         t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
@@ -277,7 +277,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
                          n_items if mh else 0)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    k.schedule_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
+    tile_items_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
     # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
     # max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
@@ -287,9 +287,9 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
-    While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
+    While the host schedule's items are those ``plan`` was built with (``tile_items_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)
-    and only the staged arrays are new; otherwise :func:`build` runs (its schedule_host hits the memo just made).
+    and only the staged arrays are new; otherwise :func:`build` runs (its tile_items_host hits the memo just made).
     ``fixed``: ``plan`` was captured in a CUDA graph, which replays right after any re-plan with its launch
     configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
@@ -298,7 +298,7 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
         return None
     nhg = plan.build.nhg
-    h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+    h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
                       slack=aligned_slack(plan.build), longest_first=plan.build.heads_on_m)
     last = state.get("rows_items")
@@ -369,7 +369,6 @@ def _stage_items(h: dict, device) -> dict:
 def _device_kv_len(layout) -> torch.Tensor:
     """Lengths clamped to the pages each row lists (a device-only table can never make the kernel read past them)
     and zeroed for rows without queries (engines pad those with any length), on the device."""
-    from .triton import safe_kv_len
     kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
     return torch.where(layout.qo_indptr[1:] > layout.qo_indptr[:-1], kv_len, 0).to(torch.int32)
 
@@ -386,7 +385,7 @@ class _GraphBuffers(GraphBuffers):
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        # the arrays schedule_host fills, the one that changes every decode step first (a caller staging them
+        # the arrays tile_items_host fills, the one that changes every decode step first (a caller staging them
         # through ``sink`` copies only up to the last one changed); m_list last (the identity but for a heads-on-M
         # plan's longest-first items).
         # FlashInfer's constructor kv_indices (int32) is the live tensor the kernel reads, at any size, as in

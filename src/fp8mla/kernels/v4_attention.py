@@ -21,8 +21,8 @@ NaN in an unselected slot never reaches the output) and scores -inf. The epilogu
 to the denominator; a row with no valid entry gives out 0 and lse -inf, or with a sink out 0 and lse = the sink.
 
 Splits: each split writes a normalized partial (o, lse base 2); with a sink, split 0 also writes the sink as one
-more partial (o = 0, lse = sink * log2 e), and ``sparse_decode._merge_splits_kernel`` combines them all by
-log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue.
+more partial (o = 0, lse = sink * log2 e), and the split merge (``kernels.split.merge.merge_splits``) combines them
+all by log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import triton.language as tl
 
 from .decode import LOG2E, _bits_to_fp16, _dot
 from .softmax import softmax_step
-from .sparse_decode import _merge_splits_kernel
 
 FMT_BF16, FMT_V4, FMT_V41 = 0, 1, 2
 D = 512
@@ -242,10 +241,9 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
         return
     topk_w = window.indices.shape[1]
     topk_c = compressed.indices.shape[1] if compressed is not None else 0
-    total = max(1, topk_w + topk_c)
-    chunk = -(-total // num_splits)
-    chunk = -(-chunk // block_n) * block_n
-    num_splits = -(-total // chunk)
+    from .split.merge import merge_splits
+    from .split.rows import split_geometry
+    chunk, num_splits = split_geometry(topk_w + topk_c, num_splits, block_n)
     split = num_splits > 1
     has_sink = sinks is not None
     parts = num_splits + int(has_sink)
@@ -270,10 +268,4 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
         HAS_SINK=has_sink, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        block_r, block_c = 8, 64
-        _merge_splits_kernel[(n, triton.cdiv(H, block_r), triton.cdiv(D, block_c))](
-            out, lse, part_o, part_lse, H, parts, lse_scale,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-        )
+        merge_splits(out, lse, part_o, part_lse, num_parts=parts, lse_scale=lse_scale)

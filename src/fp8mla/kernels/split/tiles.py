@@ -1,10 +1,16 @@
-"""The split schedule: the concatenated 64-token tiles of all requests cut into one range per CTA, as
-request-aligned pieces (one work item per CTA, where that balances) or contiguous ranges split at request
-boundaries into items ``(request, first tile, end tile)``; on the host (``schedule``) and on the device
-(``schedule_device``: no host read, CUDA-graph safe)."""
+"""64-token tile ranges per CTA: the Gluon dense builds' work items.
+
+The concatenated 64-token tiles of all requests are cut into one range per CTA, as request-aligned pieces (one
+work item per CTA, where that balances: ``aligned_pieces``) or contiguous ranges split at request boundaries into
+items ``(request, first tile, end tile)``. Three forms give the same items: ``tile_items`` (lists, the reference
+the tests read), ``tile_items_device`` (torch ops on the device: no host read, CUDA-graph safe) and
+``tile_items_host`` (O(batch) Python from a layout's host lengths, staged in one copy; with a memo of the last
+schedule, ``_LAST_ITEMS``); ``merge_sizes`` gives the split merge's block sizes from a schedule's partials.
+"""
 from __future__ import annotations
 
-from .config import TILE
+# The builds' KV tile (kernels.sm90.config.TILE): the cut's unit.
+TILE = 64
 
 
 # The request-aligned schedule (``aligned_pieces``) may give a CTA this many tiles more than the contiguous cut's
@@ -15,10 +21,10 @@ ALIGNED_SLACK = 1
 # wave of whole pieces, while the contiguous cut's items (a range split at request boundaries) become extra CTAs,
 # each with its own Q prologue, partial and merge, and a second wave. Its device schedule (device-only lengths)
 # takes the aligned cut whenever it fits (H128 B64 L8k on 66 slots: 64 whole requests of 128 tiles, against the
-# contiguous share of 125); its host schedule (``schedule_host(longest_first=True)``) has its own rule.
+# contiguous share of 125); its host schedule (``tile_items_host(longest_first=True)``) has its own rule.
 UNBOUNDED_SLACK = 1 << 30
 # The longest-first schedule of a build that launches one CTA per item (heads-on-M; ``longest_first`` below and
-# ``backends._gluon_host_schedule.schedule_host``): the request-aligned cut is kept where its longest piece is within
+# ``tile_items_host``): the request-aligned cut is kept where its longest piece is within
 # max(share / BALANCE, ONE_WAVE_SLACK) tiles of the contiguous cut's share; otherwise the contiguous cut, whose
 # pieces are at most a share but which splits more requests (partials and their merge: ~16 us more, about 6 tiles of
 # the heads-on-M build, in an H200 A/B at B8-B16, where the aligned cut's longest piece was 1.4-1.7x
@@ -41,7 +47,7 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int =
     lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
     17), nor do more non-empty requests than CTAs. An empty request (a padding row of a CUDA-graph bucket) takes
     no CTA: its empty item runs in the CTA of the next piece (the last CTA after the last piece; ``aligned_lists``).
-    ``schedule_device`` computes the same on the device, ``backends._gluon_host_schedule.schedule_host`` on the host."""
+    ``tile_items_device`` computes the same on the device, ``tile_items_host`` on the host."""
     B, T = len(tiles), sum(tiles)
     if B == 0 or sum(1 for n in tiles if n) > num_ctas:
         return None
@@ -58,7 +64,7 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int =
 
 
 def aligned_lists(tiles: list[int], ks: list[int], num_ctas: int) -> tuple[dict, int]:
-    """The request-aligned cut's work items as lists (``_gluon_host_schedule.schedule_host``'s arrays) and its
+    """The request-aligned cut's work items as lists (``tile_items_host``'s arrays) and its
     grid: request b's ``ks[b]`` pieces in order, each its own CTA; an empty request's one empty item in the CTA of
     the next piece (the last piece's CTA at the end, CTA 0 when every request is empty). ``cta_ptr`` has
     ``num_ctas + 1`` entries (CTAs past the grid: empty ranges)."""
@@ -97,7 +103,7 @@ def longest_first_slack(share):
     return torch.clamp(share // BALANCE, min=least)
 
 
-def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True,
+def tile_items(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, aligned: bool = True,
              slack: int = ALIGNED_SLACK):
     """Cut the concatenated 64-token tiles of all requests into per-CTA ranges: request-aligned pieces, one item
     per CTA (``aligned_pieces``, when ``aligned`` and they fit), else contiguous per-CTA ranges.
@@ -143,21 +149,21 @@ def schedule(kv_lens: list[int], num_ctas: int, min_tiles_per_cta: int = 4, alig
     return grid, cta_ptr, items, m_ptr, m_list
 
 
-def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
+def tile_items_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | None = None,
                     aligned: bool = True, slack: int = ALIGNED_SLACK, longest_first: bool = False) -> dict:
-    """``schedule`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
+    """``tile_items`` computed with torch ops on ``kv_len``'s device: no host read, no sync (CUDA-graph re-plans).
     Both cuts are CTA boundaries in the concatenated tiles, and one item generator turns either into work items:
     the contiguous cut's ``c * T // G``, or (``aligned``, where ``aligned_pieces`` takes it: chosen element-wise,
     no host read) the starts of the request-aligned pieces with G = their count; an empty request's item falls in
     the CTA of the next tile either way (the last CTA at the end).
 
-    Same cut as ``schedule`` (CTA c owns global tiles [c*T//G, (c+1)*T//G), G = min(num_ctas, ceil(T/min))),
+    Same cut as ``tile_items`` (CTA c owns global tiles [c*T//G, (c+1)*T//G), G = min(num_ctas, ceil(T/min))),
     but the launch grid is always ``num_ctas`` (CTAs past G get empty ranges) and the arrays have fixed sizes:
     ``cta_ptr [num_ctas + 1]``, items ``[num_ctas + B]`` (padding past the real count is never read),
     ``m_ptr [B + 1]`` = 2 x the request's first item (its partials are consecutive), ``m_list`` = identity.
     ``out``: preallocated int32 buffers to write into (graph mode); returns the dict of arrays.
 
-    ``longest_first`` (a build that launches one CTA per item): ``schedule_host(longest_first=True)`` on the device,
+    ``longest_first`` (a build that launches one CTA per item): ``tile_items_host(longest_first=True)`` on the device,
     the same items in the same order: the aligned cut only within ``longest_first_slack`` of the share (``slack``
     is then ignored), the valid items sorted longest first (a stable sort, the padding after them), ``m_list`` the
     merge's map from each item's place in the unsorted order to its new one; ``cta_ptr`` stays the unsorted cut's
@@ -230,3 +236,148 @@ def schedule_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict | N
     last = res["cta_ptr"][-1:]
     out["cta_ptr"][last.numel() + num_ctas:].copy_(last.expand(out["cta_ptr"].numel() - num_ctas - 1))
     return out
+
+
+# One CTA per item (``longest_first``): the aligned cut's rule and its constants are the device schedule's
+# (``longest_first_slack``, ``BALANCE``, ``ONE_WAVE_SLACK``), so both schedules give the same items.
+
+
+def tile_items_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
+                    aligned: bool = True, slack: int | None = None, longest_first: bool = False) -> dict:
+    """``tile_items_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
+    (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
+    work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further; ``m_list``
+    the identity unless ``longest_first``). The plan stages them in one host -> device copy.
+
+    ``longest_first`` (a build that launches one CTA per item: heads-on-M, plain or into CUDA-graph buffers): the
+    aligned cut only where it is nearly balanced (``longest_first_slack``; ``slack`` is then ignored), else
+    the contiguous cut, and the items reordered longest first (``_longest_first``), with ``m_list`` the merge's map
+    to their new places."""
+    global _LAST_ITEMS
+    slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
+    fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
+    if fast is not None and fast[1][-1] <= num_indices:
+        qo, kvp, L = fast
+        B = len(L)
+        ntiles = [(n + TILE - 1) // TILE for n in L]
+    else:
+        qo, kvp, L, ntiles = _clamped(host, page_size, num_indices, TILE)
+        B = len(L)
+    # The items depend on the tiles only: a decode step whose requests all stay within their 64-token tiles (most
+    # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
+    # (shared with that call's result: read only)
+    key = (num_ctas, min_tiles, aligned, slack, longest_first)
+    last = _LAST_ITEMS
+    if last is not None and last[0] == key and last[1] == ntiles:
+        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **last[2], batch_size=[B])
+    T = sum(ntiles)
+    G = min(max((T + min_tiles - 1) // min_tiles, 1), num_ctas)
+    if longest_first:
+        slack = longest_first_slack((T + G - 1) // G)
+    ks = aligned_pieces(ntiles, num_ctas, min_tiles, slack) if aligned else None
+    if ks is not None:   # one piece per CTA, requests cut into their pieces (aligned_pieces)
+        items = aligned_lists(ntiles, ks, num_ctas)[0]
+        items = _longest_first(items) if longest_first else dict(items, m_list=_identity(len(items["item_req"])))
+        _LAST_ITEMS = (key, ntiles, items)
+        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
+    Gm = G - 1
+    # CTA c owns global tiles [lo[c], lo[c+1]), lo[c] = c*T//G (each owns one or more: G <= T). A request within
+    # one CTA is one item (tiles 0..n); one across CTAs is an item per CTA, cut at the CTA boundaries: walking the
+    # requests and the boundaries together, in order (no division per request; this loop runs every decode step
+    # that changes the tiles). An empty request's item lies in the CTA of the next tile (the last CTA at the end).
+    lo = [c * T // G for c in range(G + 1)]
+    req, t0s, t1s, m_ptr = [], [], [], [0]
+    ptr = [0] * (num_ctas + 1)   # cta_ptr: each CTA's first item; CTAs from G on: the end
+    c = n = s = 0                # the current CTA; items so far; tiles so far
+    nxt = lo[1]                  # the next CTA's first tile
+    for b, nt in enumerate(ntiles):
+        if s >= nxt and c < Gm:  # the request starts the next CTA
+            c += 1
+            nxt = lo[c + 1]
+            ptr[c] = n
+        e = s + nt
+        req.append(b)
+        t0s.append(0)
+        n += 1
+        while e > nxt:           # it runs into the next CTA: cut there
+            x = nxt - s
+            t1s.append(x)
+            req.append(b)
+            t0s.append(x)
+            c += 1
+            ptr[c] = n
+            n += 1
+            nxt = lo[c + 1]
+        t1s.append(nt)
+        m_ptr.append(n)
+        s = e
+    ptr[G:] = [n] * (num_ctas + 1 - G)
+    items = dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr)
+    items = _longest_first(items) if longest_first else dict(items, m_list=_identity(n))
+    _LAST_ITEMS = (key, ntiles, items)  # (one tuple: a concurrent reader sees all or none)
+    return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **items, batch_size=[B])
+
+
+def _identity(n: int) -> list[int]:
+    """``list(range(n))``, the same object while ``n`` stays (read only): a caller staging the arrays through a
+    sink (the decode runner) skips a trailing segment that is the same object as last step's."""
+    global _IDENTITY
+    if len(_IDENTITY) != n:
+        _IDENTITY = list(range(n))
+    return _IDENTITY
+
+
+_IDENTITY: list[int] = []
+
+
+def _longest_first(items: dict) -> dict:
+    """The items reordered longest first (a stable sort: equal pieces keep their order), for a build that launches
+    one CTA per item: the GPU starts CTAs in grid order as SMs free up, so the long pieces run in the first wave and
+    the short ones fill in behind them (list scheduling, longest first). ``m_list`` maps request b's partials
+    ``m_ptr[b]:m_ptr[b+1]`` (in its tile order) to their new places, which the merge reads them through; the
+    kernel writes an item's partial at its place. ``cta_ptr`` is kept (a one-CTA-per-item build does not read it)."""
+    req, t0, t1 = items["item_req"], items["item_t0"], items["item_t1"]
+    order = sorted(range(len(req)), key=lambda i: t0[i] - t1[i])
+    place = [0] * len(req)
+    for new, old in enumerate(order):
+        place[old] = new
+    return dict(cta_ptr=items["cta_ptr"], item_req=[req[i] for i in order], item_t0=[t0[i] for i in order],
+                item_t1=[t1[i] for i in order], m_ptr=items["m_ptr"], m_list=place)
+
+
+_LAST_ITEMS = None  # tile_items_host's last (CTAs and tile quantum, tiles per request, items)
+
+
+def _clamped(host: dict, page_size: int, num_indices: int, tile: int):
+    """(qo_indptr, kv_indptr, lengths, tiles per request) as lists: ``safe_kv_len`` with rows without queries
+    zeroed, from the layout's host arrays."""
+    qo, kvp, lens = (host[key].tolist() for key in ("qo_indptr", "kv_indptr", "kv_len"))
+    L, ntiles = [], []
+    for b in range(len(lens)):
+        n = lens[b]
+        cap = (min(kvp[b + 1], num_indices) - kvp[b]) * page_size
+        if n > cap:
+            n = cap
+        if n < 0 or qo[b + 1] <= qo[b]:
+            n = 0
+        L.append(n)
+        ntiles.append((n + tile - 1) // tile)
+    return qo, kvp, L, ntiles
+
+
+MERGE_GUESS_CAP = 128
+
+
+def merge_sizes(parts: int | None, batch: int, slots: int, rows: int, n_sm: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the split merge. ``parts``: a request's longest list of partials when the host
+    schedule knows it; None when the schedule is made on the device (lengths only there): then the list a
+    request of a *balanced* batch gets from the contiguous schedule, about slots / batch + 1 partials (at most one
+    per CTA). Any value is correct for any batch (the merge loops over a request's real list); a size far above
+    the real count costs masked work and narrow column blocks: a fixed 64 for device-only plans took ~85 us of
+    H128 B64 L8k's .492 ms through the API on the H200 (kernel alone .407; the host-sized merge 15 us)."""
+    if parts is None:
+        # capped at 128: B1 L32k's real 128 partials take (128, 64), the sizes the H200 measured (kernel + merge
+        # .0258 ms); a longer list loops over 128-partial steps
+        parts = min(max(1, slots), MERGE_GUESS_CAP, -(-max(1, slots) // max(1, batch)) + 1)
+    from .merge import merge_blocks
+    return merge_blocks(max(1, parts), batch, rows, n_sm)
