@@ -1,7 +1,8 @@
 """The batch-invariant mode (``batch_invariant=True``): a request's output and lse are the same bits whatever
 shares its batch: batch sizes 1..N, orders, neighbours of other lengths, its pages moved elsewhere in the pool,
 plain and CUDA-graph plans (re-planned), one or several queries per request. Torch and the Triton kernel (the
-interpreter on the CPU); the gluon builds are refused by name. And the default mode is not claimed invariant:
+interpreter on the CPU); ``auto`` keeps the Triton kernel in the mode (the Gluon builds: test_decode_sm90_invariant.py
+on a GPU, test_split_invariant.py on the CPU). And the default mode is not claimed invariant:
 its cut of a request follows the batch."""
 from __future__ import annotations
 
@@ -202,7 +203,6 @@ def test_device_schedule_overflow_runs_whole_requests():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(backend="gluon", batch_invariant=True), "batch_invariant: the gluon"),
     (dict(batch_invariant=True, heads_on_m=True), "heads_on_m: runs on the gluon kernel only"),
     (dict(batch_invariant=True, fp8_math=True), "fp8_math: runs on the gluon kernel only"),
     (dict(batch_invariant=1), "batch_invariant: expected True or False"),
@@ -231,8 +231,8 @@ def test_auto_never_picks_gluon_in_the_mode():
         attn.plan(**b.plan_args)
     finally:
         fp8mla.attention.choose_backend = real
-    from fp8mla.backends._invariant import GLUON_REFUSAL
-    assert seen == [(False, GLUON_REFUSAL)] and attn.backend != "gluon"
+    from fp8mla.backends._invariant import GLUON_AUTO
+    assert seen == [(False, GLUON_AUTO)] and attn.backend != "gluon"
 
 
 def test_engine_switches(monkeypatch):

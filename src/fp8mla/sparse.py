@@ -19,7 +19,7 @@ import torch
 from ._checks import ArgumentTypeError, check_positive_int, check_tensor, plain_number
 from ._softmax import softmax_rows
 from .attention import MAX_SM_SCALE, Q_DTYPES, _check_scale
-from .backends._invariant import GLUON_REFUSAL, SPARSE_INVARIANT_SPLIT
+from .backends._invariant import GLUON_AUTO, SPARSE_INVARIANT_SPLIT
 from .formats import KVFormat, get_format
 from .layout import debug_checks
 from .runtime import LN2, LOG2E, choose_backend, num_sms
@@ -94,8 +94,6 @@ class MLASparseAttention:
             raise ValueError(f"backend: expected one of {SPARSE_BACKENDS}, got {backend!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
-        if batch_invariant and backend == "gluon":
-            raise ValueError(GLUON_REFUSAL)
         self._backend = backend
         self._invariant = batch_invariant
         self._plan: _SparsePlan | None = None
@@ -392,10 +390,11 @@ def _gluon_support(requested: str, num_heads: int, fmt: KVFormat, q_dtype: torch
     """``choose_backend``'s check of the Hopper sparse build: for backend="gluon" always (a plan it cannot take
     raises, naming why), for "auto" while ``kernels.sm90.sparse.AUTO_SELECT`` is on (``choose_backend`` asks only
     on an sm_90 GPU with Gluon). Imported only when asked (a torch-only install has no triton). The
-    batch-invariant mode: refused (its wave of splits follows the call's token count)."""
+    batch-invariant mode: taken when named (its splits follow topk only, one CTA per token, head group and split;
+    the merge's sizes are fixed), never by "auto" (its bits per token are checked on a GPU only)."""
     def check():
-        if invariant:
-            return False, GLUON_REFUSAL
+        if invariant and requested == "auto":
+            return False, GLUON_AUTO
         from .kernels.sm90 import sparse as sm90_sparse
         if requested == "auto" and not sm90_sparse.AUTO_SELECT:
             return False, "the gluon sparse build is not auto-selected"

@@ -16,6 +16,12 @@ lengths are clamped to the pages each row lists either way. The schedules and th
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
 once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
 kernels read the real counts from device memory, so a captured run replays right after a re-plan.
+
+The batch-invariant mode (option ``batch_invariant``): each request is cut in chunks of ``invariant_chunk`` tokens
+on its own (``kernels.split.tiles.invariant_lists`` / ``invariant_items_device``), one work item each, merged in
+chunk order by the merge's sequential formula at fixed block sizes. The wide builds (both consumers over every
+tile) and heads-on-M (one CTA per item) compute an item alike wherever it runs, so a request's bits follow its own
+items; the <= 16-head build and multi-token plans are refused in the mode (``_invariant_refusal``).
 """
 from __future__ import annotations
 
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LN2, gluon_usable, num_sms
-from ..kernels.split import merge_sizes, safe_kv_len, tile_items_device, tile_items_host
+from ..kernels.split import (invariant_items_device, merge_sizes, safe_kv_len, tile_items_device,
+                             tile_items_host)
 from ._graph import GraphBuffers
 from ._heads_on_m import DEFAULT_STAGES, PAGE_MULTIPLE, aligned_slack, heads_on_m_refusal
+from ._invariant import INVARIANT_CHUNK, INVARIANT_PARTIALS
 
 # Kernel options shared with the Triton backend (MLAPagedAttention's KERNEL_OPTIONS): num_stages = TMA ring stages,
 # min_chunk = fewest tokens per CTA (the split granularity is 64-token tiles).
@@ -124,13 +132,31 @@ def _choose(spec, options: dict, max_qo: int):
     lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
     want = options.get("heads_on_m")
+    b = None
     if want is not False:
         why = heads_on_m_refusal(spec, options, max_qo)
         if not why:
-            return k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
-        if want:
+            b = k.Sm90Build.for_heads_on_m(spec.num_heads, spec.page_size)
+        elif want:
             return f"heads_on_m=True: the heads-on-M build does not take this plan: {why}"
-    return _build_for(spec, options, max_qo)
+    b = b or _build_for(spec, options, max_qo)
+    return _invariant_refusal(b, max_qo) if options.get("batch_invariant") and not isinstance(b, str) else b
+
+
+def _invariant_refusal(b, max_qo: int):
+    """The build ``b`` in the batch-invariant mode, or why the mode refuses it: a request's bits must follow its
+    own work items only. The wide builds (both consumers take every tile of an item, each for its own heads) and
+    heads-on-M (one CTA per item) compute an item alike wherever it runs; the <= 16-head build splits an item's
+    tiles between its two consumers by the item's place in its CTA's tile stream (then merges their states), and
+    a multi-token plan runs the variant of the batch's longest query."""
+    if max_qo > 1:
+        return (f"batch_invariant: the gluon builds take one query per request in this mode (the multi-token "
+                f"variant follows the batch's longest query; got {max_qo}); use backend='triton'")
+    if not (b.wide or b.heads_on_m):
+        return ("batch_invariant: the gluon build at <= 16 heads splits a work item's tiles between its two "
+                "consumers by the item's place in its CTA, so a request's bits would follow its batch; use "
+                "backend='triton'")
+    return b
 
 
 def select_build(spec, layout, options: dict, max_qo: int | None = None):
@@ -143,6 +169,11 @@ def select_build(spec, layout, options: dict, max_qo: int | None = None):
     if why:
         return why
     return _choose(spec, options, max_qo or max(1, layout.max_qo_len or 1))
+
+
+def _invariant_chunk(opts: dict):
+    """The batch-invariant mode's chunk (tokens; a multiple of the 64-token tile), None outside the mode."""
+    return (opts.get("invariant_chunk") or INVARIANT_CHUNK) if opts.get("batch_invariant") else None
 
 
 @dataclass
@@ -175,6 +206,8 @@ class GluonPlan:
     slots: int = 0      # the schedule's CTAs
     n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: slots + batch, CUDA graphs
     #                     slots + max_batch; CTAs past the real count exit)
+    # batch-invariant plans cut on the device: int32 [1], requests past the item capacity, run as one item
+    overflow: object = None
 
     def __post_init__(self):
         if not self.max_rows:
@@ -241,47 +274,72 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)   # (heads-on-M: 64 x nhg, the same)
     mh = b.heads_on_m
     slack = aligned_slack(b)
+    fixed = _invariant_chunk(opts)   # the batch-invariant cut's chunk (None: the default cut)
     h = None
     if layout.host is not None:
         # heads-on-M: one CTA per item, launched longest first (m_list, staged with the items, maps the partials)
         h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                          num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh)
+                            num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh, fixed_chunk=fixed)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
         parts = None
-    mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
+    # (the mode: the merge's sizes and formula fixed, never the batch's: its sums would follow BLOCK_P)
+    from ..kernels.split.merge import INVARIANT_BLOCKS, SEQ_ALWAYS
+    mp, mc = INVARIANT_BLOCKS if fixed else merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
+    merge = dict(merge_seq=SEQ_ALWAYS) if fixed else {}   # (read by launch_merge; not a device array)
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}),
                                                  max(rows, k.padded_heads(spec.num_heads, max_qo)))
         buf.check(B, layout.kv_indices.numel(), rows)
+        cap = buf.max_items if fixed else slots + buf.max_batch   # heads-on-M: the CTAs launched
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
+            _check_items(h, buf.max_items, fixed)
             t = buf.load_host(h, layout.kv_indices)
+            t.update(merge)
             return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                             slots + buf.max_batch if mh else 0)
+                             cap if mh else 0)
     kv_len = _device_kv_len(layout)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices,
                 kv_len=kv_len)
+    overflow = None
     if not spec.use_cuda_graph:
-        if h is not None and mh:   # host lengths (no graph): the host schedule's items, its real count
+        cap = slots + B
+        if h is not None and (mh or fixed):   # host lengths (no graph): the host schedule's items, its real count
             t = _stage_items(h, device)
-            n_items = len(h["item_req"])
+            n_items = cap = len(h["item_req"])
+        elif fixed:   # at most one item per request and one per chunk of the listed pages' tokens
+            cap = B + -(-layout.kv_indices.numel() * layout.page_size // fixed)
+            t, overflow = invariant_items_device(kv_len, fixed, slots, cap)
+            n_items = cap
         else:
             t = tile_items_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
             n_items = slots + B
-        cap = slots + B
-        t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-                 part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
-                 part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
+        t.update(base, **merge, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
+                 part_o=torch.empty(max(1, cap), rows, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(max(1, cap), rows, dtype=torch.float32, device=device))
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
-                         n_items if mh else 0)
+                         n_items if mh else 0, overflow)
     t = buf.load(dict(base, batch_size=torch.full((1,), B, dtype=torch.int32)))
-    tile_items_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
-    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
-    # max_items; CTAs past a plan's real count exit at once)
+    t.update(merge)
+    if fixed:
+        overflow = invariant_items_device(t["kv_len"][:B], fixed, slots, buf.max_items, out=t)[1]
+    else:
+        tile_items_device(t["kv_len"][:B], slots, min_tiles, out=t, slack=slack, longest_first=mh)
+    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch (the mode: the
+    # buffers' max_items) <= the buffers' max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                     slots + buf.max_batch if mh else 0)
+                     cap if mh else 0, overflow)
+
+
+def _check_items(h: dict, max_items: int, fixed) -> None:
+    """A host schedule's items fit the CUDA-graph buffers (the default cut always does: at most slots + batch)."""
+    n = len(h["item_req"])
+    if fixed is not None and n > max_items:
+        raise ValueError(f"batch_invariant: this batch cuts into {n} KV chunks of <= {fixed} tokens, above the "
+                         f"{max_items} work items the CUDA-graph buffers hold (max_batch_size + max_partials); "
+                         "construct MLAPagedAttention with a larger max_partials")
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
@@ -295,8 +353,8 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
     from ..kernels import sm90 as k
     buf, opts = state.get("graph"), state.get("opts")
-    if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
-        return None
+    if buf is None or opts is None or plan.t is not buf.buf or layout.host is None or _invariant_chunk(opts):
+        return None   # (the mode: build() stages the new cut into the same buffers)
     nhg = plan.build.nhg
     h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
@@ -381,6 +439,8 @@ class _GraphBuffers(GraphBuffers):
         from ..kernels import sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
+        if opts.get("batch_invariant"):   # the cut follows each request's length: a capacity, not a bound
+            self.max_items = self.max_batch + int(opts.get("max_partials") or INVARIANT_PARTIALS)
         self.n_sm = n_sm
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)

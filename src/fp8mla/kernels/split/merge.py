@@ -273,10 +273,11 @@ def merge_requests(out, lse, part_o, part_lse, qo_indptr, m_ptr, m_list, batch_s
 def launch_merge(out, lse, t: dict, *, grid_batch: int, max_rows: int, num_heads: int, merge_p: int, merge_c: int,
                  min_parts: int = 2, seq: int = SEQ_PARTS) -> None:
     """:func:`merge_requests` of a Gluon plan's arrays: partials ``t["part_o"]`` / ``t["part_lse"]``, lists
-    ``t["m_ptr"]`` / ``t["m_list"]``, requests ``t["qo_indptr"]`` / ``t["batch_size"]``."""
+    ``t["m_ptr"]`` / ``t["m_list"]``, requests ``t["qo_indptr"]`` / ``t["batch_size"]``; ``t["merge_seq"]``, where
+    the plan sets it (the batch-invariant mode: ``SEQ_ALWAYS``), replaces ``seq``."""
     merge_requests(out, lse, t["part_o"], t["part_lse"], t["qo_indptr"], t["m_ptr"], t["m_list"], t["batch_size"],
                    grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, block_p=merge_p, block_c=merge_c,
-                   min_parts=min_parts, seq=seq)
+                   min_parts=min_parts, seq=t.get("merge_seq", seq))
 
 
 def merge_splits(out, lse, part_o, part_lse, *, num_parts: int, lse_scale: float = 1.0,

@@ -238,12 +238,95 @@ def tile_items_device(kv_len, num_ctas: int, min_tiles_per_cta: int, out: dict |
     return out
 
 
+# The batch-invariant cut. A request of L tokens is cut in ceil(L / chunk) pieces of one size (whole tiles, the last
+# the rest: ``chunks.chunk_bounds``, the token boundaries the Triton kernel's invariant cut uses too), each piece
+# one work item, in order; an empty request one empty item. The cut reads the request's length and the chunk only.
+# The items are then placed in CTAs in order (CTA c: the items whose first tile, in the concatenation, falls in its
+# share of the tiles): that placement follows the batch, but a build whose items are computed alike wherever they
+# run (the wide builds, heads-on-M) gives the same bits for each.
+
+
+def invariant_lists(kv_lens: list[int], chunk: int, num_ctas: int) -> dict:
+    """The batch-invariant cut's work items as lists (``tile_items_host``'s arrays): ``cta_ptr`` [num_ctas + 1],
+    ``item_req / item_t0 / item_t1``, ``m_ptr`` [B + 1] and ``m_list`` (the identity)."""
+    from .chunks import chunk_bounds
+    req, t0s, t1s, m_ptr, first = [], [], [], [0], []
+    s = 0   # tiles of the requests before
+    for b, n in enumerate(kv_lens):
+        for a, e in (chunk_bounds(n, chunk, TILE) if n > 0 else [(0, 0)]):
+            req.append(b)
+            t0s.append(a // TILE)
+            t1s.append(-(-e // TILE))
+            first.append(s + a // TILE)
+        s += -(-max(n, 0) // TILE)
+        m_ptr.append(len(req))
+    g = max(1, num_ctas)
+    cta = [min(g - 1, f * g // max(1, s)) for f in first]
+    ptr, i = [], 0
+    for x in range(num_ctas + 1):   # CTA x's first item: the first placed in a CTA >= x
+        while i < len(cta) and cta[i] < x:
+            i += 1
+        ptr.append(i)
+    return dict(cta_ptr=ptr, item_req=req, item_t0=t0s, item_t1=t1s, m_ptr=m_ptr, m_list=list(range(len(req))))
+
+
+def invariant_items_device(kv_len, chunk: int, num_ctas: int, cap: int, out: dict | None = None):
+    """``invariant_lists`` with torch ops on ``kv_len``'s device (int32 [B], clamped to the pages and 0 for rows
+    without queries): no host read, CUDA-graph safe. Returns (arrays, overflow): int32 arrays of fixed sizes,
+    ``cta_ptr [num_ctas + 1]``, items ``[cap]`` (zero past the real count ``m_ptr[B]``), ``m_ptr [B + 1]``,
+    ``m_list`` the identity (``out``: preallocated buffers, written and returned); ``overflow`` int32 [1], the
+    requests whose pieces would pass ``cap`` items, which run as one item each (correct attention, not the
+    invariant cut; a capacity sized for the batch's tokens has none)."""
+    import torch
+    dev = kv_len.device
+    B = kv_len.numel()
+    i64 = dict(dtype=torch.int64, device=dev)
+    L = kv_len.to(torch.int64).clamp(min=0)
+    tiles = (L + TILE - 1) // TILE
+    k = torch.clamp((L + chunk - 1) // chunk, min=1)
+    per = torch.where(L > 0, ((L + k - 1) // k + TILE - 1) // TILE, 1)       # tiles per piece
+    cnt = torch.where(L > 0, (tiles + per - 1) // per, 1)
+    ends = torch.cumsum(cnt, 0)
+    late = ends > cap - (B - torch.arange(1, B + 1, **i64))   # (leaves one item for each request after it)
+    over = late & (cnt > 1)
+    per = torch.where(over, torch.clamp(tiles, min=1), per)
+    cnt = torch.where(over, 1, cnt)
+    ends = torch.cumsum(cnt, 0)
+    req_start = torch.cumsum(tiles, 0) - tiles
+    T = torch.clamp(tiles.sum(), min=1)
+    i = torch.arange(cap, **i64)
+    n_items = ends[-1:] if B else torch.zeros(1, **i64)
+    valid = i < n_items
+    if B:
+        b = torch.clamp(torch.searchsorted(ends, i, right=True), max=B - 1)
+        t0 = (i - (ends - cnt)[b]) * per[b]
+        t1 = torch.minimum(tiles[b], t0 + per[b])
+        g = max(1, num_ctas)
+        cta = torch.where(valid, torch.clamp((req_start[b] + t0) * g // T, max=g - 1), num_ctas)
+    else:
+        b = t0 = t1 = torch.zeros(cap, **i64)
+        cta = torch.full((cap,), num_ctas, **i64)
+    zero = torch.zeros(1, **i64)
+    res = dict(cta_ptr=torch.searchsorted(cta, torch.arange(num_ctas + 1, **i64)),
+               item_req=torch.where(valid, b, 0), item_t0=torch.where(valid, t0, 0),
+               item_t1=torch.where(valid, t1, 0), m_ptr=torch.cat([zero, ends]), m_list=torch.arange(cap, **i64))
+    overflow = over.sum().reshape(1).to(torch.int32)
+    if out is None:
+        return {key: v.to(torch.int32) for key, v in res.items()}, overflow
+    for key, v in res.items():
+        out[key][: v.numel()].copy_(v)
+    last = res["cta_ptr"][-1:]   # (the slots past num_ctas, empty, as tile_items_device leaves them)
+    out["cta_ptr"][num_ctas + 1:].copy_(last.expand(out["cta_ptr"].numel() - num_ctas - 1))
+    return out, overflow
+
+
 # One CTA per item (``longest_first``): the aligned cut's rule and its constants are the device schedule's
 # (``longest_first_slack``, ``BALANCE``, ``ONE_WAVE_SLACK``), so both schedules give the same items.
 
 
 def tile_items_host(host: dict, page_size: int, *, num_indices: int, num_ctas: int, min_tiles: int,
-                    aligned: bool = True, slack: int | None = None, longest_first: bool = False) -> dict:
+                    aligned: bool = True, slack: int | None = None, longest_first: bool = False,
+                    fixed_chunk: int | None = None) -> dict:
     """``tile_items_device`` on the host, in O(batch + CTAs) Python, from the layout's host arrays
     (``PagedLayout.host``): the same lengths (clamped to each row's pages, 0 for rows without queries) and the same
     work items, as lists of ints (the items' first ``m_ptr[-1]`` entries: the kernels read no further; ``m_list``
@@ -252,7 +335,10 @@ def tile_items_host(host: dict, page_size: int, *, num_indices: int, num_ctas: i
     ``longest_first`` (a build that launches one CTA per item: heads-on-M, plain or into CUDA-graph buffers): the
     aligned cut only where it is nearly balanced (``longest_first_slack``; ``slack`` is then ignored), else
     the contiguous cut, and the items reordered longest first (``_longest_first``), with ``m_list`` the merge's map
-    to their new places."""
+    to their new places.
+
+    ``fixed_chunk`` (the batch-invariant mode): each request cut on its own (``invariant_lists``), whatever the
+    batch and ``num_ctas`` (which only place the items in CTAs); the other cut options are then not read."""
     global _LAST_ITEMS
     slack = ALIGNED_SLACK if slack is None else slack   # (``aligned_slack``: the heads-on-M build's is unbounded)
     fast = host.get("lists")  # PagedLayout.decode_rows: lengths within their rows, one query per row
@@ -263,6 +349,9 @@ def tile_items_host(host: dict, page_size: int, *, num_indices: int, num_ctas: i
     else:
         qo, kvp, L, ntiles = _clamped(host, page_size, num_indices, TILE)
         B = len(L)
+    if fixed_chunk is not None:
+        return dict(qo_indptr=qo, kv_indptr=kvp, kv_len=L, **invariant_lists(L, fixed_chunk, num_ctas),
+                    batch_size=[B])
     # The items depend on the tiles only: a decode step whose requests all stay within their 64-token tiles (most
     # steps of a small or uniform batch; ~1/3 of B=64 steps with spread lengths) reuses the last schedule's lists
     # (shared with that call's result: read only)
