@@ -39,7 +39,7 @@ def orders(n_req: int, target: int, seed: int):
 
 
 def gluon(heads, page, graph=False, **opts):
-    extra = dict(max_batch_size=16, max_kv_indices=4096, max_partials=256) if graph else {}
+    extra = dict(max_batch_size=16, max_kv_indices=1 << 16, max_partials=256) if graph else {}
     attn = fp8mla.MLAPagedAttention(backend="gluon", batch_invariant=True, invariant_chunk=CHUNK,
                                     use_cuda_graph=graph, **extra, **opts)
     return attn
