@@ -125,7 +125,7 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
 
 @pytest.mark.parametrize("min_tiles", [1, 8])
 def test_device_longest_first_equals_the_host_schedule(min_tiles):
-    """``schedule_device(longest_first=True)`` (torch ops: CUDA-graph plans and device-only lengths) gives the host
+    """``tile_items_device(longest_first=True)`` (torch ops: CUDA-graph plans and device-only lengths) gives the host
     schedule's items in the host's order, its m_ptr and its m_list, on the same random and edge lengths; padding past
     the item count stays at the end."""
     for lens, ctas in cases():
