@@ -168,3 +168,20 @@ def test_auto_keeps_triton_and_gluon_is_taken_by_name():
     fp8mla.MLAPagedAttention(backend="gluon", batch_invariant=True, heads_on_m=True)
     from fp8mla.backends._invariant import GLUON_AUTO
     assert "auto" in GLUON_AUTO
+
+
+def test_sparse_gluon_splits_follow_topk_only_in_the_mode():
+    """The sparse Gluon build in the mode: every call splits a row in ``ceil(topk / 512)`` (its default split count
+    is one wave of the SMs over the call's tokens), and the merge of those splits has fixed block sizes."""
+    from types import SimpleNamespace
+
+    from fp8mla.kernels.split import merge as mm
+    from fp8mla.sparse import _splits
+    p = SimpleNamespace(backend="gluon", num_splits=None, invariant=True, topk=2048, num_heads=64,
+                        config={"block_h": 64}, min_split=64, device=torch.device("cpu"))
+    assert {_splits(p, n) for n in (1, 7, 64, 4096)} == {4}
+    p.invariant = False
+    assert len({_splits(p, n) for n in (1, 7, 64, 4096)}) > 1   # (the default follows the call)
+    import inspect
+    defaults = inspect.signature(mm.merge_splits).parameters
+    assert (defaults["block_p"].default, defaults["block_c"].default) == INVARIANT_BLOCKS
