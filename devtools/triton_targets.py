@@ -17,7 +17,7 @@ from .sass import analyse, bin_dir, tools_present  # noqa: F401 - re-exported fo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KDIR = os.path.join(ROOT, "src", "fp8mla", "kernels")
 ARCHS = (80, 89, 90, 120)
-KERNELS = ("decode", "decode_merge", "extend", "ragged", "merge_state")
+KERNELS = ("decode", "split_merge", "extend", "ragged", "merge_state")
 
 
 def _load_kernels():
@@ -37,10 +37,11 @@ def _load_kernels():
     pkg.__path__ = [KDIR]
     sys.modules.setdefault("fp8mla_kernels", pkg)
     mods = {}
-    for name in ("softmax", "decode", "extend", "ragged", "merge_state"):
+    for name in ("softmax", "decode", "extend", "ragged", "merge_state", "split_merge"):
         full = f"fp8mla_kernels.{name}"
         if full not in sys.modules:
-            spec = importlib.util.spec_from_file_location(full, os.path.join(KDIR, f"{name}.py"))
+            path = os.path.join(KDIR, *(("split", "merge.py") if name == "split_merge" else (f"{name}.py",)))
+            spec = importlib.util.spec_from_file_location(full, path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[full] = mod
             spec.loader.exec_module(mod)
@@ -63,8 +64,10 @@ def launch_config(kernel: str, arch: int, *, heads: int = 16, kv_mode: int = 0, 
                  BLOCK_N=d["block_n"], NUM_STAGES=d["num_stages"], CAUSAL=True, KV_MODE=kv_mode, FP32_DOT=False,
                  Q_SPLIT=False, EVICT="evict_first", IDX64=False,
                  NCH=m["decode"].column_chunks(kv_mode, 512, v_cvt), V_CVT=v_cvt, RAW_FP8=1 if raw and fp8 else 0)
-    elif kernel == "decode_merge":
-        c = dict(num_warps=4, num_stages=1, DC=512, BLOCK_R=8, BLOCK_C=64)
+    elif kernel == "split_merge":   # the work-item lists' merge at the sizes the Triton dense plans launch
+        bp, bc = m["split_merge"].INVARIANT_BLOCKS
+        c = dict(num_warps=4, num_stages=1, BLOCK_P=bp, BLOCK_C=bc, ROWS=m["split_merge"].merge_tile(bc),
+                 SEQ=m["split_merge"].SEQ_PARTS, UNIFORM=False)
     elif kernel == "extend":
         group = kv_mode == 2
         t = m["extend"].default_tiles(heads, False, group, arch)
@@ -95,14 +98,14 @@ SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 _PTR = {
     "decode": {"q_nope": "bf16", "q_pe": "bf16", "ckv": "KV", "kpe": "KV", "scale_arr": "fp32", "scales": "fp32",
                "out": "bf16", "lse_out": "fp32", "part_o": "fp32", "part_lse": "fp32"},
-    "decode_merge": {"out": "bf16", "lse_out": "fp32", "part_o": "fp32", "part_lse": "fp32"},
+    "split_merge": {"out": "bf16", "lse_out": "fp32", "part_o": "fp32", "part_lse": "fp32"},
     "extend": {"qn_ptr": "bf16", "qp_ptr": "bf16", "ckv_ptr": "KV", "kpe_ptr": "KV", "gs_ptr": "fp32",
                "scales_ptr": "fp32", "o_ptr": "bf16", "lse_ptr": "fp32"},
     "ragged": {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "o_ptr": "bf16", "lse_ptr": "fp32"},
     "merge_state": {"va_ptr": "bf16", "sa_ptr": "fp32", "vb_ptr": "bf16", "sb_ptr": "fp32", "vo_ptr": "bf16",
                     "so_ptr": "fp32"},
 }
-_FLOAT = {"sm_scale_log2", "sm_scale", "qk_scale"}
+_FLOAT = {"sm_scale_log2", "sm_scale", "qk_scale", "lse_scale"}
 # Strides that are 1 in every real launch: Triton specializes an int argument equal to 1 as a constant.
 _ONES = {"stride_o_c", "stride_lse_h", "stride_sa_g", "stride_lh", "stride_gs_g", "stride_sa_h", "stride_sb_h",
          "stride_so_h"}
@@ -113,7 +116,7 @@ _ODD = {"stride_lse_t", "stride_lse_n", "stride_ln", "stride_pl_i", "stride_sa_n
 
 def _kernel_fn(kernel: str):
     m = _load_kernels()
-    return {"decode": m["decode"]._mla_decode_kernel, "decode_merge": m["decode"]._merge_kernel,
+    return {"decode": m["decode"]._mla_decode_kernel, "split_merge": m["split_merge"]._merge_parts_kernel,
             "extend": m["extend"]._extend_kernel, "ragged": m["ragged"]._ragged_fwd_kernel,
             "merge_state": m["merge_state"]._merge_state_kernel}[kernel]
 
@@ -138,7 +141,7 @@ def compile_kernel(kernel: str, arch: int, **overrides):
             sig[n] = "*" + (kv if _PTR[kernel][n] == "KV" else _PTR[kernel][n])
         elif n in _FLOAT:
             sig[n] = "fp32"
-        elif n.startswith("stride") or n in ("H", "R", "num_pages"):
+        elif n.startswith("stride") or n in ("H", "R", "num_pages", "num_parts", "min_parts"):
             sig[n] = "i32"
         else:
             sig[n] = "*i32"

@@ -6,7 +6,7 @@ ptxas and cuobjdump come with the triton wheel (triton/backends/nvidia/bin); tor
     python scripts/compile_kernels.py --kernel all --arch all          # every kernel's default for every target
     python scripts/compile_kernels.py --kernel extend --arch 90 --grid # the extend tile variants the bench sweeps
 
-Kernels: decode, decode_merge, extend, ragged, merge_state. Targets: 80, 89, 90 (sm_90a), 120. Each kernel's
+Kernels: decode, split_merge, extend, ragged, merge_state. Targets: 80, 89, 90 (sm_90a), 120. Each kernel's
 configuration per target is ``launch_config`` below: what its launcher picks there (e.g. the decode kernel on
 sm_80 reads the FP8 pool as uint8 and converts by bit manipulation; on sm_80/89/120 it converts V by inline asm
 in 128-column chunks). The report is for the triton of this environment; the H200 runs triton 3.6, whose SASS

@@ -1,7 +1,8 @@
 """The batch-invariant mode (``batch_invariant=True``): a request's output and lse are the same bits whatever
 shares its batch: batch sizes 1..N, orders, neighbours of other lengths, its pages moved elsewhere in the pool,
 plain and CUDA-graph plans (re-planned), one or several queries per request. Torch and the Triton kernel (the
-interpreter on the CPU); the gluon builds are refused by name. And the default mode is not claimed invariant:
+interpreter on the CPU); ``auto`` keeps the Triton kernel in the mode (the Gluon builds: test_decode_sm90_invariant.py
+on a GPU, test_split_invariant.py on the CPU). And the default mode is not claimed invariant:
 its cut of a request follows the batch."""
 from __future__ import annotations
 
@@ -170,14 +171,14 @@ def test_default_mode_is_not_claimed_invariant():
     """Without the mode the triton schedule cuts a request by its batch: a 1000-token request alone is split,
     beside seven like it it is not (the chunk is a share of the batch's tokens); the mode cuts it the same in
     both."""
-    triton_backend = pytest.importorskip("fp8mla.backends.triton")
+    from fp8mla.kernels.split import chunk_items_host
 
     def cuts(lens, fixed=None):
         B = len(lens)
         host = dict(qo_indptr=torch.arange(B + 1), kv_indptr=torch.arange(B + 1) * 64,
                     kv_len=torch.tensor(lens))
-        s = triton_backend.schedule_host(host, 16, num_indices=64 * B, target=8, block_n=64, min_chunk=256,
-                                         fixed_chunk=fixed)
+        s = chunk_items_host(host, 16, num_indices=64 * B, target=8, block_n=64, min_chunk=256,
+                             fixed_chunk=fixed)
         first = s["split_indptr"][1]
         return list(zip(s["item_start"][:first], s["item_end"][:first]))
     assert not fp8mla.MLAPagedAttention().batch_invariant
@@ -189,10 +190,10 @@ def test_default_mode_is_not_claimed_invariant():
 def test_device_schedule_overflow_runs_whole_requests():
     """A device-scheduled batch that needs more chunks than the workspace holds: the requests past it run as one
     item each (correct attention, not the invariant cut), counted; never an item past the arrays."""
-    triton_backend = pytest.importorskip("fp8mla.backends.triton")
+    from fp8mla.kernels.split import chunk_items
     lens = torch.tensor([300, 300, 300], dtype=torch.int32)
-    s = triton_backend.schedule(torch.arange(4), torch.arange(4) * 32, lens, 16, num_indices=96, target=4,
-                                max_items=7, block_n=64, min_chunk=64, fixed_chunk=64)
+    s = chunk_items(torch.arange(4), torch.arange(4) * 32, lens, 16, num_indices=96, target=4, max_items=7,
+                    block_n=64, min_chunk=64, fixed_chunk=64)
     split = s["split_indptr"].tolist()
     assert s["overflow"].tolist() == [2]
     assert split == [0, 5, 6, 7]   # the first keeps its 5 chunks (64 x 4 + 44), the others run whole
@@ -202,7 +203,6 @@ def test_device_schedule_overflow_runs_whole_requests():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(backend="gluon", batch_invariant=True), "batch_invariant: the gluon"),
     (dict(batch_invariant=True, heads_on_m=True), "heads_on_m: runs on the gluon kernel only"),
     (dict(batch_invariant=True, fp8_math=True), "fp8_math: runs on the gluon kernel only"),
     (dict(batch_invariant=1), "batch_invariant: expected True or False"),
@@ -217,10 +217,10 @@ def test_refusals_name_the_argument(kwargs, match):
 
 
 def test_auto_never_picks_gluon_in_the_mode(monkeypatch):
-    """``auto`` passes the gluon builds over in the mode (their records have no batch-invariant mode), naming why,
-    on an sm_90 GPU too (described to the selector)."""
+    """``auto`` passes the gluon builds over in the mode (they take it only when named), naming why, on an sm_90
+    GPU too (described to the selector)."""
     from fp8mla.backends import AttentionSpec
-    from fp8mla.backends._invariant import GLUON_REFUSAL
+    from fp8mla.backends._invariant import GLUON_AUTO
     from fp8mla.formats import get_format
     from fp8mla.layout import PagedLayout
     monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
@@ -232,7 +232,7 @@ def test_auto_never_picks_gluon_in_the_mode(monkeypatch):
     choice = attn._select(PagedLayout.from_csr(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], 16),
                           spec)
     assert choice.backend == "triton"
-    assert choice.passed_over == (("gluon-heads-on-m", GLUON_REFUSAL), ("gluon-wide", GLUON_REFUSAL))
+    assert choice.passed_over == (("gluon-heads-on-m", GLUON_AUTO), ("gluon-wide", GLUON_AUTO))
 
 
 def test_engine_switches(monkeypatch):
@@ -321,7 +321,8 @@ def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
     impl, state = attn._plan.impl, attn._state["triton"]
     layout = PagedLayout.from_block_table(table, torch.tensor([128, 6, 65, 1]), 16)
     assert tb.replan_rows(impl, layout, state) is impl
-    want = tb.schedule_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
+    from fp8mla.kernels.split import chunk_items_host
+    want = chunk_items_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
                             fixed_chunk=64)
     buf, n = state["graph"].buf, want["num_items"][0]
     assert n == 6 and buf["num_items"].tolist() == [6]

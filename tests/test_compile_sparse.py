@@ -1,5 +1,5 @@
-"""The Triton sparse kernel (kernels/sparse_decode.py) and its split merge compiled for sm_80, sm_89, sm_90a and
-sm_120 without a GPU, in the configuration ``launch_config`` picks there, with devtools/triton_targets.py's helpers
+"""The Triton sparse kernel (kernels/sparse_decode.py) and its split merge (kernels/split/merge.py) compiled for
+sm_80, sm_89, sm_90a and sm_120 without a GPU, in the configuration ``launch_config`` picks there, with devtools/triton_targets.py's helpers
 (ptxas / cuobjdump from the triton wheel): no spills and no byte-wise shared loads (``LDS.U8``) in any
 loop on the portable targets, shared memory within what each target gives one block. sm_90a's default (the dense
 decode's H200 tile) is checked to compile and fit; it may spill, as the dense decode's does.
@@ -49,8 +49,11 @@ def _sparse_module():
 def _config(fmt_name: str | None, heads: int, arch: int) -> dict:
     _sparse_module()
     dec = sys.modules["fp8mla_kernels.decode"]
-    if fmt_name is None:
-        return dict(num_warps=4, num_stages=1, BLOCK_R=8, BLOCK_C=64)
+    if fmt_name is None:   # merge_splits' launch (index-row splits)
+        mm = sys.modules["fp8mla_kernels.split_merge"]
+        bp, bc = mm.INVARIANT_BLOCKS
+        return dict(num_warps=4, num_stages=1, BLOCK_P=bp, BLOCK_C=bc, ROWS=mm.merge_tile(bc), SEQ=mm.SEQ_PARTS,
+                    UNIFORM=True)
     record = fmt_name == "fp8_ds_mla"
     kv_mode = dec.KV_GROUP if record else dec.KV_FP8_FP16_MATH
     d = dec.default_config(heads, kv_mode, arch)
@@ -71,7 +74,7 @@ def compile_case(case: str, arch: int) -> dict:
     fmt_name, heads = CASES[case]
     sd = _sparse_module()
     cfg = _config(fmt_name, heads, arch)
-    fn = sd._merge_splits_kernel if fmt_name is None else sd._sparse_mla_kernel
+    fn = sys.modules["fp8mla_kernels.split_merge"]._merge_parts_kernel if fmt_name is None else sd._sparse_mla_kernel
     names = fn.arg_names
     ptr = {"q_nope": "bf16", "q_pe": "bf16", "ckv": cfg.get("kv_type"), "kpe": cfg.get("kpe_type"), "scale_arr": "fp32",
            "scales": "fp32", "indices": "i32", "out": "bf16", "lse_out": "fp32", "part_o": "fp32",

@@ -46,7 +46,8 @@ CASES = {
     "extend-group": ("extend", dict(heads=128, kv_mode=2)),
     "ragged-192-128": ("ragged", dict()),
     "ragged-256-256": ("ragged", dict(dims=(256, 256))),
-    "decode-merge": ("decode_merge", dict()),
+    "split-merge": ("split_merge", dict()),
+    "split-merge-invariant": ("split_merge", dict(SEQ=1 << 30)),   # the batch-invariant mode's: always sequential
     "merge-state": ("merge_state", dict()),
 }
 
@@ -61,7 +62,8 @@ SM90_CANDIDATES = [
 ]
 SM90_DEFAULTS = ["decode-fp8-h16", "decode-fp8-h128", "decode-group-h16", "decode-bf16-h16", "decode-bf16-h128",
                  "decode-group-h128", "extend-fp8",
-                 "extend-bf16", "ragged-192-128", "decode-merge", "merge-state"]
+                 "extend-bf16", "ragged-192-128", "split-merge", "split-merge-invariant",
+                 "merge-state"]
 LOOP_CHECKS = [("decode", 89, dict(heads=16, V_CVT=0, NCH=1)), ("decode", 90, dict(heads=16))]
 
 

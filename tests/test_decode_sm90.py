@@ -4,7 +4,7 @@ GPU (an sm_90 device with triton.experimental.gluon): odd lengths (0, 1, 63, 65,
 shuffled pools, poisoned outputs, page 64 and 128, padded heads, fp16 queries with scales far from 1, many
 splits, bit-identical reruns, CUDA-graph replay after a re-plan, and the plans it must refuse; multi-token decode
 (qo_len 2..8) with mixed qo per request, kv_len < qo_len, causal and not.
-CPU: the split schedule (pure Python) and a compile-only check of the kernel for sm_90a with triton's ptxas
+CPU: the MTP tile emulation and a compile-only check of the kernel for sm_90a with triton's ptxas
 (skipped when Gluon does not import; the kernel compiles with triton 3.6, the device's, and 3.9).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.kernels import sm90 as k
+from fp8mla.kernels import sm90 as k, split
 from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -25,84 +25,6 @@ DEVICE = "cuda" if ON_SM90 else "cpu"
 
 
 # -- CPU --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lens,ctas", [([1, 63, 65, 97, 514, 0, 4096, 130], 132), ([1, 63, 65, 97, 514, 0], 3),
-                                       ([32768], 132), ([8192] * 64, 132), ([0, 0], 5), ([], 8),
-                                       ([2048] * 128, 132)])
-@pytest.mark.parametrize("aligned", [True, False])
-def test_schedule_covers_every_tile_once(lens, ctas, aligned):
-    grid, cta_ptr, items, m_ptr, m_list = k.schedule(lens, ctas, 4, aligned=aligned)
-    tiles = [-(-L // 64) for L in lens]
-    assert 1 <= grid <= ctas and len(cta_ptr) == grid + 1 and cta_ptr[0] == 0 and cta_ptr[-1] == len(items)
-    assert all(a <= b for a, b in zip(cta_ptr, cta_ptr[1:]))
-    covered = [[] for _ in lens]
-    for b, t0, t1 in items:
-        covered[b].append((t0, t1))
-    for b, spans in enumerate(covered):   # contiguous, in order, exactly the request's tiles
-        assert spans, f"request {b} has no item (kv_len 0 still needs one: the merge writes 0 / -inf)"
-        assert spans[0][0] == 0 and spans[-1][1] == tiles[b]
-        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
-    loads = [sum(items[i][2] - items[i][1] for i in range(cta_ptr[c], cta_ptr[c + 1])) for c in range(grid)]
-    if k.aligned_pieces(tiles, ctas, 4) is not None and aligned:   # one piece per CTA, within a tile of the cut
-        share = -(-sum(tiles) // max(1, min(ctas, -(-sum(tiles) // 4))))
-        pieces = [sum(items[i][2] > items[i][1] for i in range(cta_ptr[c], cta_ptr[c + 1])) for c in range(grid)]
-        assert max(loads) <= share + k.ALIGNED_SLACK, (loads, share)
-        assert pieces == [1] * grid or not any(tiles), pieces   # empty requests' items ride along, taking no CTA
-    else:
-        assert max(loads) - min(loads) <= 1   # balanced to one tile
-    assert m_ptr[-1] == len(m_list) == len(items) and sorted(m_list) == list(range(len(items)))
-
-
-@pytest.mark.parametrize("lens,ctas,want", [
-    ([8192] * 8, 132, [16] * 8),          # 16 CTAs of 8 tiles per request (the cut: 7.76 tiles across requests)
-    ([2048] * 128, 132, [1] * 128),       # every request whole in one CTA: no partials, no merge
-    ([4096] * 32, 132, [4] * 32),
-    ([8192] * 64, 132, [2] * 64),         # 64 tiles per CTA, one over the cut's 63
-    ([32768], 132, [128]),                # min_tiles 4: 128 pieces of 4
-    ([8192] * 8, 66, [8] * 8),            # H128's 66 slots
-    ([64] * 200, 132, None),              # more requests than CTAs: the cut
-    ([64 * 8, 64 * 556], 132, None),      # the short one's share rounds down to 1 CTA: 8 tiles, the cut's 5
-    ([8192] * 5 + [0] * 3, 132, [26] * 5 + [1] * 3),   # a padded bucket: the empty rows take no CTA (130 of 132)
-])
-def test_aligned_pieces(lens, ctas, want):
-    tiles = [-(-L // 64) for L in lens]
-    assert k.aligned_pieces(tiles, ctas, 4) == want
-    grid, cta_ptr, items, m_ptr, _ = k.schedule(lens, ctas, 4)
-    if want is not None:
-        real = sum(kb for kb, n in zip(want, tiles) if n)
-        assert grid == real and len(items) == sum(want) and m_ptr[-1] == len(items)
-        items = [it for it in items if tiles[it[0]]]
-        sizes = {t1 - t0 for _, t0, t1 in items}
-        assert max(sizes) - min(sizes) <= 1, sizes   # a request's pieces differ by at most a tile
-
-
-def test_device_schedule_matches_host_schedule_both_cuts():
-    """schedule_device (torch ops, no host read) gives schedule's items for either cut, on random lengths. (The
-    contiguous cuts differ in one thing, both valid: where an empty request's item goes at a CTA boundary, the
-    CTA before it in ``schedule``, the one of the next tile on the device; so they are compared without empty
-    requests. The gluon backend's schedule_host follows the device: test_host_schedule_matches_device_schedule.)"""
-    g = torch.Generator().manual_seed(5)
-    seen = set()
-    for trial in range(150):
-        B = int(torch.randint(1, [4, 40, 150][trial % 3], (1,), generator=g))
-        lens = torch.randint(0, [300, 5000, 40000][trial % 3], (B,), generator=g)
-        if trial % 4 == 0:
-            lens[:] = lens[0]   # equal lengths: the aligned cut's case
-        lens[torch.rand(B, generator=g) < 0.1] = 0
-        ctas, mt = [132, 66, 33, 7][trial % 4], [1, 4, 8][trial % 3]
-        for aligned in (True, False):
-            taken = aligned and k.aligned_pieces([-(-x // 64) for x in lens.tolist()], ctas, mt) is not None
-            if not taken and (lens == 0).any():
-                continue
-            grid, cta_ptr, items, m_ptr, _ = k.schedule(lens.tolist(), ctas, mt, aligned=aligned)
-            d = k.schedule_device(lens.to(torch.int32), ctas, mt, aligned=aligned)
-            n = int(d["m_ptr"][-1])
-            assert d["cta_ptr"].tolist() == cta_ptr + [cta_ptr[-1]] * (ctas - grid), (trial, aligned)
-            got = list(zip(d["item_req"][:n].tolist(), d["item_t0"][:n].tolist(), d["item_t1"][:n].tolist()))
-            assert got == items and d["m_ptr"].tolist() == m_ptr, (trial, aligned)
-            seen.add(taken)
-    assert seen == {True, False}   # both cuts were exercised
-
-
 @pytest.mark.usefixtures("sm90_compile_tools")
 @pytest.mark.parametrize("page,heads", [(16, 16), (64, 16), (64, 32), (64, 128)])
 def test_compiles_for_sm90a_without_spills_or_byte_loads(page, heads):
@@ -360,53 +282,6 @@ def test_wide_cuda_graph_capture_then_replan():
     _graph_replan_check(attn, 128, 64, seed=12, spare_pages=60)
 
 
-def test_host_schedule_matches_device_schedule():
-    """The gluon plan's O(batch) host schedule (host lengths, CUDA-graph buffers: the decode runner's path) gives
-    the device schedule's lengths and work items: random lengths, rows without queries, empty rows, lengths past
-    their pages, a last row that lost pages, everything in one CTA, more CTAs than tiles, B = 1."""
-    from fp8mla.backends._gluon_host_schedule import schedule_host
-    from fp8mla.backends.gluon import _device_kv_len
-    from fp8mla.layout import PagedLayout
-    g = torch.Generator().manual_seed(13)
-    for trial in range(120):
-        B = [1, 2, 7, 64, int(torch.randint(1, 90, (1,), generator=g))][trial % 5]
-        ps = [16, 32, 64, 128, int(torch.randint(1, 70, (1,), generator=g))][trial % 5]
-        qo_lens = torch.randint(0, 2, (B,), generator=g) if trial % 4 == 1 else torch.ones(B, dtype=torch.long)
-        pages = torch.randint(0, [3, 40, 200][trial % 3], (B,), generator=g)
-        kv_len = (pages * ps - torch.randint(0, ps, (B,), generator=g)).clamp(min=0)
-        kv_len[torch.rand(B, generator=g) < 0.2] += ps * 3       # lengths past their pages: clamped
-        kv_len[torch.rand(B, generator=g) < 0.1] = 0
-        qo = torch.zeros(B + 1, dtype=torch.int32)
-        kv = torch.zeros(B + 1, dtype=torch.int32)
-        torch.cumsum(qo_lens, 0, out=qo[1:])
-        torch.cumsum(pages, 0, out=kv[1:])
-        num_indices = max(0, int(kv[-1]) - int(torch.randint(0, 3, (1,), generator=g)))
-        ctas = [1, 3, 66, 132, int(torch.randint(1, 200, (1,), generator=g))][(trial // 5) % 5]
-        min_tiles = [1, 4, 16][trial % 3]
-        lay = PagedLayout(qo, kv, torch.zeros(num_indices, dtype=torch.int32), kv_len.to(torch.int32), ps,
-                          torch.device("cpu"))
-        L = _device_kv_len(lay)
-        aligned = trial % 2 == 0   # both cuts (the aligned one is taken where it fits)
-        dev = k.schedule_device(L, ctas, min_tiles, aligned=aligned)
-        host = schedule_host(dict(qo_indptr=qo, kv_indptr=kv, kv_len=kv_len.to(torch.int32)), ps,
-                             num_indices=num_indices, num_ctas=ctas, min_tiles=min_tiles, aligned=aligned)
-        n = int(dev["m_ptr"][-1])
-        assert host["kv_len"] == L.tolist() and host["batch_size"] == [B], trial
-        assert host["qo_indptr"] == qo.tolist() and host["kv_indptr"] == kv.tolist(), trial
-        for key in ("cta_ptr", "m_ptr"):
-            assert host[key] == dev[key].tolist(), (trial, key)
-        for key in ("item_req", "item_t0", "item_t1"):
-            assert host[key] == dev[key][:n].tolist(), (trial, key)
-            assert not dev[key][n:].any(), (trial, key)  # the device pads with 0, as the host staging does
-        assert dev["m_list"].tolist() == list(range(ctas + B))
-        # and it is a real schedule: every tile of every request exactly once, in order
-        tiles = [-(-x // k.TILE) for x in host["kv_len"]]
-        for b in range(B):
-            spans = [(host["item_t0"][i], host["item_t1"][i]) for i in range(host["m_ptr"][b], host["m_ptr"][b + 1])]
-            assert spans and spans[0][0] == 0 and spans[-1][1] == tiles[b], (trial, b)
-            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), (trial, b)
-
-
 def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch):
     """gluon.build in CUDA-graph mode (on CPU tensors, the kernel never launched): a layout with host lengths
     (host schedule, one staged copy) and the same layout as device-only tables (device schedule) leave the same
@@ -556,48 +431,6 @@ def test_page1_cuda_graph_capture_then_replan(H):
     _graph_replan_check(attn, H, 1, seed=13 + H, spare_pages=64)
 
 
-@pytest.mark.parametrize("block_p", [2, 4, 64])
-def test_merge_any_block_p_matches_float64(block_p):
-    """The partials' merge (a plain Triton kernel: the interpreter runs it on the CPU) is correct whatever BLOCK_P
-    the plan picked (the adapter sizes it to the longest list it knows; a later re-plan under a captured graph may
-    have longer lists): lists of 1..9 partials, empty partials (lse -inf), a request whose partials are all empty."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(block_p)
-    H, C, B = 3, k.DC, 5
-    counts = [2, 9, 1, 5, 3]                     # request 2: one item, written by the decode kernel (skipped)
-    m_ptr = [0]
-    for c in counts:
-        m_ptr.append(m_ptr[-1] + c)
-    n = m_ptr[-1]
-    perm = torch.randperm(n, generator=g)         # partials in any order of the part buffers
-    lse_p = torch.randn(n, H, generator=g, dtype=torch.float64) * 4
-    lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf    # request 4: all empty
-    lse_p[perm[m_ptr[1]], 1] = -math.inf          # one empty partial inside a long list
-    o_p = torch.randn(n, H, C, generator=g, dtype=torch.float64)
-    out = torch.full((B, H, C), math.nan, dtype=torch.float32, device=dev)
-    lse = torch.full((B, H), math.nan, dtype=torch.float32, device=dev)
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    bp, bc = block_p, 128
-    k._merge_parts_kernel[(B, H, C // bc)](
-        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(list(range(B + 1))), i32(m_ptr),
-        i32(perm.tolist()), i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * H, C, H,
-        BLOCK_P=bp, BLOCK_C=bc, num_warps=4)
-    for b, c in enumerate(counts):
-        if c < 2:
-            assert torch.isnan(out[b]).all(), "a single-item request is the decode kernel's to write"
-            continue
-        idx = perm[m_ptr[b]:m_ptr[b + 1]]
-        lp, op = lse_p[idx], o_p[idx]                 # [c, H], [c, H, C]
-        m = lp.max(0).values
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        w = torch.exp2(lp - m)
-        ws = w.sum(0)
-        ref_o = torch.where(ws[:, None] > 0, (w[..., None] * op).sum(0) / ws.clamp_min(1e-300)[:, None], 0.0)
-        ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
-        torch.testing.assert_close(out[b].double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lse[b].double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
-
-
 # -- multi-token decode (MTP / speculative, qo_len 2..8): rows = (query token, head) pairs on the wide variant -----
 def test_mtp_config_and_row_mapping():
     assert k.mtp_config(16, 2) == (16, 1, True) and k.mtp_config(8, 4) == (16, 1, True)
@@ -674,7 +507,7 @@ def test_mtp_tile_masking_and_splits_match_float64(causal):
     g = torch.Generator().manual_seed(7 + causal)
     H, C = 3, 4
     for L, qo, ctas in ((1, 3, 1), (2, 4, 1), (64, 2, 1), (65, 2, 2), (129, 8, 3), (640, 5, 10), (200, 4, 4)):
-        _, _, items, _, _ = k.schedule([L], ctas, 1)
+        _, _, items, _, _ = split.tile_items([L], ctas, 1)
         cuts = [(t0, t1) for _, t0, t1 in items]
         s = torch.randn(qo * H, L, generator=g, dtype=torch.float64) * 3
         v = torch.randn(L, C, generator=g, dtype=torch.float64)
@@ -689,45 +522,6 @@ def test_mtp_tile_masking_and_splits_match_float64(causal):
             torch.testing.assert_close(o[r], p @ v[:n], rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(lse[r], torch.logsumexp(s[r, :n] * math.log(2), 0) / math.log(2),
                                        rtol=1e-10, atol=1e-10)
-
-
-def test_mtp_merge_maps_rows_to_tokens_and_heads():
-    """The partials' merge with multi-token requests: row r of request b goes to (qo_indptr[b] + r // H, r % H),
-    rows >= qo_len * H of the max_qo * H grid rows are skipped (they would land on the next request's tokens)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(3)
-    H, C = 3, k.DC
-    qo_lens, counts = [2, 1, 4, 3], [2, 3, 2, 1]        # request 3: one item, the decode kernel's to write
-    max_qo, B = max(qo_lens), len(qo_lens)
-    qo_ptr = [0]
-    for q in qo_lens:
-        qo_ptr.append(qo_ptr[-1] + q)
-    m_ptr = [0]
-    for c in counts:
-        m_ptr.append(m_ptr[-1] + c)
-    n, rows = m_ptr[-1], max_qo * H
-    lse_p = torch.randn(n, rows, generator=g, dtype=torch.float64) * 3
-    o_p = torch.randn(n, rows, C, generator=g, dtype=torch.float64)
-    out = torch.full((qo_ptr[-1], H, C), math.nan, dtype=torch.float32, device=dev)
-    lse = torch.full((qo_ptr[-1], H), math.nan, dtype=torch.float32, device=dev)
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    k._merge_parts_kernel[(B, rows, C // 128)](
-        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(qo_ptr), i32(m_ptr), i32(list(range(n))),
-        i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * rows, C, rows,
-        BLOCK_P=2, BLOCK_C=128, num_warps=4)
-    for b in range(B):
-        for r in range(qo_lens[b] * H):
-            i, h = k.mtp_row(r, H)
-            tok = qo_ptr[b] + i
-            if counts[b] < 2:
-                assert torch.isnan(out[tok, h]).all()
-                continue
-            lp, op = lse_p[m_ptr[b]:m_ptr[b + 1], r], o_p[m_ptr[b]:m_ptr[b + 1], r]
-            w = torch.exp2(lp - lp.max())
-            torch.testing.assert_close(out[tok, h].double().cpu(), (w[:, None] * op).sum(0) / w.sum(),
-                                       rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lse[tok, h].double().cpu(), lp.max() + torch.log2(w.sum()),
-                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")
@@ -838,81 +632,3 @@ def test_mtp_graph_wrapper_keeps_its_first_variant():
     with pytest.raises(ValueError, match="qo_len 2"):
         gb.plan_max_qo(lay(2), graph, state)
     assert [gb.plan_max_qo(lay(q), plain, {}) for q in (1, 3, 8)] == [1, 3, 8]
-
-
-# -- the split merge ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("seq,rows,bc,min_parts", [(16, 1, 128, 2), (16, 4, 256, 2), (0, 1, 128, 2),
-                                                   (0, 2, 512, 2), (16, 2, 512, 4)])
-def test_merge_sequential_and_chunked_paths_match_float64(seq, rows, bc, min_parts):
-    """Both paths of the merge kernel (interpreter): lists of at most SEQ partials in one sequential
-    order, longer ones in BLOCK_P chunks; several rows per program (ROWS), rows past qo_len x H and requests with
-    fewer than min_parts partials (written by the decode kernel) untouched, empty partials, all-empty requests, lists in
-    any order of the part buffers."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(seq + rows + bc + min_parts)
-    H, C = 3, k.DC
-    counts, qo_lens = [2, 9, 1, 5, 3, 18], [1, 2, 1, 1, 3, 1]
-    B = len(counts)
-    qo_ptr, m_ptr = [0], [0]
-    for q, c in zip(qo_lens, counts):
-        qo_ptr.append(qo_ptr[-1] + q)
-        m_ptr.append(m_ptr[-1] + c)
-    n, R = m_ptr[-1], max(qo_lens) * H
-    perm = torch.randperm(n, generator=g)
-    lse_p = torch.randn(n, R, generator=g, dtype=torch.float64) * 4
-    lse_p[perm[m_ptr[4]:m_ptr[5]]] = -math.inf     # request 4: all empty
-    lse_p[perm[m_ptr[1]], 1] = -math.inf           # one empty partial inside a list
-    o_p = torch.randn(n, R, C, generator=g, dtype=torch.float64)
-    out = torch.full((qo_ptr[-1], H, C), math.nan, dtype=torch.float32, device=dev)
-    lse = torch.full((qo_ptr[-1], H), math.nan, dtype=torch.float32, device=dev)
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    k._merge_parts_kernel[(B, -(-R // rows), C // bc)](
-        out, lse, o_p.float().to(dev), lse_p.float().to(dev), i32(qo_ptr), i32(m_ptr), i32(perm.tolist()),
-        i32([B]), H, out.stride(0), out.stride(1), lse.stride(0), C * R, C, R,
-        BLOCK_P=4, BLOCK_C=bc, ROWS=rows, min_parts=min_parts, SEQ=seq, num_warps=4)
-    for b, c in enumerate(counts):
-        toks = slice(qo_ptr[b], qo_ptr[b + 1])
-        if c < max(2, min_parts):
-            assert torch.isnan(out[toks]).all() and torch.isnan(lse[toks]).all()
-            continue
-        idx = perm[m_ptr[b]:m_ptr[b + 1]]
-        lp, op = lse_p[idx][:, :qo_lens[b] * H], o_p[idx][:, :qo_lens[b] * H]
-        m = lp.max(0).values
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        w = torch.exp2(lp - m)
-        ws = w.sum(0)
-        ref_o = torch.where(ws[:, None] > 0, (w[..., None] * op).sum(0) / ws.clamp_min(1e-300)[:, None], 0.0)
-        ref_l = torch.where(ws > 0, m + torch.log2(ws.clamp_min(1e-300)), -math.inf)
-        torch.testing.assert_close(out[toks].reshape(-1, C).double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lse[toks].reshape(-1).double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
-
-
-def test_device_only_merge_sizes_cover_a_balanced_batch():
-    """Plans whose lengths live only on the device size the split merge for a balanced batch (about slots / B + 1
-    partials per request, ``_gluon_host_schedule.merge_sizes``) instead of a fixed 64 (which cost ~85 us of H128
-    B64 L8k on the H200). Any size is correct (the merge loops: tested above for BLOCK_P 2..64); this checks the
-    size is not below the real longest list of the schedule for batches of equal lengths, and equals the host-known
-    sizing when the guess is the real count."""
-    from fp8mla.backends._gluon_host_schedule import merge_sizes, schedule_host
-    for slots in (1, 7, 66, 132):
-        for B in (1, 2, 3, 8, 31, 64, 65, 128, 300):
-            for L in (1, 63, 64, 65, 1000, 8192, 32768):
-                if B * L > 4_000_000:
-                    continue
-                pages = -(-L // 64)
-                kv = list(range(0, (B + 1) * pages, pages))
-                host = dict(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
-                            kv_indptr=torch.tensor(kv, dtype=torch.int32),
-                            kv_len=torch.full((B,), L, dtype=torch.int32))
-                for min_tiles in (1, 4):
-                    h = schedule_host(host, 64, num_indices=B * pages, num_ctas=slots, min_tiles=min_tiles)
-                    real = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:]))
-                    guess_bp, guess_bc = merge_sizes(None, B, slots, 16, 132)
-                    real_bp, _ = merge_sizes(real, B, slots, 16, 132)
-                    cap_bp, _ = merge_sizes(min(real, 128), B, slots, 16, 132)
-                    assert guess_bp >= cap_bp, (slots, B, L, min_tiles, real, guess_bp)
-    # the guess for the side-by-side shapes is what a host-sized plan picks there (uniform lengths)
-    assert merge_sizes(None, 64, 132, 16, 132) == merge_sizes(3, 64, 132, 16, 132) == (4, 512)
-    assert merge_sizes(None, 64, 66, 128, 132)[1] == 512
-    assert merge_sizes(None, 1, 132, 16, 132) == merge_sizes(128, 1, 132, 16, 132) == (128, 64)   # B1 L32k
-    assert merge_sizes(5, 64, 132, 16, 132) == merge_sizes(5, 64, 132, 16, 132)

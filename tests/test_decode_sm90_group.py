@@ -14,7 +14,7 @@ import torch
 import fp8mla
 from conftest import compile_report_in_child
 from test_decode_sm90 import check, run_case
-from fp8mla.kernels import sm90 as k
+from fp8mla.kernels import sm90 as k, split
 from fp8mla.kernels.sm90 import kernel as sm90_kernel
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -170,14 +170,14 @@ def test_graph_wrapper_run_with_group_scales_replans_its_group_plan():
 
 @pytest.mark.parametrize("lens,aligned", [([100, 3000, 0, 65], False), ([4096, 4096], True)])
 def test_device_schedule_empties_the_slots_past_it(lens, aligned):
-    """schedule_device into larger buffers (a CUDA-graph wrapper's, shared by a per-tensor and a group plan whose
+    """tile_items_device into larger buffers (a CUDA-graph wrapper's, shared by a per-tensor and a group plan whose
     grids differ): every slot past the schedule is an empty range (cta_ptr repeats the item count), so a kernel
     launched with more slots reads no stale items there; for either cut (contiguous, request-aligned)."""
     kv = torch.tensor(lens, dtype=torch.int32)
-    assert (k.aligned_pieces([-(-x // 64) for x in lens], 8, 4) is not None) == aligned
+    assert (split.aligned_pieces([-(-x // 64) for x in lens], 8, 4) is not None) == aligned
     out = {n: torch.full((40,), -7, dtype=torch.int32) for n in
            ("cta_ptr", "item_req", "item_t0", "item_t1", "m_ptr", "m_list")}
-    k.schedule_device(kv, 8, 4, out=out)
+    split.tile_items_device(kv, 8, 4, out=out)
     ptr = out["cta_ptr"]
     n_items = int(out["m_ptr"][len(lens)])
     assert n_items > 0 and int(ptr[8]) == n_items and (ptr[9:] == n_items).all(), ptr

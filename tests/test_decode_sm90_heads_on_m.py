@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fp8mla
-from fp8mla.kernels import sm90 as k
+from fp8mla.kernels import sm90 as k, split
 from conftest import compile_report_in_child, gluon_build
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -175,16 +175,16 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
 
 def test_aligned_slack_is_a_parameter():
     tiles = [128] * 64
-    assert k.aligned_pieces(tiles, 66, 4) is None                       # persistent builds: the contiguous cut
-    assert k.aligned_pieces(tiles, 66, 4, k.UNBOUNDED_SLACK) == [1] * 64
-    assert k.aligned_pieces([128] * 67, 66, 4, k.UNBOUNDED_SLACK) is None   # more requests than CTAs
+    assert split.aligned_pieces(tiles, 66, 4) is None                       # persistent builds: the contiguous cut
+    assert split.aligned_pieces(tiles, 66, 4, split.UNBOUNDED_SLACK) == [1] * 64
+    assert split.aligned_pieces([128] * 67, 66, 4, split.UNBOUNDED_SLACK) is None   # more requests than CTAs
     L = torch.tensor([8192] * 64, dtype=torch.int32)
-    for slack in (k.ALIGNED_SLACK, k.UNBOUNDED_SLACK):
-        grid, cta_ptr, items, m_ptr, _ = k.schedule(L.tolist(), 66, 4, slack=slack)
-        d = k.schedule_device(L, 66, 4, slack=slack)
+    for slack in (split.ALIGNED_SLACK, split.UNBOUNDED_SLACK):
+        grid, cta_ptr, items, m_ptr, _ = split.tile_items(L.tolist(), 66, 4, slack=slack)
+        d = split.tile_items_device(L, 66, 4, slack=slack)
         n = int(d["m_ptr"][-1])
         assert list(zip(d["item_req"][:n].tolist(), d["item_t0"][:n].tolist(), d["item_t1"][:n].tolist())) == items
-        assert (len(items) == 64) == (slack == k.UNBOUNDED_SLACK)
+        assert (len(items) == 64) == (slack == split.UNBOUNDED_SLACK)
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_torch_backend_cost_follows_tokens():
 def test_host_schedule_matches_device_schedule():
     """The O(batch) host schedule (plans with host lengths) gives the device schedule's work items: random
     lengths, rows without queries, empty rows, a table that claims more tokens than its pages, odd sizes."""
-    from fp8mla.backends.triton import schedule, schedule_host
+    from fp8mla.kernels.split import chunk_items as schedule, chunk_items_host as schedule_host
     g = torch.Generator().manual_seed(11)
     for trial in range(60):
         B = int(torch.randint(1, 40, (1,), generator=g))
@@ -329,8 +329,8 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
     """PagedLayout.decode_rows (the runner's device table + host lengths) hands the backends its arrays as checked
     lists (``host["lists"]``): the triton and gluon host schedules then skip their clamping pass, and give the
     same arrays as from the host tensors alone, and as the device schedules (empty rows, full rows, B = 1)."""
-    from fp8mla.backends import _gluon_host_schedule as gs, gluon as gb, triton as tb
-    from fp8mla.kernels import sm90 as k
+    from fp8mla.backends import gluon as gb
+    from fp8mla.kernels import sm90 as k, split
     g = torch.Generator().manual_seed(17)
     for trial in range(40):
         B, W, ps = [1, 3, 64, 17][trial % 4], int(torch.randint(1, 9, (1,), generator=g)), [1, 16, 64, 5][trial % 4]
@@ -344,15 +344,15 @@ def test_decode_rows_host_lists_schedule_like_the_general_path(monkeypatch):
         plain = {key: lay.host[key] for key in ("qo_indptr", "kv_indptr", "kv_len")}
         n = bt.numel()
         kw = dict(num_indices=n, target=int(torch.randint(1, 300, (1,), generator=g)), block_n=64, min_chunk=256)
-        fast = tb.schedule_host(lay.host, ps, **kw)
-        assert fast == tb.schedule_host(plain, ps, **kw), trial
-        dev = tb.schedule(lay.qo_indptr, lay.kv_indptr, lay.kv_len, ps, max_items=kw["target"] + B, **kw)
+        fast = split.chunk_items_host(lay.host, ps, **kw)
+        assert fast == split.chunk_items_host(plain, ps, **kw), trial
+        dev = split.chunk_items(lay.qo_indptr, lay.kv_indptr, lay.kv_len, ps, max_items=kw["target"] + B, **kw)
         m = int(dev["num_items"])
         assert fast["item_end"] == dev["item_end"][:m].tolist() and fast["kv_len"] == dev["kv_len"].tolist()
         gk = dict(num_indices=n, num_ctas=[1, 5, 66][trial % 3], min_tiles=[1, 4][trial % 2])
-        fast = gs.schedule_host(lay.host, ps, **gk)
-        assert fast == gs.schedule_host(plain, ps, **gk), trial
-        d = k.schedule_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"])
+        fast = split.tile_items_host(lay.host, ps, **gk)
+        assert fast == split.tile_items_host(plain, ps, **gk), trial
+        d = split.tile_items_device(gb._device_kv_len(lay), gk["num_ctas"], gk["min_tiles"])
         m = int(d["m_ptr"][-1])
         assert fast["cta_ptr"] == d["cta_ptr"].tolist() and fast["item_t1"] == d["item_t1"][:m].tolist(), trial
 
@@ -364,7 +364,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     back, and the buffers hold
     the device schedule's arrays. The kernel is never launched (it needs an sm_90 GPU): only the plan runs."""
     from fp8mla.backends import gluon as gb
-    from fp8mla.kernels import sm90 as k
+    from fp8mla.kernels import sm90 as k, split
     from fp8mla.models import DeepseekMLAModel, load_config
     from fp8mla.models.runner import DecodeRunner
     monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)
@@ -405,7 +405,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         t = attn._plan.impl.t
         L = gb._device_kv_len(attn.layout)
         assert L.tolist() == [p + 1 for p in prefix]
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
+        want = split.tile_items_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
         n = int(want["m_ptr"][-1])
         for key in ("cta_ptr", "m_ptr"):
             assert torch.equal(t[key][: want[key].numel()], want[key]), (step, key)
@@ -423,7 +423,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         st = r.begin_step(ids, prefix)
         assert attn._plan.impl is impl
         t, L = impl.t, torch.tensor([p + 1 for p in prefix], dtype=torch.int32)  # the true lengths
-        want = k.schedule_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
+        want = split.tile_items_device(L, 132 // 2, 256 // k.TILE, slack=gb.aligned_slack(attn._plan.impl.build))
         n = int(want["m_ptr"][-1])
         assert torch.equal(t["cta_ptr"][: want["cta_ptr"].numel()], want["cta_ptr"]), step
         for key in ("item_req", "item_t0", "item_t1"):
@@ -437,7 +437,7 @@ def test_host_schedule_memos_match_fresh_schedules():
     """The host schedules keep their last result for the next decode step (gluon: the same tiles; triton: the same
     splits, each request's last end updated): over random sequences of steps (lengths + 0/1/2/50, rows joining
     and leaving, other CTA counts and targets) every memo answer equals a fresh schedule."""
-    from fp8mla.backends import _gluon_host_schedule as gs, triton as tb
+    from fp8mla.kernels.split import chunks, tiles
     g = torch.Generator().manual_seed(23)
     hits = {"triton": 0, "gluon": 0}
     for trial in range(60):
@@ -448,12 +448,13 @@ def test_host_schedule_memos_match_fresh_schedules():
         for step in range(12):
             W = max(L) // 16 + 2
             host = dict(lists=(list(range(B + 1)), list(range(0, (B + 1) * W, W)), list(L)))
-            for name, mod, kw, memo in (("triton", tb, tk, "_LAST_SPLIT"), ("gluon", gs, gk, "_LAST_ITEMS")):
+            for name, mod, fn, kw, memo in (("triton", chunks, chunks.chunk_items_host, tk, "_LAST_SPLIT"),
+                                            ("gluon", tiles, tiles.tile_items_host, gk, "_LAST_ITEMS")):
                 before = getattr(mod, memo)
-                got = mod.schedule_host(host, 16, num_indices=B * W, **kw)
+                got = fn(host, 16, num_indices=B * W, **kw)
                 hits[name] += before is not None and getattr(mod, memo) is before
                 setattr(mod, memo, None)  # a fresh schedule (which the next step's memo then holds)
-                assert got == mod.schedule_host(host, 16, num_indices=B * W, **kw), (name, trial, step)
+                assert got == fn(host, 16, num_indices=B * W, **kw), (name, trial, step)
             L = [n + [0, 1, 1, 2, 50][int(torch.randint(0, 5, (1,), generator=g))] for n in L]
     assert hits["triton"] > 100 and hits["gluon"] > 50, hits  # the memo paths ran
 

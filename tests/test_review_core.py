@@ -287,8 +287,9 @@ def test_triton_partials_do_not_grow_with_the_batch():
     b = _batch([1] * 200, [1] * 200)
     attn = _planned("triton", b.plan_args)
     impl = attn._plan.impl
-    from fp8mla.backends.triton import items_target
-    target = items_target(-(-impl.max_rows // impl.cfg["block_m"]), "cpu", 2)
+    from fp8mla.kernels.split import items_target
+    from fp8mla.runtime import num_sms
+    target = items_target(-(-impl.max_rows // impl.cfg["block_m"]), num_sms("cpu"), 2)
     assert impl.t["part_o"].shape[0] <= 2 * target + 1, (
         f"part_o holds {impl.t['part_o'].shape[0]} partials for a batch with no split request "
         f"(target {target})")

@@ -1,13 +1,14 @@
 """The sparse API's batch-invariant mode: each query token's output and lse are the same bits whatever else a
 call holds (its number of tokens from 1 up, their order, the pool's page order), torch and the Triton kernel (the
-interpreter on the CPU); the gluon build is refused by name; the default mode's split count follows the call."""
+interpreter on the CPU) and the Gluon build (named; an sm_90 GPU); ``auto`` keeps the Triton kernel in the mode;
+the default mode's split count follows the call."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import fp8mla
-from fp8mla.backends._invariant import GLUON_REFUSAL, SPARSE_INVARIANT_SPLIT
+from fp8mla.backends._invariant import GLUON_AUTO, SPARSE_INVARIANT_SPLIT
 from fp8mla.testing import assert_close, make_sparse_batch
 from tests.conftest import BACKEND_PARAMS
 
@@ -37,15 +38,20 @@ def moved(run_args, page_size, seed):
     return r
 
 
+ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
+GLUON = pytest.param("gluon", "fp8_ds_mla", id="gluon-fp8_ds_mla",
+                     marks=pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU with triton.experimental.gluon"))
+
+
 @pytest.mark.parametrize("backend, fmt", [pytest.param(p.values[0], f, marks=p.marks, id=f"{p.id}-{f}")
-                                          for p, f in zip(BACKEND_PARAMS, ["fp8_ds_mla", "fp8_e4m3"])])
+                                          for p, f in zip(BACKEND_PARAMS, ["fp8_ds_mla", "fp8_e4m3"])] + [GLUON])
 def test_same_bits_in_any_call(backend, fmt):
     scales = dict(ckv_scale=0.5, kpe_scale=2.0) if fmt == "fp8_e4m3" else {}
     b = make_sparse_batch([300, 7, 120, 64], [2, 1, 2, 1], 16, TOPK, 16, fmt, seed=3, device=DEVICE,
                           selected=lambda r, i: [300, 7, 100, 0][r] - i, **scales)
     attn = fp8mla.MLASparseAttention(backend=backend, batch_invariant=True)
     attn.plan(**b.plan_args, min_split=MIN_SPLIT)
-    if backend == "triton":
+    if backend in ("triton", "gluon"):
         assert attn.splits_for(1) == attn.splits_for(1000) == 2
     r = b.run_args
     n = r["q_nope"].shape[0]
@@ -67,16 +73,20 @@ def test_same_bits_in_any_call(backend, fmt):
     assert_close(lse, ref_l, 1e-4, "lse")
 
 
-def test_gluon_refused_by_name():
-    with pytest.raises(ValueError, match="batch_invariant: the gluon"):
-        fp8mla.MLASparseAttention(backend="gluon", batch_invariant=True)
+def test_auto_keeps_triton_and_gluon_is_taken_when_named(monkeypatch):
+    assert fp8mla.MLASparseAttention(backend="gluon", batch_invariant=True).batch_invariant
     with pytest.raises(ValueError, match="batch_invariant: expected True or False"):
         fp8mla.MLASparseAttention(batch_invariant=1)
-    from fp8mla.backends.capabilities import GLUON_SPARSE
-    from fp8mla.backends.select import refusal, sparse_question
+    from fp8mla.backends.select import select, sparse_question
     from fp8mla.formats import get_format
-    q = sparse_question(64, 2048, get_format("fp8_ds_mla", sparse_ok=True), torch.bfloat16, "cpu", True)
-    assert refusal(GLUON_SPARSE, q) == GLUON_REFUSAL
+    monkeypatch.setattr(fp8mla.runtime, "gluon_usable", lambda device: True)   # an sm_90 GPU, to the selector
+    monkeypatch.setattr(fp8mla.runtime, "triton_usable", lambda device: True)
+    fmt = get_format("fp8_ds_mla", sparse_ok=True)
+    q = sparse_question(64, 2048, fmt, torch.bfloat16, "cuda", True)
+    auto = select(q, "auto")
+    assert auto.backend == "triton" and auto.passed_over == (("gluon-sparse", GLUON_AUTO),)
+    assert select(q, "gluon").backend == "gluon"
+    assert select(sparse_question(64, 2048, fmt, torch.bfloat16, "cuda", False), "auto").backend == "gluon"
 
 
 @pytest.mark.parametrize("backend", [p for p in BACKEND_PARAMS if p.id == "triton"])

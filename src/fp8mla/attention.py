@@ -18,7 +18,7 @@ from . import backends
 from ._checks import as_int, check_int, check_positive_int, check_tensor, plain_number
 from ._scales import MAX_SM_SCALE, Q_DTYPES, DeviceScales, check_q_dtype, check_scale, check_sm_scale  # noqa: F401
 from .backends import AttentionSpec
-from .backends._invariant import GLUON_REFUSAL, check_chunk
+from .backends._invariant import GLUON_AUTO, check_chunk
 from .backends.select import Refusal, dense_question, qo_range, refusal_error, select, without_gluon
 from .formats import FORMATS, KVFormat, get_format
 from .layout import PagedLayout, debug_checks
@@ -522,8 +522,8 @@ def _refusal(r: Refusal, q) -> Exception:
 
 
 def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
-    """The batch-invariant mode's arguments: the gluon builds and the options that require them are refused by
-    name, and its tuning options are taken only with the mode on."""
+    """The batch-invariant mode's arguments: the options that require the gluon builds need them named (``auto``
+    keeps the triton kernel in the mode), and its tuning options are taken only with the mode on."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
     if not batch_invariant:
@@ -531,10 +531,8 @@ def _check_invariant(batch_invariant, backend: str, opts: dict) -> None:
             if opts.get(name) is not None:
                 raise ValueError(f"{name}: an option of the batch-invariant mode; pass batch_invariant=True with it")
         return
-    if backend == "gluon":
-        raise ValueError(GLUON_REFUSAL)
     for name in ("fp8_math", "heads_on_m"):
-        if opts.get(name):
-            raise ValueError(f"{name}: runs on the gluon kernel only, and {GLUON_REFUSAL}")
+        if opts.get(name) and backend != "gluon":
+            raise ValueError(f"{name}: runs on the gluon kernel only, and {GLUON_AUTO}")
     if opts.get("invariant_chunk") is not None:
         check_chunk("invariant_chunk", opts["invariant_chunk"])

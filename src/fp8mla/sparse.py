@@ -21,7 +21,6 @@ from . import backends
 from ._checks import check_positive_int, check_tensor, plain_number
 from ._scales import DeviceScales, check_q_dtype, check_scale, check_sm_scale
 from .backends import SparseSpec
-from .backends._invariant import GLUON_REFUSAL
 from .backends._sparse_splits import INDEX_BLOCK
 from .backends.select import Refusal, refusal_error, select, sparse_question
 from .formats import KVFormat, get_format
@@ -56,7 +55,7 @@ class MLASparseAttention:
         batch_invariant: each query token's output and lse are the same bits whatever else the call holds (its
             number of tokens, their order and index rows): every row is split in the same ``num_splits`` (default
             ``ceil(topk / 512)``) whatever the call's size, partials merged in split order; the torch code runs
-            row by row. Backends torch and triton; the gluon build is refused (``auto`` picks triton).
+            row by row. Backends torch and triton, and the gluon build when named (``auto`` picks triton).
             docs/batch_invariance.md has the contract.
 
     Example:
@@ -81,8 +80,6 @@ class MLASparseAttention:
             raise ValueError(f"backend: expected one of {SPARSE_BACKENDS}, got {backend!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
-        if batch_invariant and backend == "gluon":
-            raise ValueError(GLUON_REFUSAL)
         self._backend = backend
         self._invariant = batch_invariant
         self._plan: _Plan | None = None

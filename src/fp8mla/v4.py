@@ -181,6 +181,7 @@ class V4SparseAttention:
             from .backends import v4_triton
             v4_triton.prepare(p, kernel_options)
         elif backend == "gluon":
+            from .backends import v4_gluon
             v4_gluon.prepare(p, kernel_options)
         elif kernel_options:
             raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not "

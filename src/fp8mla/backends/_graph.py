@@ -56,7 +56,8 @@ class GraphBuffers:
         self.rebased = True
 
     def load_host(self, arrays: dict, kv_indices: torch.Tensor) -> dict:
-        """Fill the buffers from host lists (the backend's ``schedule_host``): one copy into the flat buffer
+        """Fill the buffers from host lists (the host schedule: ``kernels.split.chunk_items_host`` or
+        ``tile_items_host``): one copy into the flat buffer
         (zero-padded to each capacity; plus one per external small buffer), and the page ids from ``kv_indices``
         (none when planned from the buffer itself)."""
         if self.sink is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def aligned_slack(build) -> int:
     """The request-aligned schedule's slack of a build: the persistent builds' ``ALIGNED_SLACK``, or (heads-on-M,
-    one CTA per item) any, the aligned cut whenever it fits the CTAs (``sm90.UNBOUNDED_SLACK``: the device
+    one CTA per item) any, the aligned cut whenever it fits the CTAs (``kernels.split.UNBOUNDED_SLACK``: the device
     schedule's; the host schedule's longest-first rule sets its own)."""
-    from ..kernels import sm90 as k
-    return k.UNBOUNDED_SLACK if build.heads_on_m else k.ALIGNED_SLACK
+    from ..kernels.split import ALIGNED_SLACK, UNBOUNDED_SLACK
+    return UNBOUNDED_SLACK if build.heads_on_m else ALIGNED_SLACK

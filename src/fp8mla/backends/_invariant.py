@@ -5,8 +5,10 @@ at boundaries that follow from its own length and a fixed chunk size, never from
 requests or the GPU's SM count; the partials are merged in chunk order, and every chunk is reduced in one fixed
 order by one kernel configuration (which follows the heads, the format, the device and the options, never the
 batch). docs/batch_invariance.md states the contract. Every API with the mode (dense, sparse and V4) takes it as
-the keyword ``batch_invariant=True`` and cuts with these constants; the dense and sparse APIs refuse the Hopper
-builds with ``GLUON_REFUSAL``, the V4 API any backend outside ``fp8mla.v4.INVARIANT_BACKENDS``.
+the keyword ``batch_invariant=True`` and cuts with these constants. The dense Gluon builds take the mode when named
+(``backend="gluon"``: the wide and heads-on-M builds, one query per request; ``backends.gluon`` refuses the others
+by name), as does the sparse Gluon build; ``auto`` keeps the Triton kernel (``GLUON_AUTO``). The V4 API refuses
+any backend outside ``fp8mla.v4.INVARIANT_BACKENDS``.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ INVARIANT_PARTIALS = 2048
 # Both chunk sizes are multiples of the kernels' 64-entry blocks.
 CHUNK_MULTIPLE = 64
 
-GLUON_REFUSAL = ("batch_invariant: the gluon (sm_90) builds cut each request's KV by the batch and the SM count "
-                 "(one wave of CTAs over the batch's tiles), so a request's bits follow its batch; use "
-                 "backend='triton' (or 'auto', which picks it in this mode)")
+# backend="auto" in the mode: the Triton kernel, whose bits per request the CPU tests prove (the interpreter); the
+# Gluon builds' are checked on a GPU only, so they run in the mode when named.
+GLUON_AUTO = ("batch_invariant: backend='auto' keeps the triton kernel in this mode; the gluon builds (dense: wide "
+              "and heads-on-M; sparse) take it when named (backend='gluon')")
 
 
 def check_chunk(name: str, value) -> int:

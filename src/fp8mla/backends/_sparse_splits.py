@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.split.rows import invariant_splits
 from ._invariant import SPARSE_INVARIANT_SPLIT
 
 INDEX_BLOCK = 64  # the sparse kernels walk index rows 64 entries at a time (the Triton kernel's topk multiple)
@@ -40,7 +41,7 @@ class SplitPlan:
         if s.num_splits is not None:
             return min(s.num_splits, -(-s.topk // INDEX_BLOCK))
         if s.batch_invariant:   # the same for every call: the row's cut never follows the call's size
-            return -(-s.topk // SPARSE_INVARIANT_SPLIT)
+            return invariant_splits(s.topk, SPARSE_INVARIANT_SPLIT)
         return self.fill_splits(n)
 
     def workspace(self, n: int, splits: int):

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BUILDS", "Capability", "DEFAULT_STAGES"]
+__all__ = ["BUILDS", "Capability", "DEFAULT_STAGES", "NAMED"]
 
 DEFAULT_STAGES = 3   # the wide Gluon build's ring (gluon.DEFAULTS); another num_stages asks for that build
+# ``Capability.batch_invariant``: the build takes the mode only when its backend is named (``auto`` keeps the
+# builds whose bits per request the CPU tests prove: the Triton kernels)
+NAMED = "named"
 SM90_HEAD_DIMS = ((512, 64),)
 SM90_MAX_HEADS = 128
 
@@ -52,7 +55,7 @@ class Capability:
     max_qo: int | None = None
     max_rows: int | None = None
     topk_multiple: int = 1
-    batch_invariant: bool = True
+    batch_invariant: bool | str = True   # True, False or NAMED
     fp8_math_formats: frozenset = frozenset()
     num_stages: bool = True
     option: str | None = None
@@ -69,13 +72,13 @@ HALF = (torch.bfloat16, torch.float16)
 GLUON_HEADS_ON_M = Capability(
     "gluon-heads-on-m", "gluon", "gluon", "dense", "the heads-on-M build", device="sm90", auto_device="cuda",
     formats=frozenset({"fp8_e4m3"}), q_dtypes=HALF, heads=(33, SM90_MAX_HEADS), head_dims=SM90_HEAD_DIMS,
-    page_multiple=64, max_qo=1, batch_invariant=False, num_stages=False, option="heads_on_m",
+    page_multiple=64, max_qo=1, batch_invariant=NAMED, num_stages=False, option="heads_on_m",
     finish="gluon:heads_on_m_build")
 GLUON_WIDE = Capability(
     "gluon-wide", "gluon", "gluon", "dense", "the gluon kernel", device="sm90", auto_device="cuda",
     formats=frozenset({"fp8_e4m3", "fp8_e4m3_group"}), q_dtypes=HALF, heads=(1, SM90_MAX_HEADS),
     head_dims=SM90_HEAD_DIMS, page_sizes=(1, 16, 32), page_multiple=64, max_qo=8, max_rows=512,
-    batch_invariant=False, fp8_math_formats=frozenset({"fp8_e4m3"}), finish="gluon:wide_build")
+    batch_invariant=NAMED, fp8_math_formats=frozenset({"fp8_e4m3"}), finish="gluon:wide_build")
 TRITON = Capability("triton", "triton", "triton", "dense", "the triton backend", device="triton",
                     auto_device="cuda", pow2_dims=True)
 TORCH = Capability("torch", "torch", "torch", "dense", "the torch backend")
@@ -86,7 +89,7 @@ TORCH = Capability("torch", "torch", "torch", "dense", "the torch backend")
 GLUON_SPARSE = Capability(
     "gluon-sparse", "gluon", "sparse_gluon", "sparse", "the gluon sparse build", device="sm90", auto_device="cuda",
     formats=frozenset({"fp8_ds_mla"}), q_dtypes=(torch.bfloat16,), heads=(1, SM90_MAX_HEADS),
-    batch_invariant=False)
+    batch_invariant=NAMED)
 TRITON_SPARSE = Capability("triton-sparse", "triton", "sparse_triton", "sparse", "the triton sparse kernel",
                            device="triton", auto_device="cuda", topk_multiple=64, falls_back=False)
 TORCH_SPARSE = Capability("torch-sparse", "torch", "sparse_torch", "sparse", "the torch sparse code")

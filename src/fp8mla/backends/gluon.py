@@ -6,16 +6,22 @@ runs on the Triton kernel (``auto``) or is refused by name (``backend="gluon"``)
 sm_90, H <= 16 (padded to 16) and 17..128 heads with the wide-heads variant (head groups of 32 or 64, ``nhg`` CTAs
 per schedule slot), 1..8 query tokens per request (multi-token decode: rows = (query token, head) pairs, max
 qo_len x H <= 512), page size 1 (rows copied with cp.async), 16, 32 or a multiple of 64 (TMA row boxes), FP8 e4m3
-with per-tensor or per-token group scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the host when the
-layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build (``schedule_host``, O(batch)
-Python, staged in one copy: the decode runner's path; it and the merge's block sizes live in
-``_gluon_host_schedule``), else on the device from the layout (no host read, no sync); lengths are clamped to the
-pages each row lists either way.
+with per-tensor or per-token group scales, c_kv 512 + k_pe 64, bf16/fp16 queries. The split schedule is made on the
+host when the layout has host lengths and the plan uses CUDA-graph buffers or the heads-on-M build
+(``tile_items_host``, O(batch) Python, staged in one copy: the decode runner's path), else on the device from the
+layout (no host read, no sync; in CUDA-graph buffers replayed from a graph per shape); lengths are clamped to the
+pages each row lists either way. The schedules and the merge's block sizes live in ``kernels.split.tiles``.
 
-``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``sm90.schedule``) and
+``build`` makes the split schedule (tile ranges per CTA, request-aligned or contiguous: ``kernels.split.tiles``) and
 the device arrays; ``run`` only launches the kernel and the merge. With CUDA graphs every array lives in buffers sized
 once per wrapper (``state``), the grids are fixed (one CTA per SM; merge over ``max_batch_size`` requests) and the
 kernels read the real counts from device memory, so a captured run replays right after a re-plan.
+
+The batch-invariant mode (option ``batch_invariant``): each request is cut in chunks of ``invariant_chunk`` tokens
+on its own (``kernels.split.tiles.invariant_lists`` / ``invariant_items_device``), one work item each, merged in
+chunk order by the merge's sequential formula at fixed block sizes. The wide builds (both consumers over every
+tile) and heads-on-M (one CTA per item) compute an item alike wherever it runs, so a request's bits follow its own
+items; the <= 16-head build and multi-token plans are refused in the mode (``_invariant_refusal``).
 """
 from __future__ import annotations
 
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LN2, num_sms
-from ._gluon_host_schedule import merge_sizes, schedule_host
+from ..kernels.split import (invariant_items_device, merge_sizes, safe_kv_len, tile_items_device,
+                             tile_items_host)
 from ._graph import GraphBuffers
 from ._heads_on_m import aligned_slack
+from ._invariant import INVARIANT_CHUNK, INVARIANT_PARTIALS
 from .capabilities import DEFAULT_STAGES
 from .select import Refusal, dense_question, qo_range, select
 
@@ -72,7 +80,7 @@ def wide_build(q):
         return (f"num_stages: the gluon kernel's ring takes 2..{most} stages at {q.num_heads} heads"
                 f"{' with group scales' if group else ''}{' with fp8_math' if q.fp8_math else ''}; {ns} stages need "
                 f"{b.smem()} B of shared memory, above {k.SMEM_LIMIT}")
-    return b
+    return _invariant_refusal(b, q)
 
 
 def heads_on_m_build(q):
@@ -80,13 +88,31 @@ def heads_on_m_build(q):
     selector prefers it to the wide build wherever it takes the plan (``heads_on_m`` None; True requires it, False
     never takes it). Where it takes a plan, heads-on-M was measured faster than the wide build at every shape timed,
     plain and in CUDA-graph wrappers, with host or device-only lengths (its longest-first schedule is made on either
-    side: ``schedule_host`` / ``sm90.schedule_device``): 0.80-0.93x the wide build's time at 14 shapes of 64 and
+    side: ``tile_items_host`` / ``tile_items_device``): 0.80-0.93x the wide build's time at 14 shapes of 64 and
     128 heads (equal, uniform, log-normal and one-long lengths, B8-B128; H200, docs/benchmarks.md "Heads-on-M in
     CUDA-graph wrappers")."""
     from ..kernels import sm90 as k
     if k.gluon is None:
         return f"gluon does not import: {k.GLUON_IMPORT_ERROR}"
-    return k.Sm90Build.for_heads_on_m(q.num_heads, q.page_size)
+    return _invariant_refusal(k.Sm90Build.for_heads_on_m(q.num_heads, q.page_size), q)
+
+
+def _invariant_refusal(b, q):
+    """The build ``b`` of question ``q``, or (the batch-invariant mode) why the mode refuses it: a request's bits
+    must follow its own work items only. The wide builds (both consumers take every tile of an item, each for its
+    own heads) and heads-on-M (one CTA per item) compute an item alike wherever it runs; the <= 16-head build splits
+    an item's tiles between its two consumers by the item's place in its CTA's tile stream (then merges their
+    states), and a multi-token plan runs the variant of the batch's longest query."""
+    if not q.batch_invariant or isinstance(b, str):
+        return b
+    if q.max_qo > 1:
+        return (f"batch_invariant: the gluon builds take one query per request in this mode (the multi-token "
+                f"variant follows the batch's longest query; got {q.max_qo}); use backend='triton'")
+    if not (b.wide or b.heads_on_m):
+        return ("batch_invariant: the gluon build at <= 16 heads splits a work item's tiles between its two "
+                "consumers by the item's place in its CTA, so a request's bits would follow its batch; use "
+                "backend='triton'")
+    return b
 
 
 def _named_build(spec, layout, options: dict, state: dict):
@@ -104,6 +130,11 @@ def _named_build(spec, layout, options: dict, state: dict):
         return choice.reason
     state["selected"] = (key, choice.build)
     return choice.build
+
+
+def _invariant_chunk(opts: dict):
+    """The batch-invariant mode's chunk (tokens; a multiple of the 64-token tile), None outside the mode."""
+    return (opts.get("invariant_chunk") or INVARIANT_CHUNK) if opts.get("batch_invariant") else None
 
 
 @dataclass
@@ -136,6 +167,8 @@ class GluonPlan:
     slots: int = 0      # the schedule's CTAs
     n_items: int = 0    # heads-on-M: work items launched (the real count, or a cap: slots + batch, CUDA graphs
     #                     slots + max_batch; CTAs past the real count exit)
+    # batch-invariant plans cut on the device: int32 [1], requests past the item capacity, run as one item
+    overflow: object = None
 
     def __post_init__(self):
         if not self.max_rows:
@@ -202,72 +235,98 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     rows = k.padded_heads(spec.num_heads, max_qo, max_hpw)   # (heads-on-M: 64 x nhg, the same)
     mh = b.heads_on_m
     slack = aligned_slack(b)
+    fixed = _invariant_chunk(opts)   # the batch-invariant cut's chunk (None: the default cut)
     h = None
     if layout.host is not None:
         # heads-on-M: one CTA per item, launched longest first (m_list, staged with the items, maps the partials)
-        h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
-                          num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh)
+        h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+                            num_ctas=slots, min_tiles=min_tiles, slack=slack, longest_first=mh, fixed_chunk=fixed)
         parts = max(b - a for a, b in zip(h["m_ptr"], h["m_ptr"][1:])) if B else 1
     else:
         parts = None
-    mp, mc = merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
+    # (the mode: the merge's sizes and formula fixed, never the batch's: its sums would follow BLOCK_P)
+    from ..kernels.split.merge import INVARIANT_BLOCKS, SEQ_ALWAYS
+    mp, mc = INVARIANT_BLOCKS if fixed else merge_sizes(parts, B, slots, max_qo * spec.num_heads, n_sm)
+    merge = dict(merge_seq=SEQ_ALWAYS) if fixed else {}   # (read by launch_merge; not a device array)
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
             buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}),
                                                  max(rows, k.padded_heads(spec.num_heads, max_qo)))
         buf.check(B, layout.kv_indices.numel(), rows)
+        cap = buf.max_items if fixed else slots + buf.max_batch   # heads-on-M: the CTAs launched
         if h is not None:  # host lengths: schedule on the host, stage everything in one copy
+            _check_items(h, buf.max_items, fixed)
             t = buf.load_host(h, layout.kv_indices)
+            t.update(merge)
             return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                             slots + buf.max_batch if mh else 0)
+                             cap if mh else 0)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices)
+    overflow = None
     if not spec.use_cuda_graph:
         kv_len = base["kv_len"] = _device_kv_len(layout)
-        if h is not None and mh:   # host lengths (no graph): the host schedule's items, its real count
-            t = _stage_items(h, device)
-            n_items = len(h["item_req"])
-        else:
-            t = k.schedule_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
-            n_items = slots + B
         cap = slots + B
-        t.update(base, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
-                 part_o=torch.empty(cap, rows, k.DC, dtype=torch.float32, device=device),
-                 part_lse=torch.empty(cap, rows, dtype=torch.float32, device=device))
+        if h is not None and (mh or fixed):   # host lengths (no graph): the host schedule's items, its real count
+            t = _stage_items(h, device)
+            n_items = cap = len(h["item_req"])
+        elif fixed:   # at most one item per request and one per chunk of the listed pages' tokens
+            cap = B + -(-layout.kv_indices.numel() * layout.page_size // fixed)
+            t, overflow = invariant_items_device(kv_len, fixed, slots, cap)
+            n_items = cap
+        else:
+            t = tile_items_device(kv_len, slots, min_tiles, slack=slack, longest_first=mh)
+            n_items = slots + B
+        t.update(base, **merge, batch_size=torch.full((1,), B, dtype=torch.int32, device=device),
+                 part_o=torch.empty(max(1, cap), rows, k.DC, dtype=torch.float32, device=device),
+                 part_lse=torch.empty(max(1, cap), rows, dtype=torch.float32, device=device))
         return GluonPlan(spec, slots * nhg, max(1, B), mp, mc, t, b, max_qo * spec.num_heads, slots,
-                         n_items if mh else 0)
+                         n_items if mh else 0, overflow)
     # the raw lengths into the buffers, then the clamp and the schedule on them, replayed from a CUDA graph per
     # shape (their ~90 small ops cost ~2.5 ms of host time per plan on an H100 host)
     t = buf.load(dict(base, kv_len=layout.kv_len, batch_size=torch.full((1,), B, dtype=torch.int32)))
+    t.update(merge)
     n_idx = layout.kv_indices.numel()
 
-    def device_schedule():
+    def clamp_lengths():
         lens = t["kv_len"][:B]
         lens.copy_(_clamped_kv_len(t["qo_indptr"][: B + 1], t["kv_indptr"][: B + 1], lens, layout.page_size, n_idx))
-        k.schedule_device(lens, slots, min_tiles, out=t, slack=slack, longest_first=mh)
+        return lens
 
-    buf.replay((B, n_idx, layout.page_size, slots, min_tiles, slack, mh), device_schedule)
-    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch <= the buffers'
-    # max_items; CTAs past a plan's real count exit at once)
+    if fixed:   # (the mode keeps its overflow count, a tensor of this plan's own)
+        overflow = invariant_items_device(clamp_lengths(), fixed, slots, buf.max_items, out=t)[1]
+    else:
+        buf.replay((B, n_idx, layout.page_size, slots, min_tiles, slack, mh),
+                   lambda: tile_items_device(clamp_lengths(), slots, min_tiles, out=t, slack=slack, longest_first=mh))
+    # (CUDA graphs: the most items any later plan of the wrapper can have, slots + max_batch (the mode: the
+    # buffers' max_items) <= the buffers' max_items; CTAs past a plan's real count exit at once)
     return GluonPlan(spec, slots * nhg, buf.max_batch, mp, mc, t, b, max_qo * spec.num_heads, slots,
-                     slots + buf.max_batch if mh else 0)
+                     cap if mh else 0, overflow)
+
+
+def _check_items(h: dict, max_items: int, fixed) -> None:
+    """A host schedule's items fit the CUDA-graph buffers (the default cut always does: at most slots + batch)."""
+    n = len(h["item_req"])
+    if fixed is not None and n > max_items:
+        raise ValueError(f"batch_invariant: this batch cuts into {n} KV chunks of <= {fixed} tokens, above the "
+                         f"{max_items} work items the CUDA-graph buffers hold (max_batch_size + max_partials); "
+                         "construct MLAPagedAttention with a larger max_partials")
 
 
 def replan_rows(plan, layout, state: dict, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
-    While the host schedule's items are those ``plan`` was built with (``schedule_host``'s memo: every request
+    While the host schedule's items are those ``plan`` was built with (``tile_items_host``'s memo: every request
     within the same 64-token tiles), the plan object is the same (its grids and merge sizes follow from the items)
-    and only the staged arrays are new; otherwise :func:`build` runs (its schedule_host hits the memo just made).
+    and only the staged arrays are new; otherwise :func:`build` runs (its tile_items_host hits the memo just made).
     ``fixed``: ``plan`` was captured in a CUDA graph, which replays right after any re-plan with its launch
     configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
     from ..kernels import sm90 as k
     buf, opts = state.get("graph"), state.get("opts")
-    if buf is None or opts is None or plan.t is not buf.buf or layout.host is None:
-        return None
+    if buf is None or opts is None or plan.t is not buf.buf or layout.host is None or _invariant_chunk(opts):
+        return None   # (the mode: build() stages the new cut into the same buffers)
     nhg = plan.build.nhg
-    h = schedule_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
+    h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
                       slack=aligned_slack(plan.build), longest_first=plan.build.heads_on_m)
     last = state.get("rows_items")
@@ -319,7 +378,6 @@ def _device_kv_len(layout) -> torch.Tensor:
 
 
 def _clamped_kv_len(qo_indptr, kv_indptr, kv_len, page_size: int, num_indices: int) -> torch.Tensor:
-    from .triton import safe_kv_len
     kv_len = safe_kv_len(kv_indptr, kv_len, page_size, num_indices)
     return torch.where(qo_indptr[1:] > qo_indptr[:-1], kv_len, 0).to(torch.int32)
 
@@ -332,11 +390,13 @@ class _GraphBuffers(GraphBuffers):
         from ..kernels import sm90 as k
         self.max_batch = int(opts["max_batch_size"])
         self.max_items = n_sm + self.max_batch
+        if opts.get("batch_invariant"):   # the cut follows each request's length: a capacity, not a bound
+            self.max_items = self.max_batch + int(opts.get("max_partials") or INVARIANT_PARTIALS)
         self.n_sm = n_sm
         self.rows = rows   # head rows per item of the partials: fixed by the first plan's num_heads
         i32 = dict(dtype=torch.int32, device=device)
         mb, mi = self.max_batch, self.max_items
-        # the arrays schedule_host fills, the one that changes every decode step first (a caller staging them
+        # the arrays tile_items_host fills, the one that changes every decode step first (a caller staging them
         # through ``sink`` copies only up to the last one changed); m_list last (the identity but for a heads-on-M
         # plan's longest-first items).
         # FlashInfer's constructor kv_indices (int32) is the live tensor the kernel reads, at any size, as in

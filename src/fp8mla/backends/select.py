@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import runtime
-from ._invariant import GLUON_REFUSAL
-from .capabilities import BUILDS, DEFAULT_STAGES, Capability
+from ._invariant import GLUON_AUTO
+from .capabilities import BUILDS, DEFAULT_STAGES, NAMED, Capability
 
 __all__ = ["Capability", "Choice", "Question", "Refusal", "dense_question", "qo_range", "refusal_error", "select",
            "sparse_question", "v4_question", "without_gluon"]
@@ -139,7 +139,12 @@ def select(q: Question, requested: str = "auto"):
         if q.fp8_math and not cap.fp8_math_formats and not asked:
             continue
         device_ok = _device_fits(cap, q, auto)
-        why = refusal(cap, q) if device_ok else _device_refusal(cap, q, auto)
+        if not device_ok:
+            why = _device_refusal(cap, q, auto)
+        elif auto and q.batch_invariant and cap.batch_invariant == NAMED:
+            why = GLUON_AUTO   # (a build that takes the mode only when named)
+        else:
+            why = refusal(cap, q)
         build = None
         if not why and cap.finish is not None:
             build = _finish(cap, q)
@@ -197,7 +202,7 @@ def refusal(cap: Capability, q: Question) -> str:
     the build takes and what came."""
     t = cap.title
     if q.batch_invariant and not cap.batch_invariant:
-        return GLUON_REFUSAL if cap.backend == "gluon" else f"batch_invariant: {t} has no batch-invariant mode"
+        return f"batch_invariant: {t} has no batch-invariant mode"
     if cap.formats is not None and q.kv_format not in cap.formats:
         return f"kv_data_type: {t} reads {' or '.join(sorted(cap.formats))}, got {q.kv_format!r}"
     if cap.q_dtypes is not None and q.q_dtype not in cap.q_dtypes:

@@ -2,11 +2,12 @@
 (``kernels/sm90/sparse.py``). Its record: ``capabilities.GLUON_SPARSE`` (sm_90, fp8_ds_mla, bf16 queries,
 H <= 128, any topk; no batch-invariant mode). It has no tuning options.
 
-Splits: one wave of its one-CTA-per-SM kernel (``kernels.sm90.sparse.wave_splits``): more would only add waves
+Splits: one wave of its one-CTA-per-SM kernel (``kernels.split.rows.wave_splits``): more would only add waves
 and a longer merge.
 """
 from __future__ import annotations
 
+from ..kernels.split.rows import wave_splits
 from ..runtime import LN2, num_sms
 from ._sparse_splits import SplitPlan
 
@@ -18,9 +19,8 @@ class GluonSparsePlan(SplitPlan):
         super().__init__(spec, num_sms(spec.device))
 
     def fill_splits(self, n: int) -> int:
-        from ..kernels.sm90 import sparse as sm90_sparse
         s = self.spec
-        return sm90_sparse.wave_splits(self.n_sm, n, s.num_heads, s.topk, s.min_split)
+        return wave_splits(self.n_sm, n, -(-s.num_heads // self.config["block_h"]), s.topk, s.min_split)
 
     def run(self, q_nope, q_pe, ckv, kpe, scale_arr, scales, indices, out, lse, base_e: bool) -> None:
         from ..kernels.sm90 import sparse as sm90_sparse

@@ -8,6 +8,7 @@ twice the SM count.
 """
 from __future__ import annotations
 
+from ..kernels.split.rows import fill_splits
 from ..runtime import LN2, num_sms
 from ._sparse_splits import SplitPlan
 
@@ -19,9 +20,7 @@ class TritonSparsePlan(SplitPlan):
 
     def fill_splits(self, n: int) -> int:
         s = self.spec
-        tiles = -(-s.num_heads // self.config["block_h"])
-        want = -(-2 * self.n_sm // max(1, n * tiles))
-        return max(1, min(want, max(1, s.topk // s.min_split)))
+        return fill_splits(2 * self.n_sm, n, -(-s.num_heads // self.config["block_h"]), s.topk, s.min_split)
 
     def run(self, q_nope, q_pe, ckv, kpe, scale_arr, scales, indices, out, lse, base_e: bool) -> None:
         from ..kernels import sparse_decode

@@ -16,6 +16,7 @@ import torch
 from .._softmax import softmax_rows
 from ..formats import expand_group_scales
 from .._checks import check_kv_lengths, check_page_ids
+from ..kernels.split import chunk_bounds, merge_chunks
 from ..runtime import LOG2E
 from ._invariant import INVARIANT_CHUNK
 
@@ -184,9 +185,9 @@ class TorchPlan:
 
 
 class InvariantTorchPlan(TorchPlan):
-    """The batch-invariant mode: each request alone, its KV cut in chunks by :func:`chunk_bounds` (its own length
-    and the chunk size), each chunk's (o, lse) merged in chunk order. Every torch op sees shapes that follow the
-    request only (a batched or padded matmul may block its reduction by the batch's shape)."""
+    """The batch-invariant mode: each request alone, its KV cut in chunks by ``kernels.split.chunk_bounds`` (its own
+    length and the chunk size), each chunk's (o, lse) merged in chunk order (``kernels.split.merge_chunks``). Every
+    torch op sees shapes that follow the request only (a batched or padded matmul may block its reduction by the batch's shape)."""
 
     def __init__(self, layout, spec, chunk: int):
         self.spec, self.layout, self.chunk = spec, layout, chunk
@@ -245,34 +246,6 @@ class InvariantTorchPlan(TorchPlan):
             o, ls = merge_chunks(parts)
             out[rows] = o.to(out.dtype)
             lse[rows] = ls if base_e else ls * LOG2E
-
-
-def chunk_bounds(L: int, chunk: int, block: int = 64) -> list:
-    """[(start, end)] of a request of ``L`` tokens: ceil(L / chunk) chunks of one size (a multiple of ``block``,
-    the last the rest), as the triton backend's schedule cuts it."""
-    n = -(-L // chunk)
-    per = -(-(-(-L // n)) // block) * block
-    return [(s, min(L, s + per)) for s in range(0, L, per)]
-
-
-def merge_chunks(parts: list):
-    """(o, lse) of chunk partials ``[(o [..., D], lse [...]) natural log]``, merged by log-sum-exp in list order: a
-    chunk a row does not see (lse -inf) weighs 0, NaN stays NaN, a row that sees no chunk gives 0 and -inf."""
-    if len(parts) == 1:
-        return parts[0]
-    lses = torch.stack([p[1] for p in parts])                                  # [n, ...]
-    m = lses.amax(0)
-    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    o = torch.zeros_like(parts[0][0])
-    w_sum = torch.zeros_like(m)
-    for p_o, p_lse in parts:
-        w = torch.exp(p_lse - m0)
-        o = o + w[..., None] * p_o
-        w_sum = w_sum + w
-    empty = w_sum == 0
-    o = torch.where(empty[..., None], torch.zeros_like(o), o / torch.where(empty, 1.0, w_sum)[..., None])
-    ls = torch.where(empty, torch.full_like(m, -math.inf), m0 + torch.log(torch.where(empty, 1.0, w_sum)))
-    return o, torch.where(torch.isnan(m), m, ls)
 
 
 def build(layout, spec, options: dict, state: dict) -> TorchPlan:

@@ -224,8 +224,17 @@ def main(args) -> int:
                             except ValueError as e:
                                 print(f"  fp8mla gluon fp8_math H{H} B{B} L{L} page{page}: not taken ({e})")
                     if getattr(args, "batch_invariant", False):
-                        for name, attn in invariant_attentions(plan_args, H, fmt_name, args.strategy).items():
-                            runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
+                        # auto's pick in the mode (the Triton kernel), and the Gluon builds, which take it named
+                        for be in ("auto", "gluon") if "gluon" in fp8mla_backends(device) else ("auto",):
+                            try:
+                                made = invariant_attentions(plan_args, H, fmt_name, args.strategy, backend=be)
+                            except ValueError as e:
+                                print(f"  fp8mla {be}[invariant] {fmt_name} H{H} B{B} L{L} page{page}: not taken "
+                                      f"({e})")
+                                continue
+                            for name, attn in made.items():
+                                runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse,
+                                                                      **sk))
                     if "gather_cast" in args.compare:
                         attn = MLAPagedAttention(backend="triton", strategy="gather_cast")
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)

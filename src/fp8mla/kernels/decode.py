@@ -42,7 +42,8 @@ used token can also reach rows of the same tile that causally cannot see it, thr
 A page id outside ``[0, num_pages)`` is never read: its tokens score NaN, so the request's rows become NaN.
 
 A work item that covers a whole request writes ``out``/``lse`` directly; otherwise it writes a normalized
-partial (o, lse) that ``_merge_kernel`` combines by log-sum-exp, in a fixed order (deterministic).
+partial (o, lse) that the split merge (``kernels.split.merge``) combines by log-sum-exp, in a fixed order
+(deterministic).
 """
 from __future__ import annotations
 
@@ -397,55 +398,6 @@ def _mla_decode_kernel(
                    CW, NCH)
 
 
-@triton.jit
-def _merge_kernel(
-    out, lse_out, part_o, part_lse, qo_indptr, split_indptr, item_part, batch_size, H,
-    stride_o_t, stride_o_h, stride_o_c, stride_lse_t, stride_lse_h, stride_po_i, stride_po_r, stride_pl_i,
-    DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Combines the partials of requests split over several work items (others were written directly).
-    One program per (request, BLOCK_R rows, BLOCK_C columns): a long request's many partials are read by many
-    SMs at once, not one. A NaN partial (lse NaN) makes the row NaN; empty partials (lse -inf) weigh 0."""
-    b = tl.program_id(0)
-    if b >= tl.load(batch_size):
-        return
-    i0 = tl.load(split_indptr + b)
-    i1 = tl.load(split_indptr + b + 1)
-    if i1 - i0 < 2:
-        return
-    q0 = tl.load(qo_indptr + b)
-    qo_len = tl.load(qo_indptr + b + 1) - q0
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < qo_len * H
-    if tl.program_id(1) * BLOCK_R >= qo_len * H:
-        return
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in range(i0, i1):
-        p = tl.load(item_part + i).to(tl.int64)
-        m = tl.maximum(m, tl.load(part_lse + p * stride_pl_i + rows, mask=row_ok, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for i in range(i0, i1):
-        p = tl.load(item_part + i).to(tl.int64)
-        lse_i = tl.load(part_lse + p * stride_pl_i + rows, mask=row_ok, other=float("-inf"))
-        w = tl.exp2(lse_i - m_use)
-        o_i = tl.load(part_o + p * stride_po_i + rows[:, None].to(tl.int64) * stride_po_r + offs_c[None, :],
-                      mask=row_ok[:, None], other=0.0)
-        acc += w[:, None] * o_i
-        w_sum += w
-    empty = w_sum == 0
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, w_sum)[:, None])
-    tok = (q0 + rows // H).to(tl.int64)
-    head = rows % H
-    tl.store(out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_c[None, :] * stride_o_c,
-             o.to(out.dtype.element_ty), mask=row_ok[:, None])
-    if tl.program_id(2) == 0:
-        lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, w_sum)))
-        tl.store(lse_out + tok * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
-
-
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -510,8 +462,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
                sm_scale: float, causal: bool, kv_mode: int, block_m: int, block_n: int, num_warps: int,
                num_stages: int, fp32_dot: bool, q_split: bool = False, evict_first: bool = True,
                index64: bool | None = None, v_convert: str | None = None,
-               raw_fp8: int = 0, column_chunks_override: int | None = None) -> None:
-    """Launches the split kernel and the merge kernel. ``lse`` is written base 2.
+               raw_fp8: int = 0, column_chunks_override: int | None = None, invariant_merge: bool = False) -> None:
+    """Launches the split kernel and the split merge (``kernels.split.merge``). ``lse`` is written base 2.
 
     Shapes: q_nope ``[n, H, Dc]``, q_pe ``[n, H, Dk]``, ckv_cache ``[P, page, Dc]``, kpe_cache ``[P, page, Dk]``
     (strided views of one pool are fine; last dim contiguous), scales fp32 ``[2]`` = (ckv_scale, kpe_scale),
@@ -524,7 +476,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     128-column chunks: no byte-wise shared loads; the portable path); None picks :func:`default_config`'s for
     the device (plain on sm_90 and the interpreter, asm elsewhere). ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits; an FP8
     pool on a GPU older than sm_89 (where Triton has no FP8 type) is viewed as uint8 automatically.
-    Page ids outside ``[0, P)`` are never read: the request's rows come out NaN.
+    Page ids outside ``[0, P)`` are never read: the request's rows come out NaN. ``invariant_merge``: every
+    request's partials merged by the sequential formula with fixed block sizes (the batch-invariant mode).
     """
     P, page, Dc = ckv_cache.shape
     Dk = kpe_cache.shape[-1]
@@ -584,10 +537,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     )
     global LAST_COMPILED  # registers / shared memory / spills of the last launch, for `bench decode --sweep`
     LAST_COMPILED = compiled
-    block_r, block_c = 8, 64
-    _merge_kernel[(grid_batch, triton.cdiv(max_rows, block_r), triton.cdiv(Dc, block_c))](
-        out, lse, part_o, part_lse, qo_indptr, split_indptr, item_part, batch_size, num_heads,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), part_o.stride(0),
-        part_o.stride(1), part_lse.stride(0),
-        DC=Dc, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-    )
+    from .split.merge import INVARIANT_BLOCKS, SEQ_ALWAYS, SEQ_PARTS, merge_requests
+    # split_indptr lists each request's items; item_part maps an item to its partial (items of a request that is
+    # not split have none: the merge skips requests of fewer than 2 items)
+    merge_requests(out, lse, part_o, part_lse, qo_indptr, split_indptr, item_part, batch_size,
+                   grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, block_p=INVARIANT_BLOCKS[0],
+                   block_c=INVARIANT_BLOCKS[1], seq=SEQ_ALWAYS if invariant_merge else SEQ_PARTS)

@@ -23,8 +23,8 @@ NaN in an unselected slot never reaches the output) and scores -inf. A row with 
 lse -inf; NaN in a selected token or in the query gives NaN (the epilogue tells l == 0 from l = NaN).
 
 Splits: with few query tokens, a token's row is cut into ``num_splits`` ranges on as many programs; each writes a
-normalized partial (o, lse base 2), and ``_merge_splits_kernel`` combines them by log-sum-exp in split order
-(deterministic: the same inputs give the same bits).
+normalized partial (o, lse base 2), and the split merge (``kernels.split.merge.merge_splits``) combines them by
+log-sum-exp in split order (deterministic: the same inputs give the same bits).
 """
 from __future__ import annotations
 
@@ -226,41 +226,6 @@ def _sparse_mla_kernel(
         _store_row(out, t64 * stride_o_t + heads * stride_o_h, stride_o_c, o0, o1, o2, o3, row_ok, CW, NCH)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    out, lse_out, part_o, part_lse, H, num_splits, lse_scale,
-    stride_o_t, stride_o_h, stride_o_c, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """One program per (token, BLOCK_R heads, BLOCK_C columns): the token's split partials combined in split
-    order. A NaN partial makes the row NaN; an empty one (lse -inf, o 0) weighs 0; all empty gives 0 / -inf."""
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = heads < H
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(part_lse + (t * num_splits + s) * stride_pl_i + heads, mask=row_ok,
-                                  other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for s in range(0, num_splits):
-        item = t * num_splits + s
-        w = tl.exp2(tl.load(part_lse + item * stride_pl_i + heads, mask=row_ok, other=float("-inf")) - m_use)
-        o = tl.load(part_o + item * stride_po_i + heads[:, None].to(tl.int64) * stride_po_h + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        acc += w[:, None] * o
-        w_sum += w
-    empty = w_sum == 0
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, w_sum)[:, None])
-    tl.store(out + t * stride_o_t + heads[:, None] * stride_o_h + cols[None, :] * stride_o_c,
-             o.to(out.dtype.element_ty), mask=row_ok[:, None])
-    if tl.program_id(2) == 0:
-        lse = tl.where(empty, float("-inf"), m_use + tl.log2(tl.where(empty, 1.0, w_sum)))
-        tl.store(lse_out + t * stride_lse_t + heads * stride_lse_h, lse * lse_scale, mask=row_ok)
-
-
 def kv_mode_of(fmt) -> int:
     """The kernel's KV_MODE for a :class:`fp8mla.formats.KVFormat`."""
     if fmt.scale_kind in ("group", "record"):
@@ -333,9 +298,9 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, scales, indices, out, lse, par
         if scale_arr is not None:
             span = max(span, sum((s - 1) * st for s, st in zip(scale_arr.shape, scale_arr.stride())) + 1)
         index64 = span >= 2**31
-    chunk = -(-topk // num_splits)
-    chunk = -(-chunk // 64) * 64  # whole 64-entry blocks per split
-    num_splits = -(-topk // chunk)
+    from .split.merge import merge_splits
+    from .split.rows import split_geometry
+    chunk, num_splits = split_geometry(topk, num_splits)  # whole 64-entry blocks per split
     split = num_splits > 1
     po = part_o if split else out
     pl = part_lse if split else lse
@@ -357,10 +322,4 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, scales, indices, out, lse, par
     global LAST_COMPILED  # registers / spills of the last launch, for the bench
     LAST_COMPILED = compiled
     if split:
-        block_r, block_c = 8, 64
-        _merge_splits_kernel[(n, triton.cdiv(H, block_r), triton.cdiv(Dc, block_c))](
-            out, lse, part_o, part_lse, H, num_splits, lse_scale,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-        )
+        merge_splits(out, lse, part_o, part_lse, num_parts=num_splits, lse_scale=lse_scale)

@@ -21,8 +21,8 @@ NaN in an unselected slot never reaches the output) and scores -inf. The epilogu
 to the denominator; a row with no valid entry gives out 0 and lse -inf, or with a sink out 0 and lse = the sink.
 
 Splits: each split writes a normalized partial (o, lse base 2); with a sink, split 0 also writes the sink as one
-more partial (o = 0, lse = sink * log2 e), and ``sparse_decode._merge_splits_kernel`` combines them all by
-log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue. The default cut
+more partial (o = 0, lse = sink * log2 e), and the split merge (``kernels.split.merge.merge_splits``) combines them all
+by log-sum-exp in order: the sink lands in the denominator exactly as in the one-program epilogue. The default cut
 splits the two padded rows laid end to end in ``num_splits`` equal ranges (chosen per call from its size). The
 batch-invariant cut (``ROW_CUT``) follows the row alone: its ``len = window length + compressed length`` entries
 (the compressed ones right after the window's last) in ``n = ceil(len / chunk)`` ranges of ``ceil(len / n)``
@@ -38,7 +38,6 @@ import triton.language as tl
 
 from .decode import LOG2E, _bits_to_fp16, _dot
 from .softmax import softmax_step
-from .sparse_decode import _merge_splits_kernel
 
 FMT_BF16, FMT_V4, FMT_V41 = 0, 1, 2
 D = 512
@@ -270,14 +269,13 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
         return
     topk_w = window.indices.shape[1]
     topk_c = compressed.indices.shape[1] if compressed is not None else 0
-    total = max(1, topk_w + topk_c)
+    from .split.merge import merge_splits
+    from .split.rows import split_geometry
     if invariant_chunk is not None:
         chunk = invariant_chunk
         num_splits = invariant_splits(topk_w + topk_c, invariant_chunk)
     else:
-        chunk = -(-total // num_splits)
-        chunk = -(-chunk // block_n) * block_n
-        num_splits = -(-total // chunk)
+        chunk, num_splits = split_geometry(topk_w + topk_c, num_splits, block_n)
     split = num_splits > 1
     has_sink = sinks is not None
     parts = num_splits + int(has_sink)
@@ -303,10 +301,4 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
         num_stages=num_stages,
     )
     if split:
-        block_r, block_c = 8, 64
-        _merge_splits_kernel[(n, triton.cdiv(H, block_r), triton.cdiv(D, block_c))](
-            out, lse, part_o, part_lse, H, parts, lse_scale,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-        )
+        merge_splits(out, lse, part_o, part_lse, num_parts=parts, lse_scale=lse_scale)

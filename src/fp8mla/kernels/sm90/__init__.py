@@ -17,7 +17,7 @@ Design ("swap-AB with register operands"; the full design: docs/kernels/sm90.md)
   * each consumer writes its own normalized partial (o, lse base 2) per work item; a small Triton kernel merges
     a request's partials by log-sum-exp in a fixed order (bit-identical reruns).
 
-Work items come from the plan (``schedule``): the concatenated 64-token tiles of all requests are cut into one
+Work items come from the plan (``kernels.split.tiles``): the concatenated 64-token tiles of all requests are cut into one
 range per CTA, either request-aligned pieces (``aligned_pieces``: one item per CTA, where that balances) or
 contiguous ranges (FlashMLA-style), a range split at request boundaries into items ``(request, first tile, end
 tile)``. Every device array the kernels read is sized at plan time; ``run`` only
@@ -79,8 +79,9 @@ Heads-on-M build (``heads_on_m``, 33..128 heads, one query per request, per-tens
 tile read by both products, one CTA per (work item, 64-head group) of the same schedule; ``heads_on_m.py``.
 
 Modules, by role: ``config`` (sizes, variant geometry, the Gluon API), ``ring`` (depth and ready-barrier rule),
-``schedule`` (work items per CTA), ``fragments`` (operand helpers), ``producer``, ``consumer``, ``merge`` (partials
-and the split merge), ``kernel`` (allocation, barriers, warp_specialize, ``launch``).
+``fragments`` (operand helpers), ``producer``, ``consumer``, ``merge`` (each item's partial), ``kernel``
+(allocation, barriers, warp_specialize, ``launch``). The work items per CTA and the split merge are every decode
+path's: ``kernels.split``.
 """
 from __future__ import annotations
 
@@ -90,10 +91,8 @@ from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, 
                      head_config, mh_smem_bytes, mtp_config, mtp_row, mtp_visible, padded_heads, row_config,
                      smem_bytes)
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok
-from .merge import SEQ_PARTS, _merge_parts_kernel, launch_merge, merge_blocks, merge_tile
+from .merge import launch_merge
 from .ring import ready_barrier, ring_depth
-from .schedule import (ALIGNED_SLACK, BALANCE, ONE_WAVE_SLACK, UNBOUNDED_SLACK, aligned_lists, aligned_pieces,
-                       longest_first_slack, schedule, schedule_device)
 
 from .heads_on_m import launch_heads_on_m
 
@@ -101,12 +100,11 @@ if gluon is not None:
     from .heads_on_m import heads_on_m_kernel, mh_kv_descriptors
     from .kernel import mla_decode_sm90_kernel
 
-__all__ = ["ALIGNED_SLACK", "UNBOUNDED_SLACK", "DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
+__all__ = ["DC", "DK", "FP8_MATH_TERMS", "GLUON_IMPORT_ERROR", "GROUP_MAX_HPW", "GROUPS", "HP",
            "KNOWN_BUILDS", "Sm90Build",
            "MAX_MTP_QO", "MAX_MTP_ROWS", "MAX_WIDE_HEADS", "MH_HEADS", "MH_MIN_HEADS", "MH_REGS", "MH_STAGES",
-           "P8_SCALE", "ROW_BYTES", "SEQ_PARTS", "SMEM_LIMIT",
-           "STAGE_BYTES", "TILE", "aligned_lists", "aligned_pieces", "gluon", "head_config", "kv_descriptors",
-           "launch", "launch_heads_on_m", "launch_merge", "merge_blocks", "mh_smem_bytes", "merge_tile", "mtp_config", "mtp_row", "mtp_visible",
+           "P8_SCALE", "ROW_BYTES", "SMEM_LIMIT",
+           "STAGE_BYTES", "TILE", "gluon", "head_config", "kv_descriptors",
+           "launch", "launch_heads_on_m", "launch_merge", "mh_smem_bytes", "mtp_config", "mtp_row", "mtp_visible",
            "padded_heads", "ready_barrier", "ring_depth", "row_config", "scale_descriptor", "scale_rows_ok",
-           "schedule", "schedule_device", "smem_bytes", "BALANCE", "ONE_WAVE_SLACK",
-           "longest_first_slack"]
+           "smem_bytes"]

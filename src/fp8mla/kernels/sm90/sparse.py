@@ -9,9 +9,9 @@ since each gathers its own index row. Index entries are slot ids ``page * page_s
 the pool and entries past the row are never read and score -inf; any topk >= 1.
 
 Splits: an index row is cut over ``num_splits`` CTAs, each writing a normalized partial (o, lse base 2) that
-``kernels/sparse_decode._merge_splits_kernel`` combines by log-sum-exp in split order. The split count that
-fills the GPU is one wave (``wave_splits``): one CTA per SM (~200 KB of shared memory each), so more splits would
-only add waves and a longer merge (H200: 0.124 ms at H128 topk 2048 B64 with 1 split, 0.163 with 3).
+the split merge (``kernels.split.merge.merge_splits``) combines by log-sum-exp in split order. The split count
+that fills the GPU is one wave (``kernels.split.rows.wave_splits``): one CTA per SM (~200 KB of shared memory
+each), so more splits would only add waves and a longer merge (H200: 0.124 ms at H128 topk 2048 B64 with 1 split, 0.163 with 3).
 
 Numerics: bf16 queries only (an fp16 query is refused: its record, ``backends.capabilities.GLUON_SPARSE``); fp16 K, V and P, fp32 accumulation. The
 record pool must be contiguous over pages (slot s is record s).
@@ -28,21 +28,7 @@ HEAD_GROUP = 64        # heads per CTA (the wgmma M side)
 MAX_HEADS = 128
 LAST_COMPILED = None
 
-__all__ = ["HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "sparse_mla", "smem_bytes", "split_geometry", "wave_splits"]
-
-
-def wave_splits(num_sms: int, num_tokens: int, num_heads: int, topk: int, min_split: int) -> int:
-    """Splits per index row: one wave of one CTA per SM, ``max(1, SMs // (tokens x head groups))``, each split
-    walking at least ``min_split`` entries."""
-    groups = -(-num_heads // HEAD_GROUP)
-    return max(1, min(num_sms // max(1, num_tokens * groups), topk // min_split))
-
-
-def split_geometry(topk: int, num_splits: int) -> tuple[int, int]:
-    """(chunk, splits): entries per split (a multiple of the 64-entry tile) and the splits that are not empty."""
-    chunk = -(-topk // max(1, num_splits))
-    chunk = -(-chunk // TILE) * TILE
-    return chunk, -(-topk // chunk)
+__all__ = ["HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "sparse_mla", "smem_bytes"]
 
 
 def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, part_lse, *, sm_scale: float,
@@ -53,10 +39,12 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
     ``[P, page, 512]``, bf16 ``[P, page, 64]`` and fp32 ``[P, page, 4]`` views of one contiguous record pool
     (``MLASparseAttention._split_pool``; slot s = record s); indices int32 ``[n, topk]``; out ``[n, H, 512]`` bf16
     and lse ``[n, H]`` fp32 (any strides, last dim of out contiguous); part_o / part_lse fp32
-    ``[>= n * splits, H(, 512)]`` contiguous when splitting (``split_geometry`` gives the splits that run).
+    ``[>= n * splits, H(, 512)]`` contiguous when splitting (``kernels.split.rows.split_geometry`` gives the
+    splits that run).
     """
-    from ..sparse_decode import _merge_splits_kernel
     from ..decode import LOG2E
+    from ..split.merge import merge_splits
+    from ..split.rows import split_geometry
     from .sparse_partitions import sparse_mla_kernel
     if gluon is None:
         raise RuntimeError(f"the gluon sparse kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
@@ -72,7 +60,7 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
         raise ValueError(f"num_heads: the gluon sparse kernel takes 1..{MAX_HEADS}, got {H}")
     if n == 0 or topk == 0:
         return
-    chunk, num_splits = split_geometry(topk, num_splits)
+    chunk, num_splits = split_geometry(topk, num_splits, TILE)
     split = num_splits > 1
     po = part_o if split else out
     pl = part_lse if split else lse
@@ -87,9 +75,4 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
         SPLIT=split, REGS=REGS, num_warps=NUM_WARPS,
     )
     if split:
-        _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(DC, 64))](
-            out, lse, part_o, part_lse, H, num_splits, lse_scale,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            BLOCK_R=8, BLOCK_C=64, num_warps=4,
-        )
+        merge_splits(out, lse, part_o, part_lse, num_parts=num_splits, lse_scale=lse_scale)

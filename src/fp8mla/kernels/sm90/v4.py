@@ -8,8 +8,8 @@ NVMMA slabs; two consumer warpgroups alternate as the owner of a tile's scores a
 the whole 512-value row (V = K, RoPE columns included). Heads are the MMA's M side, padded to 64 rows (H 8 / 16:
 one group, zero query rows, never written). A token's entries are its window segment, then its compressed
 segment, each padded to whole tiles; a split walks a contiguous range of those tiles and writes a normalized
-partial that ``kernels/sparse_decode._merge_splits_kernel`` combines by log-sum-exp in split order (with a sink,
-split 0 also writes the sink as one more partial).
+partial that the split merge (``kernels/split/merge.merge_splits``) combines by log-sum-exp in split order (with
+a sink, split 0 also writes the sink as one more partial).
 
 Numerics: bf16 queries only (fp16 is refused: ``supports``); bf16 K = V (exact for every format) and P, fp32
 accumulation and softmax. Each pool is addressed as ``page * page stride + offset * record``: any page stride
@@ -96,7 +96,7 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
     for a layer without compressed rows); part_o / part_lse fp32 ``[>= n * parts, H(, 512)]`` contiguous when
     splitting, ``parts = splits + (sinks is not None)`` (``split_geometry`` gives the splits that run).
     """
-    from ..sparse_decode import _merge_splits_kernel
+    from ..split.merge import merge_splits
     if gluon is None:
         raise RuntimeError(f"the gluon V4 kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
     from .v4_partitions import v4_attention_kernel
@@ -134,9 +134,4 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
         REGS=REGS, num_warps=NUM_WARPS,
     )
     if split:
-        _merge_splits_kernel[(n, triton.cdiv(H, 8), triton.cdiv(512, 64))](
-            out, lse, part_o, part_lse, H, parts, lse_scale,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            BLOCK_R=8, BLOCK_C=64, num_warps=4,
-        )
+        merge_splits(out, lse, part_o, part_lse, num_parts=parts, lse_scale=lse_scale)

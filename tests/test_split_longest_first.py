@@ -1,15 +1,15 @@
-"""The heads-on-M build's host schedule (``schedule_host(longest_first=True)``): one CTA per
+"""The heads-on-M build's host schedule (``kernels.split.tile_items_host(longest_first=True)``): one CTA per
 work item, the items launched longest first, the request-aligned cut only where it is balanced (else the
 contiguous cut), and ``m_list`` mapping each request's partials to the items' new places (the split merge reads
-them through it; the merge itself takes any ``m_list``: tests/test_sm90_merge_grid.py). Pure Python on the CPU:
+them through it; the merge itself takes any ``m_list``: tests/test_split_merge.py). Pure Python on the CPU:
 the schedule's lists, and the plan arrays ``gluon.build`` stages (the kernel is never launched)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fp8mla.backends import _gluon_host_schedule as hs
-from fp8mla.kernels import sm90 as k
+from fp8mla.kernels import split as k
+from fp8mla.kernels.split import tiles as hs
 
 
 def host_of(lens):
@@ -37,7 +37,7 @@ def test_longest_first_is_a_reordered_real_schedule(min_tiles):
     for lens, ctas in cases():
         host, tiles = host_of(lens)
         hs._LAST_ITEMS = None
-        h = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
+        h = hs.tile_items_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
                              longest_first=True)
         req, t0, t1, m_ptr, m_list = (h[key] for key in ("item_req", "item_t0", "item_t1", "m_ptr", "m_list"))
         n = len(req)
@@ -57,7 +57,7 @@ def test_longest_first_is_a_reordered_real_schedule(min_tiles):
         assert max(sizes, default=0) <= share + slack, (lens, ctas)
         # and the same items as the unordered schedule of the same cut
         hs._LAST_ITEMS = None
-        plain = hs.schedule_host(host, k.TILE, num_indices=T, num_ctas=ctas, min_tiles=min_tiles, slack=slack)
+        plain = hs.tile_items_host(host, k.TILE, num_indices=T, num_ctas=ctas, min_tiles=min_tiles, slack=slack)
         assert sorted(zip(req, t0, t1)) == sorted(zip(plain["item_req"], plain["item_t0"], plain["item_t1"]))
         assert plain["m_list"] == list(range(len(plain["item_req"])))
 
@@ -71,14 +71,14 @@ def test_spread_lengths_leave_the_unbalanced_aligned_cut():
     host, tiles = host_of(lens)
     share = -(-sum(tiles) // 66)
     hs._LAST_ITEMS = None
-    old = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, slack=k.UNBOUNDED_SLACK)
+    old = hs.tile_items_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, slack=k.UNBOUNDED_SLACK)
     hs._LAST_ITEMS = None
-    new = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
+    new = hs.tile_items_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
     longest = lambda h: max(b - a for a, b in zip(h["item_t0"], h["item_t1"]))  # noqa: E731
     assert longest(new) <= share < longest(old)
     host, tiles = host_of([8192] * 64)
     hs._LAST_ITEMS = None
-    eq = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
+    eq = hs.tile_items_host(host, k.TILE, num_indices=sum(tiles), num_ctas=66, min_tiles=8, longest_first=True)
     assert eq["item_req"] == list(range(64)) and eq["m_list"] == list(range(64))
     assert all(a == 0 and b == 128 for a, b in zip(eq["item_t0"], eq["item_t1"]))   # whole requests
 
@@ -125,15 +125,15 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
 
 @pytest.mark.parametrize("min_tiles", [1, 8])
 def test_device_longest_first_equals_the_host_schedule(min_tiles):
-    """``schedule_device(longest_first=True)`` (torch ops: CUDA-graph plans and device-only lengths) gives the host
+    """``tile_items_device(longest_first=True)`` (torch ops: CUDA-graph plans and device-only lengths) gives the host
     schedule's items in the host's order, its m_ptr and its m_list, on the same random and edge lengths; padding past
     the item count stays at the end."""
     for lens, ctas in cases():
         host, tiles = host_of(lens)
         hs._LAST_ITEMS = None
-        h = hs.schedule_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
+        h = hs.tile_items_host(host, k.TILE, num_indices=sum(tiles), num_ctas=ctas, min_tiles=min_tiles,
                              longest_first=True)
-        d = k.schedule_device(torch.tensor(lens, dtype=torch.int32), ctas, min_tiles, longest_first=True)
+        d = k.tile_items_device(torch.tensor(lens, dtype=torch.int32), ctas, min_tiles, longest_first=True)
         n = h["m_ptr"][-1]
         assert d["m_ptr"].tolist() == h["m_ptr"], (lens, ctas)
         for key in ("item_req", "item_t0", "item_t1", "m_list"):
@@ -144,8 +144,8 @@ def test_device_longest_first_equals_the_host_schedule(min_tiles):
 def test_device_longest_first_into_graph_buffers():
     """The same schedule written into larger preallocated buffers (a CUDA-graph wrapper's) equals the returned one."""
     lens = torch.tensor([5000, 1, 0, 64, 3000, 17, 900, 1], dtype=torch.int32)
-    want = k.schedule_device(lens, 66, 1, longest_first=True)
+    want = k.tile_items_device(lens, 66, 1, longest_first=True)
     out = {key: torch.full((v.numel() + 8,), -7, dtype=torch.int32) for key, v in want.items()}
-    k.schedule_device(lens, 66, 1, out=out, longest_first=True)
+    k.tile_items_device(lens, 66, 1, out=out, longest_first=True)
     for key, v in want.items():
         assert out[key][: v.numel()].tolist() == v.tolist(), key
