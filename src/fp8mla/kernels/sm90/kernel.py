@@ -82,11 +82,14 @@ if gluon is not None:
             sc_desc = kpe_desc
             sc_ptr = kpe_ptr
             stride_sc_row = stride_kpe_row
+        # the partitions' runtime arguments, bundled (constexprs travel on their own: see above)
+        pool = (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, sc_desc, sc_ptr,
+                stride_sc_row)
+        pages = (kv_indptr, kv_indices, kv_len)
+        work = (cta_ptr, item_req, item_t0, item_t1)
+        ring = (kbuf, pbuf, sbuf, ready, empty)
         gl.warp_specialize([
-            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, sc_ptr,
-                         stride_sc_row, GROUP)),
+            (_producer, (pool, pages, work, ring, NHG, NS, PAGE, WIDE, GROUP)),
             (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
                           kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
                           xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
