@@ -14,13 +14,29 @@ if gluon is not None:
     from .ring import ready_slot_dev
 
     @gluon.jit
-    def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
-                  q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False):
+    def _consumer(cid: gl.constexpr, ring, qbufs, xch, queries, outputs, pages, work, problem, variant):
+        # ring: (kbuf, pbuf, sbuf, ready, empty); qbufs: this CTA's Q^T and P^T tiles (q_smem, qpe_smem, pT_smem,
+        # q8_smem, qpe8_smem); xch: the exchange (xo, xml, xbar); queries, outputs: the bundles of kernel.py;
+        # pages: (kv_indptr, kv_indices, kv_len); work: (cta_ptr, item_req, item_t0, item_t1); problem: (H,
+        # sm_scale_log2, scales, qo_indptr, NS as a runtime value). variant: the build's constexprs, a tuple of
+        # constexprs only (read into annotated names, so they stay constexpr).
+        NHG: gl.constexpr = variant[0]
+        HPW: gl.constexpr = variant[1]
+        WIDE: gl.constexpr = variant[2]
+        MTP: gl.constexpr = variant[3]
+        QK8: gl.constexpr = variant[4]
+        QKC: gl.constexpr = variant[5]
+        GROUP: gl.constexpr = variant[6]
+        PV8: gl.constexpr = variant[7]
+        kbuf, pbuf, sbuf, ready, empty = ring
+        q_smem, qpe_smem, pT_smem, q8_smem, qpe8_smem = qbufs
+        xo, xml, xbar = xch
+        q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h = queries
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+         stride_pl_i) = outputs
+        kv_indptr, kv_indices, kv_len = pages
+        cta_ptr, item_req, item_t0, item_t1 = work
+        H, sm_scale_log2, scales, qo_indptr, NS = problem
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
@@ -417,31 +433,3 @@ if gluon is not None:
                                 H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
                                 stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
             g += n
-
-    @gluon.jit
-    def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t,
-                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                   PV8: gl.constexpr = False):
-        _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
-                  GROUP, PV8)
-
-    @gluon.jit
-    def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t,
-                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                   PV8: gl.constexpr = False):
-        _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
-                  GROUP, PV8)
