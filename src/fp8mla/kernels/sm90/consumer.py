@@ -7,11 +7,11 @@ from __future__ import annotations
 from .config import gluon
 
 if gluon is not None:
-    from .config import P8_SCALE_C, gl, mbarrier, warpgroup_mma_wait
+    from .config import P8_SCALE_C, gl, warpgroup_mma_wait
     from .fragments import _per_item, _sanitize_tail
     from .phases import (BLK, _finish, _load_q, _pv, _pv_group, _scores, _softmax, _stage_p, _tile_scales,
                          acc_layout)
-    from .ring import ready_slot_dev
+    from .ring import ring_release, ring_wait
 
     @gluon.jit
     def _consumer(cid: gl.constexpr, ring, qbufs, xch, queries, outputs, pages, work, problem, variant):
@@ -126,9 +126,7 @@ if gluon is not None:
                 j0 = (cid + g) % 2        # this consumer takes the ring positions g + j with (g + j) % 2 == cid
             for j in range(j0, n, STEP):
                 gg = g + j
-                s = gg % NS
-                rb, ph = ready_slot_dev(gg, s, NS, ready.shape[0] != empty.shape[0])   # (ring.ready_slot)
-                mbarrier.wait(ready.index(rb), ph)
+                s = ring_wait(ring, gg, NS)
                 valid = L - (t0 + j) * 64
                 if valid < 64:
                     # WIDE: both consumers zero the same rows; every write stores either the row's own value
@@ -153,7 +151,7 @@ if gluon is not None:
                     o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kbuf, s, bP, alpha, (o0, o1, o2, o3, o4, o5, o6, o7), HPW,
                                                          PV8)
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-                mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
+                ring_release(ring, s)
             if GROUP:   # back from units of f_g (before the exchange: the two consumers' units differ)
                 o0 = o0 * f0
                 o1 = o1 * f0

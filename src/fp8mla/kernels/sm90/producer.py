@@ -7,7 +7,7 @@ from .config import gluon
 if gluon is not None:
     from .config import (GROUPS_C, P8_SCALE_C, _NEW_REINTERPRET, _cp_async, _cta_barrier, _tma_load, async_copy,
                          fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from .ring import ready_slot_dev
+    from .ring import ring_acquire
 
     @gluon.jit
     def _producer_page1(pool, pages, work, ring, NHG: gl.constexpr, NS: gl.constexpr, WIDE: gl.constexpr,
@@ -57,10 +57,7 @@ if gluon is not None:
                 nxt = nxt2
                 tok = (t + 2) * 64 + rr
                 nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 2 < t1), other=-1)
-                s = g % NS
-                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
-                bar = ready.index(rb)
+                s, bar = ring_acquire(ring, g, NS)
                 ok = ((ids >= 0) & (ids < num_rows))[:, None]
                 row = ids.to(gl.int64)
                 krow = ckv_ptr + row * stride_kv_row
@@ -127,10 +124,7 @@ if gluon is not None:
                     else:
                         tt = t + ar
                         ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
-                s = g % NS
-                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
-                bar = ready.index(rb)
+                s, bar = ring_acquire(ring, g, NS)
                 if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
                     mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
                 else:
