@@ -1,48 +1,48 @@
-"""The two consumer partitions: per work item, Q to shared memory (scales and a power of two folded in), then per
-tile S^T = K.Q^T, the online softmax and O^T += V^T.P^T; at the end of an item the exchange (H <= 16) and the
-normalized partial (Gluon)."""
+"""The consumer partition (both consumers; the id is a constexpr): per work item, Q to shared memory (scales and a
+power of two folded in), then per tile S^T = K.Q^T, the online softmax and O^T += V^T.P^T; at the end of an item
+the exchange (H <= 16) and the normalized partial. The loop over items and tiles is here, each phase in
+``phases.py`` (Gluon)."""
 from __future__ import annotations
 
 from .config import gluon
 
 if gluon is not None:
-    from .config import (GROUPS_C, P8_SCALE_C, _NEW_REINTERPRET, _cp_async, _cta_barrier, _tma_load, async_copy,
-                         fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from .fragments import (_group_col, _group_max, _per_item, _pv_slab, _pv_slab8, _relabel_k, _relabel_k64,
-                            _relabel_tok8, _sanitize_tail, _scores_group)
-    from .merge import _store_item
-    from .ring import ready_slot_dev
+    from .config import P8_SCALE_C, gl, warpgroup_mma_wait
+    from .fragments import _per_item, _sanitize_tail
+    from .phases import (BLK, _finish, _load_q, _pv, _pv_group, _scores, _softmax, _stage_p, _tile_scales,
+                         acc_layout)
+    from .ring import ring_release, ring_wait
 
     @gluon.jit
-    def _consumer(cid: gl.constexpr, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem,
-                  q_nope, q_pe, scales, qo_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                  part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H, NHG: gl.constexpr,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                  NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                  QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                  PV8: gl.constexpr = False):
+    def _consumer(cid: gl.constexpr, ring, qbufs, xch, queries, outputs, pages, work, problem, variant):
+        # ring: (kbuf, pbuf, sbuf, ready, empty); qbufs: this CTA's Q^T and P^T tiles (q_smem, qpe_smem, pT_smem,
+        # q8_smem, qpe8_smem); xch: the exchange (xo, xml, xbar); queries, outputs: the bundles of kernel.py;
+        # pages: (kv_indptr, kv_indices, kv_len); work: (cta_ptr, item_req, item_t0, item_t1); problem: (H,
+        # sm_scale_log2, scales, qo_indptr, NS as a runtime value). variant: the build's constexprs, a tuple of
+        # constexprs only (read into annotated names, so they stay constexpr).
+        NHG: gl.constexpr = variant[0]
+        HPW: gl.constexpr = variant[1]
+        WIDE: gl.constexpr = variant[2]
+        MTP: gl.constexpr = variant[3]
+        QK8: gl.constexpr = variant[4]
+        QKC: gl.constexpr = variant[5]
+        GROUP: gl.constexpr = variant[6]
+        PV8: gl.constexpr = variant[7]
+        kbuf, pbuf, sbuf, ready, empty = ring
+        q_smem, qpe_smem, pT_smem, q8_smem, qpe8_smem = qbufs
+        xo, xml, xbar = xch
+        q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h = queries
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+         stride_pl_i) = outputs
+        kv_indptr, kv_indices, kv_len = pages
+        cta_ptr, item_req, item_t0, item_t1 = work
+        H, sm_scale_log2, scales, qo_indptr, NS = problem
         # HPW: heads per consumer warpgroup (the MMA's N). WIDE = False (H <= 16): the two consumers take
         # alternate tiles for the same 16 heads and merge at the end of each item. WIDE = True (H > 16): both
         # consumers take every tile, each for its own HPW heads (head group pid % NHG of 2 * HPW heads), with no
         # exchange at all: each writes its own normalized partial.
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HPW, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HPW, 32])
-        a8_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma8, k_width=4)
-        ld_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
-            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[64, 128])
-        ld64_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[64, 64])
-        L16: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32])
-        kv16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        mma: gl.constexpr = acc_layout(HPW, 16)
+        blk: gl.constexpr = BLK
         STEP: gl.constexpr = 1 if WIDE else 2
 
         pid = gl.program_id(0)
@@ -88,68 +88,11 @@ if gluon is not None:
                 qp_row = q_pe + (qtok + hq // H) * stride_qp_t + (hq % H) * stride_qp_h
             else:
                 nrows = H
+                qo = H   # (read by the multi-token softmax only)
                 qn_row = q_nope + qtok * stride_qn_t + hq * stride_qn_h
                 qp_row = q_pe + qtok * stride_qp_t + hq * stride_qp_h
-            amax = gl.zeros([HPW], gl.float32, gl.SliceLayout(1, blk))
-            # one pass: Q's four row chunks and q_pe loaded together and kept in registers for the conversion (the
-            # O accumulators are not live yet), rather than q_pe one load latency after the maximum and the chunks
-            # loaded again
-            x0 = gl.load(qn_row[:, None] + 0 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-            x1 = gl.load(qn_row[:, None] + 1 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-            x2 = gl.load(qn_row[:, None] + 2 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-            x3 = gl.load(qn_row[:, None] + 3 * 128 + cq[None, :], mask=h_ok[:, None], other=0.0)
-            xp = gl.load(qp_row[:, None] + cp[None, :], mask=h_ok[:, None], other=0.0)
-            amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0.to(gl.float32)), axis=1),
-                                         gl.max(gl.abs(x1.to(gl.float32)), axis=1)),
-                              gl.maximum(gl.max(gl.abs(x2.to(gl.float32)), axis=1),
-                                         gl.max(gl.abs(x3.to(gl.float32)), axis=1)))
-            if QK8:
-                # FP8 scores (QK8 e4m3 terms of Q, K straight from the stage): Q x f, f a power of two with the
-                # largest |q| of a head near 2^8 (e4m3 max 448), split into QK8 e4m3 terms hi + mid (+ lo) whose
-                # sum is q x f to 8 (12) significant bits: exact for bf16 queries at 2 terms, fp16 needs 3, for the
-                # entries within ~2^9 of the head's largest (smaller ones reach e4m3's subnormals: error <= ~2^-17
-                # of the largest). The scales stay out of Q (applied to the two score parts).
-                amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1))
-                f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(256.0 / amax))), 1.0)
-                for c in gl.static_range(4):
-                    if c == 0:
-                        x = x0
-                    elif c == 1:
-                        x = x1
-                    elif c == 2:
-                        x = x2
-                    else:
-                        x = x3
-                    r = x.to(gl.float32) * f[:, None]
-                    for term in gl.static_range(QK8):
-                        t8 = r.to(gl.float8e4nv)
-                        q8_smem.index((cid * QK8 + term) * 4 + c).store(t8)
-                        r = r - t8.to(gl.float32)
-                rp = xp.to(gl.float32) * f[:, None]
-                for term in gl.static_range(QK8):
-                    t8 = rp.to(gl.float8e4nv)
-                    qpe8_smem.index(cid * QK8 + term).store(t8)
-                    rp = rp - t8.to(gl.float32)
-            else:   # (keep this order: moved, these lines reschedule the SASS the golden record holds)
-                amax = amax * ckv_scale
-                amax = gl.maximum(amax, gl.max(gl.abs(xp.to(gl.float32)), axis=1) * kpe_scale)
-                # largest |q| lands near 2^14: far from fp16's 65504, small entries stay normal
-                f = gl.where(amax > 0, gl.exp2(gl.floor(gl.log2(16384.0 / amax))), 1.0)
-                fn = f * ckv_scale
-                for c in gl.static_range(4):
-                    if c == 0:
-                        x = x0
-                    elif c == 1:
-                        x = x1
-                    elif c == 2:
-                        x = x2
-                    else:
-                        x = x3
-                    q16 = (x.to(gl.float32) * fn[:, None]).to(gl.float16)
-                    q_smem.index(cid * 4 + c).store(_relabel_k(q16))
-                qp16 = (xp.to(gl.float32) * (f * kpe_scale)[:, None]).to(gl.float16)
-                my_qpe.store(_relabel_k64(qp16))
-            fence_async_shared()
+            f = _load_q(cid, (q_smem, my_qpe, q8_smem, qpe8_smem), (qn_row, qp_row, h_ok), (cq, cp),
+                        (ckv_scale, kpe_scale), HPW, QK8)
             row_scale = gl.convert_layout(sm_scale_log2 / f, gl.SliceLayout(0, mma))
             tok_r = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
             hcol = gl.arange(0, HPW, layout=gl.SliceLayout(0, mma))
@@ -166,9 +109,9 @@ if gluon is not None:
             # H16: row sums stay per thread (no cross-warp reduction per tile), reduced once in the epilogue.
             # WIDE: reduced every tile (a [64, 32] per-thread sum would cost 16 of the 240 registers)
             if WIDE:
-                l_i = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
+                l_run = gl.zeros([HPW], gl.float32, gl.SliceLayout(0, mma))
             else:
-                l_acc = gl.zeros([64, HPW], gl.float32, mma)
+                l_run = gl.zeros([64, HPW], gl.float32, mma)
             if GROUP:
                 # group g's O^T chunks (2g, 2g + 1) are kept in units of f_g, the scale maximum of the group's
                 # last tile (P carries scale / maximum <= 1): rescaled by alpha x f_old / f_new with each tile
@@ -183,185 +126,32 @@ if gluon is not None:
                 j0 = (cid + g) % 2        # this consumer takes the ring positions g + j with (g + j) % 2 == cid
             for j in range(j0, n, STEP):
                 gg = g + j
-                s = gg % NS
-                rb, ph = ready_slot_dev(gg, s, NS, ready.shape[0] != empty.shape[0])   # (ring.ready_slot)
-                mbarrier.wait(ready.index(rb), ph)
+                s = ring_wait(ring, gg, NS)
                 valid = L - (t0 + j) * 64
                 if valid < 64:
                     # WIDE: both consumers zero the same rows; every write stores either the row's own value
                     # or 0, so the overlap is benign and the stage ends up the same either way.
                     _sanitize_tail(kbuf, pbuf, s, valid)
+                if GROUP:   # the tile's token scales and each group's largest
+                    sg, gm = _tile_scales(sbuf, s, valid, HPW)
+                else:       # (placeholders: read by the group build only)
+                    sg = valid
+                    gm = valid
+                sT = _scores(cid, (kbuf, pbuf), s, (q_smem, my_qpe, q8_smem, qpe8_smem), sg, (ckv_scale, kpe_scale),
+                             HPW, WIDE, QK8, QKC, GROUP)
+                p, alpha, m_i, l_run = _softmax(sT, m_i, l_run, row_scale, (t0, j, gg, valid, L),
+                                                (tok_r, hcol, h0, H, qo), HPW, MTP, WIDE)
+                _stage_p(cid, p, (pT_smem, my_p), sg, gm, GROUP, PV8)
                 if GROUP:
-                    # the tile's [64 tokens, 4 groups] fp32 scales, each thread the rows of its accumulator
-                    # rows; rows past kv_len hold whatever the page holds (maybe NaN): 0 (their P is 0)
-                    sc_l: gl.constexpr = gl.DistributedLinearLayout(
-                        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-                        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUPS_C])
-                    srow = gl.arange(0, 64, layout=gl.SliceLayout(1, sc_l))
-                    sci = gl.arange(0, GROUPS_C, layout=gl.SliceLayout(0, sc_l))
-                    xs = sbuf.index(s).load(sc_l)
-                    xs = gl.where((srow[:, None] < valid) & (sci[None, :] >= 0), xs, 0.0)
-                    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-                    sg0 = _group_col(xs, sci, 0, row_l)
-                    sg1 = _group_col(xs, sci, 1, row_l)
-                    sg2 = _group_col(xs, sci, 2, row_l)
-                    sg3 = _group_col(xs, sci, 3, row_l)
-                    mx = gl.max(xs, axis=0)   # one cross-warp reduction for the 4 groups
-                    gm0 = _group_max(mx, sci, 0)
-                    gm1 = _group_max(mx, sci, 1)
-                    gm2 = _group_max(mx, sci, 2)
-                    gm3 = _group_max(mx, sci, 3)
-                # -- S^T = K . Q^T ------------------------------------------------------------------------
-                if QK8:
-                    # e4m3 x e4m3 wgmma, both operands in shared memory (K-major): no K conversion at all.
-                    # The stage is now read by the async proxy: at page 1 cp.async (generic proxy) wrote it
-                    fence_async_shared()
-                    sp = gl.zeros([64, HPW], gl.float32, mma8)
-                    if QKC:   # one accumulator per 128-column chunk: 5 independent chains, summed after
-                        s0 = gl.zeros([64, HPW], gl.float32, mma8)
-                        s1 = gl.zeros([64, HPW], gl.float32, mma8)
-                        s2 = gl.zeros([64, HPW], gl.float32, mma8)
-                        s3 = gl.zeros([64, HPW], gl.float32, mma8)
-                        for term in gl.static_range(QK8):
-                            s0 = warpgroup_mma(kbuf.index(s * 4 + 0),
-                                               q8_smem.index((cid * QK8 + term) * 4 + 0).permute((1, 0)), s0,
-                                               is_async=True)
-                        for term in gl.static_range(QK8):
-                            s1 = warpgroup_mma(kbuf.index(s * 4 + 1),
-                                               q8_smem.index((cid * QK8 + term) * 4 + 1).permute((1, 0)), s1,
-                                               is_async=True)
-                        for term in gl.static_range(QK8):
-                            s2 = warpgroup_mma(kbuf.index(s * 4 + 2),
-                                               q8_smem.index((cid * QK8 + term) * 4 + 2).permute((1, 0)), s2,
-                                               is_async=True)
-                        for term in gl.static_range(QK8):
-                            s3 = warpgroup_mma(kbuf.index(s * 4 + 3),
-                                               q8_smem.index((cid * QK8 + term) * 4 + 3).permute((1, 0)), s3,
-                                               is_async=True)
-                        for term in gl.static_range(QK8):
-                            sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
-                                               sp, is_async=True)
-                        s0, s1, s2, s3, sp = warpgroup_mma_wait(0, deps=(s0, s1, s2, s3, sp))
-                        sn = (s0 + s1) + (s2 + s3)
-                    else:
-                        sn = gl.zeros([64, HPW], gl.float32, mma8)
-                        for c in gl.static_range(4):
-                            for term in gl.static_range(QK8):
-                                sn = warpgroup_mma(kbuf.index(s * 4 + c),
-                                                   q8_smem.index((cid * QK8 + term) * 4 + c).permute((1, 0)),
-                                                   sn, is_async=True)
-                        for term in gl.static_range(QK8):
-                            sp = warpgroup_mma(pbuf.index(s), qpe8_smem.index(cid * QK8 + term).permute((1, 0)),
-                                               sp, is_async=True)
-                        sn, sp = warpgroup_mma_wait(0, deps=(sn, sp))
-                    # (an e4m3 wgmma's instruction k is 32: same accumulator registers, another layout name)
-                    sT = gl.convert_layout(sn * ckv_scale + sp * kpe_scale, mma, assert_trivial=True)
-                elif GROUP:
-                    sT = _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid, sg0, sg1, sg2, sg3, ld_l, ld64_l,
-                                       a_l, mma, HPW)
+                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv_group(cid, kbuf, s, pT_smem, alpha,
+                                                               (o0, o1, o2, o3, o4, o5, o6, o7), (f0, f1, f2, f3),
+                                                               gm, HPW)
+                    f0, f1, f2, f3 = gm
                 else:
-                    sT = gl.zeros([64, HPW], gl.float32, mma)
-                    for c in gl.static_range(4):
-                        a16 = _relabel_k(kbuf.index(s * 4 + c).load(ld_l).to(gl.float16))
-                        a16 = gl.convert_layout(a16, a_l, assert_trivial=True)
-                        sT = warpgroup_mma(a16, q_smem.index(cid * 4 + c).permute((1, 0)), sT, is_async=True)
-                        if WIDE:   # one K chunk at a time: 4 chunks of K in flight spill at 128 O registers
-                            sT, a16 = warpgroup_mma_wait(0, deps=(sT, a16))
-                        else:
-                            sT, a16 = warpgroup_mma_wait(1, deps=(sT, a16))
-                    ap = _relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16))
-                    ap = gl.convert_layout(ap, a_l, assert_trivial=True)
-                    sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), sT, is_async=True)
-                    sT = warpgroup_mma_wait(0, deps=(sT,))
-                # -- online softmax over the tile's tokens (axis 0), log2 domain ----------------------------
-                sT = sT * row_scale[None, :]
-                if MTP == 1:
-                    if (t0 + j + 1) * 64 > L - qo + 1:
-                        # a tile that some row does not see whole. Causal, aligned to the end: token i sees kv
-                        # positions < min(L - qo + i + 1, L) (padding rows: L), which also masks the rows past
-                        # kv_len. Computed here, not per item: a per-row vector live across the tile loop
-                        # spills at 128 O registers.
-                        hrow = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), gg) + h0
-                        lim = gl.minimum(L - qo + hrow // H + 1, L) - (t0 + j) * 64
-                        sT = gl.where(tok_r[:, None] < lim[None, :], sT, float("-inf"))
-                    else:   # every row sees the whole tile (valid = 64 here)
-                        sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
-                else:
-                    sT = gl.where((tok_r[:, None] < valid) & (hcol[None, :] >= 0), sT, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sT, axis=0))
-                if MTP == 1:
-                    # a row can see no token of a tile (or of a whole item) so far: max -inf. Subtract 0 then,
-                    # so alpha and P are exactly 0, not NaN (-inf - -inf)
-                    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_sub)
-                    p = gl.exp2(sT - m_sub[None, :])
-                else:
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(sT - m_new[None, :])
-                if WIDE:
-                    l_i = l_i * alpha + gl.sum(p, axis=0)
-                else:
-                    l_acc = l_acc * alpha[None, :] + p
-                m_i = m_new
-                if GROUP:   # one P^T per group: P x scale / the group's tile maximum (<= 1 in fp16)
-                    pT_smem.index(cid * 4 + 0).store(gl.permute((p * (sg0 / gm0)[:, None]).to(gl.float16),
-                                                                (1, 0)))
-                    pT_smem.index(cid * 4 + 1).store(gl.permute((p * (sg1 / gm1)[:, None]).to(gl.float16),
-                                                                (1, 0)))
-                    pT_smem.index(cid * 4 + 2).store(gl.permute((p * (sg2 / gm2)[:, None]).to(gl.float16),
-                                                                (1, 0)))
-                    pT_smem.index(cid * 4 + 3).store(gl.permute((p * (sg3 / gm3)[:, None]).to(gl.float16),
-                                                                (1, 0)))
-                elif PV8:   # fp8_math: P x 2^8 in e4m3 (<= 256 of 448), rows in the e4m3 P.V's token order
-                    my_p.store(gl.permute(_relabel_tok8((p * P8_SCALE_C).to(gl.float8e4nv)), (1, 0)))
-                else:
-                    my_p.store(gl.permute(p.to(gl.float16), (1, 0)))
-                fence_async_shared()
-                # -- O^T += V^T . P^T, 8 chunks of 64 dims; one chunk group stays in flight behind the next
-                # chunk's conversion --------------------------------------------------------------------
-                if GROUP:   # each group's two 64-dim chunks against its own P^T, rescaled by f_old / f_new
-                    o0, o1 = _pv_slab(kbuf, s * 4 + 0, pT_smem.index(cid * 4 + 0).permute((1, 0)),
-                                      (alpha * (f0 / gm0))[None, :], o0, o1, a_l, L16, kv16_l)
-                    o2, o3 = _pv_slab(kbuf, s * 4 + 1, pT_smem.index(cid * 4 + 1).permute((1, 0)),
-                                      (alpha * (f1 / gm1))[None, :], o2, o3, a_l, L16, kv16_l)
-                    o4, o5 = _pv_slab(kbuf, s * 4 + 2, pT_smem.index(cid * 4 + 2).permute((1, 0)),
-                                      (alpha * (f2 / gm2))[None, :], o4, o5, a_l, L16, kv16_l)
-                    o6, o7 = _pv_slab(kbuf, s * 4 + 3, pT_smem.index(cid * 4 + 3).permute((1, 0)),
-                                      (alpha * (f3 / gm3))[None, :], o6, o7, a_l, L16, kv16_l)
-                    f0 = gm0
-                    f1 = gm1
-                    f2 = gm2
-                    f3 = gm3
-                elif PV8:
-                    # fp8_math: e4m3 x e4m3 wgmma (V^T bytes straight from the stage, P^T e4m3), accumulators
-                    # under the k-32 layout name (same registers), back after the tile's last wait
-                    a2 = gl.convert_layout(alpha, gl.SliceLayout(0, mma8), assert_trivial=True)[None, :]
-                    q0, q1 = _pv_slab8(kbuf, s * 4 + 0, bP, a2, gl.convert_layout(o0, mma8, assert_trivial=True),
-                                       gl.convert_layout(o1, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                    q2, q3 = _pv_slab8(kbuf, s * 4 + 1, bP, a2, gl.convert_layout(o2, mma8, assert_trivial=True),
-                                       gl.convert_layout(o3, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                    q4, q5 = _pv_slab8(kbuf, s * 4 + 2, bP, a2, gl.convert_layout(o4, mma8, assert_trivial=True),
-                                       gl.convert_layout(o5, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                    q6, q7 = _pv_slab8(kbuf, s * 4 + 3, bP, a2, gl.convert_layout(o6, mma8, assert_trivial=True),
-                                       gl.convert_layout(o7, mma8, assert_trivial=True), a8_l, L16, kv16_l)
-                    q0, q1, q2, q3, q4, q5, q6, q7 = warpgroup_mma_wait(0, deps=(q0, q1, q2, q3, q4, q5, q6, q7))
-                    o0 = gl.convert_layout(q0, mma, assert_trivial=True)
-                    o1 = gl.convert_layout(q1, mma, assert_trivial=True)
-                    o2 = gl.convert_layout(q2, mma, assert_trivial=True)
-                    o3 = gl.convert_layout(q3, mma, assert_trivial=True)
-                    o4 = gl.convert_layout(q4, mma, assert_trivial=True)
-                    o5 = gl.convert_layout(q5, mma, assert_trivial=True)
-                    o6 = gl.convert_layout(q6, mma, assert_trivial=True)
-                    o7 = gl.convert_layout(q7, mma, assert_trivial=True)
-                else:
-                    a2 = alpha[None, :]
-                    o0, o1 = _pv_slab(kbuf, s * 4 + 0, bP, a2, o0, o1, a_l, L16, kv16_l)
-                    o2, o3 = _pv_slab(kbuf, s * 4 + 1, bP, a2, o2, o3, a_l, L16, kv16_l)
-                    o4, o5 = _pv_slab(kbuf, s * 4 + 2, bP, a2, o4, o5, a_l, L16, kv16_l)
-                    o6, o7 = _pv_slab(kbuf, s * 4 + 3, bP, a2, o6, o7, a_l, L16, kv16_l)
+                    o0, o1, o2, o3, o4, o5, o6, o7 = _pv(kbuf, s, bP, alpha, (o0, o1, o2, o3, o4, o5, o6, o7), HPW,
+                                                         PV8)
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-                mbarrier.arrive(empty.index(s), count=1)   # after the partition's barrier: every warp is done
-            # -- this consumer's normalized partial of the item (empty: o = 0, lse = -inf) ------------------
+                ring_release(ring, s)
             if GROUP:   # back from units of f_g (before the exchange: the two consumers' units differ)
                 o0 = o0 * f0
                 o1 = o1 * f0
@@ -371,77 +161,6 @@ if gluon is not None:
                 o5 = o5 * f2
                 o6 = o6 * f3
                 o7 = o7 * f3
-            if WIDE:
-                m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-                _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
-                            H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i,
-                            stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
-            else:
-                l_i = gl.sum(l_acc, axis=0)
-                if cid == 1:
-                    # hand the raw state to consumer 0 (which merges it and writes the item's result)
-                    mbarrier.wait(xbar.index(1), ((it - i0) & 1) ^ 1, pred=it > i0)
-                    xo.slice(0 * 64, 64).store(o0)
-                    xo.slice(1 * 64, 64).store(o1)
-                    xo.slice(2 * 64, 64).store(o2)
-                    xo.slice(3 * 64, 64).store(o3)
-                    xo.slice(4 * 64, 64).store(o4)
-                    xo.slice(5 * 64, 64).store(o5)
-                    xo.slice(6 * 64, 64).store(o6)
-                    xo.slice(7 * 64, 64).store(o7)
-                    xml.slice(0, HPW).store(m_i)
-                    xml.slice(HPW, HPW).store(l_i)
-                    _cta_barrier()
-                    mbarrier.arrive(xbar.index(0), count=1)
-                else:
-                    mbarrier.wait(xbar.index(0), (it - i0) & 1)
-                    m1 = xml.slice(0, HPW).load(gl.SliceLayout(0, mma))
-                    l1 = xml.slice(HPW, HPW).load(gl.SliceLayout(0, mma))
-                    m_new = gl.maximum(m_i, m1)
-                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    a0 = gl.exp2(m_i - m_use)[None, :]
-                    a1 = gl.exp2(m1 - m_use)[None, :]
-                    o0 = o0 * a0 + xo.slice(0 * 64, 64).load(mma) * a1
-                    o1 = o1 * a0 + xo.slice(1 * 64, 64).load(mma) * a1
-                    o2 = o2 * a0 + xo.slice(2 * 64, 64).load(mma) * a1
-                    o3 = o3 * a0 + xo.slice(3 * 64, 64).load(mma) * a1
-                    o4 = o4 * a0 + xo.slice(4 * 64, 64).load(mma) * a1
-                    o5 = o5 * a0 + xo.slice(5 * 64, 64).load(mma) * a1
-                    o6 = o6 * a0 + xo.slice(6 * 64, 64).load(mma) * a1
-                    o7 = o7 * a0 + xo.slice(7 * 64, 64).load(mma) * a1
-                    l_i = l_i * gl.exp2(m_i - m_use) + l1 * gl.exp2(m1 - m_use)
-                    m_i = m_new
-                    _cta_barrier()
-                    mbarrier.arrive(xbar.index(1), count=1)   # the exchange buffers are free again
-                    _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, o_scale, it, t0, t1, L, qtok, h0,
-                                H, mma, HPW, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r,
-                                stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, nrows, MTP)
+            _finish(cid, (o0, o1, o2, o3, o4, o5, o6, o7), (m_i, l_run, o_scale), xch, (it, i0, t0, t1, L, qtok),
+                    (h0, H, nrows), outputs, HPW, WIDE, MTP)
             g += n
-
-    @gluon.jit
-    def _consumer0(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t,
-                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                   PV8: gl.constexpr = False):
-        _consumer(0, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
-                  GROUP, PV8)
-
-    @gluon.jit
-    def _consumer1(kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                   cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                   NHG: gl.constexpr, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t,
-                   NS, HPW: gl.constexpr, WIDE: gl.constexpr, MTP: gl.constexpr, q8_smem=None, qpe8_smem=None,
-                   QK8: gl.constexpr = 0, QKC: gl.constexpr = False, sbuf=None, GROUP: gl.constexpr = False,
-                   PV8: gl.constexpr = False):
-        _consumer(1, kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr, kv_len,
-                  cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml, xbar, sm_scale_log2, H,
-                  NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t, NS, HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf,
-                  GROUP, PV8)

@@ -204,13 +204,14 @@ if gluon is not None:
         return gl.where(m > 0, m, 1.0)
 
     @gluon.jit
-    def _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid: gl.constexpr, sg0, sg1, sg2, sg3, ld_l: gl.constexpr,
+    def _scores_group(kbuf, pbuf, s, q_smem, my_qpe, cid: gl.constexpr, sg, ld_l: gl.constexpr,
                       ld64_l: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr, HPW: gl.constexpr):
         # S^T with per-token group scales: one fp32 product per 128-column slab (= one scale group) times the
         # slab's [64] token scales, plus the unscaled k_pe product (its per-tensor scale is folded into Q, as in
         # the default path). One product at a time: the consumers of the default kernel already use ~237 of their
         # 240 registers, and overlapping the next slab's conversion with the previous product (a second A operand
-        # and accumulator live) spilled ~280 B more at H16 (sm_90a, triton 3.6).
+        # and accumulator live) spilled ~280 B more at H16 (sm_90a, triton 3.6). sg: the 4 groups' [64] token scales.
+        sg0, sg1, sg2, sg3 = sg
         z = gl.zeros([64, HPW], gl.float32, mma)
         ap = gl.convert_layout(_relabel_k64(pbuf.index(s).load(ld64_l).to(gl.float16)), a_l, assert_trivial=True)
         sT = warpgroup_mma(ap, my_qpe.permute((1, 0)), z, is_async=True)

@@ -44,11 +44,12 @@ if gluon is not None:
     TILE_C, HG, NCH = (gl.constexpr(v) for v in (TILE, HEADS_PER_CTA, NCHUNKS))
 
     @gluon.jit
-    def _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, CA: gl.constexpr, CB: gl.constexpr,
-                       MASK: gl.constexpr, cl: gl.constexpr):
+    def _convert_round(ring, s, z, i, keep, CA: gl.constexpr, CB: gl.constexpr, MASK: gl.constexpr,
+                       cl: gl.constexpr):
         # one converter round: chunk CA (and CB >= 0 with it), each after its own free barrier (released by the
         # consumer that read it last), FP8 stage -> fp16 tile, one fence + barrier + arrive; MASK: the request's
         # last tile, rows past kv_len become 0 (they may hold NaN)
+        stage, k16, ready8, k16_ready, k16_free, stage_free = ring
         mbarrier.wait(k16_free.index(CA), (i & 1) ^ 1, pred=i > 0)
         xa = stage.index(s * NCH + CA).load(cl).to(gl.float16)
         if MASK:
@@ -77,19 +78,24 @@ if gluon is not None:
         _tma_load(kpe_desc, [row, 0], bar, stage.index(s * NCH + NCH - 1))
 
     @gluon.jit
-    def _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST: gl.constexpr, C0: gl.constexpr,
-                      MASK: gl.constexpr, cl: gl.constexpr):
+    def _convert_tile(ring, s, z, i, keep, FIRST: gl.constexpr, C0: gl.constexpr, MASK: gl.constexpr,
+                      cl: gl.constexpr):
         # one converter's share of a tile: chunk FIRST alone (A: 8, the first the owner's scores need; B: none, -1),
         # then the pairs (C0, C0 + 1), (C0 + 2, C0 + 3) in the order one consumer's P.V releases them
         if FIRST >= 0:
-            _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, FIRST, -1, MASK, cl)
-        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0, C0 + 1, MASK, cl)
-        _convert_round(stage, k16, k16_ready, k16_free, s, z, i, keep, C0 + 2, C0 + 3, MASK, cl)
+            _convert_round(ring, s, z, i, keep, FIRST, -1, MASK, cl)
+        _convert_round(ring, s, z, i, keep, C0, C0 + 1, MASK, cl)
+        _convert_round(ring, s, z, i, keep, C0 + 2, C0 + 3, MASK, cl)
 
     @gluon.jit
-    def _converter(kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready, k16_free,
-                   stage_free, b, t0, n, NS: gl.constexpr, PAGE: gl.constexpr):
-        # converter A: the TMA of every tile, and its chunks 8, 0-3 (the ones the owner and consumer 0 release)
+    def _converter(descs, pages, ring, item, NS: gl.constexpr, PAGE: gl.constexpr):
+        # converter A: the TMA of every tile, and its chunks 8, 0-3 (the ones the owner and consumer 0 release).
+        # descs: (kv_desc, kpe_desc); pages: (kv_indptr, kv_indices, kv_len); ring: (stage, k16, ready8, k16_ready,
+        # k16_free, stage_free); item: the CTA's work item (heads_on_m_kernel)
+        kv_desc, kpe_desc = descs
+        kv_indptr, kv_indices, kv_len = pages
+        stage, k16, ready8, k16_ready, k16_free, stage_free = ring
+        b, it, qtok, has_q, whole, hg, t0, n = item
         # one thread's 16 contiguous bytes per load (LDS.128 over the 64-byte swizzled box)
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, TILE_C, layout=gl.SliceLayout(1, cl))
@@ -106,17 +112,20 @@ if gluon is not None:
             mbarrier.wait(ready8.index(s), (i // NS) & 1)
             z = _opaque_zero(i)   # the store addresses stay in the loop
             if valid < TILE_C:
-                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, True, cl)
+                _convert_tile(ring, s, z, i, keep, 8, 0, True, cl)
             else:   # a full tile: no select per element
-                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, 8, 0, False, cl)
+                _convert_tile(ring, s, z, i, keep, 8, 0, False, cl)
             if i + NS < n:   # the tile NS ahead goes into stage s once converter B has read its chunks of it too
                 mbarrier.wait(stage_free.index(s), (i // NS) & 1)
                 _load_tile(kv_desc, kpe_desc, kv_indices, pbase, t0 + i + NS, ready8.index(s), stage, s, PAGE)
 
     @gluon.jit
-    def _converter_b(kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS: gl.constexpr):
+    def _converter_b(pages, ring, item, NS: gl.constexpr):
         # converter B: chunks 4-7 (the ones consumer 1 releases), beside converter A; then stage s back to A, which
         # alone refills it. Its last round's partition barrier follows every B warp's loads of the stage.
+        kv_indptr, kv_indices, kv_len = pages
+        stage, k16, ready8, k16_ready, k16_free, stage_free = ring
+        b, it, qtok, has_q, whole, hg, t0, n = item
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, TILE_C, layout=gl.SliceLayout(1, cl))
         L = gl.load(kv_len + b)
@@ -127,16 +136,23 @@ if gluon is not None:
             mbarrier.wait(ready8.index(s), (i // NS) & 1)
             z = _opaque_zero(i)
             if valid < TILE_C:
-                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, True, cl)
+                _convert_tile(ring, s, z, i, keep, -1, 4, True, cl)
             else:
-                _convert_tile(stage, k16, k16_ready, k16_free, s, z, i, keep, -1, 4, False, cl)
+                _convert_tile(ring, s, z, i, keep, -1, 4, False, cl)
             mbarrier.arrive(stage_free.index(s), count=1)
 
     @gluon.jit
-    def _consumer(cid: gl.constexpr, q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16,
-                  p_smem, xm, k16_ready, k16_free, x_bar, p_bar, q_bar, b, it, qtok, has_q, whole, hg, t0, n, H,
-                  sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r,
-                  stride_pl_i, stride_o_t, stride_o_h, stride_lse_t):
+    def _consumer(cid: gl.constexpr, queries, outputs, pages, tiles, item, problem):
+        # queries, outputs, pages: the bundles the wide build's partitions take (kernel.py); tiles: (q_smem, k16,
+        # p_smem, xm, k16_ready, k16_free, x_bar, p_bar, q_bar); item: the CTA's work item; problem: (H,
+        # sm_scale_log2, scales)
+        q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h = queries
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+         stride_pl_i) = outputs
+        kv_indptr, kv_indices, kv_len = pages
+        q_smem, k16, p_smem, xm, k16_ready, k16_free, x_bar, p_bar, q_bar = tiles
+        b, it, qtok, has_q, whole, hg, t0, n = item
+        H, sm_scale_log2, scales = problem
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -258,26 +274,6 @@ if gluon is not None:
                 gl.store(part_lse + it.to(gl.int64) * stride_pl_i + hl, lse, mask=hl < H)
 
     @gluon.jit
-    def _consumer0(q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
-                   k16_free, x_bar, p_bar, q_bar, b, it, qtok, has_q, whole, hg, t0, n, H, sm_scale_log2,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t):
-        _consumer(0, q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                  k16_ready, k16_free, x_bar, p_bar, q_bar, b, it, qtok, has_q, whole, hg, t0, n, H, sm_scale_log2,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t)
-
-    @gluon.jit
-    def _consumer1(q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm, k16_ready,
-                   k16_free, x_bar, p_bar, q_bar, b, it, qtok, has_q, whole, hg, t0, n, H, sm_scale_log2,
-                   stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                   stride_o_t, stride_o_h, stride_lse_t):
-        _consumer(1, q_nope, q_pe, scales, kv_len, out, lse_out, part_o, part_lse, q_smem, k16, p_smem, xm,
-                  k16_ready, k16_free, x_bar, p_bar, q_bar, b, it, qtok, has_q, whole, hg, t0, n, H, sm_scale_log2,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
-                  stride_o_t, stride_o_h, stride_lse_t)
-
-    @gluon.jit
     def heads_on_m_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
                           m_ptr, batch_size, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT,
                           sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r,
@@ -329,18 +325,20 @@ if gluon is not None:
         fence_async_shared()
         # 16 warps: 2 x 128 x REGS (consumers) + 2 x 128 x (256 - REGS) (converters) = 64K registers; the default
         # partition (converter A) gets what the workers leave, the same 256 - REGS
+        # the partitions' runtime values in bundles (the wide build's queries, outputs and pages among them)
+        queries = (q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h)
+        outputs = (OUT, LSE_OUT, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+                   stride_pl_i)
+        pages = (kv_indptr, kv_indices, kv_len)
+        ring = (stage, k16, ready8, k16_ready, k16_free, stage_free)
+        tiles = (q_smem, k16, p_smem, xm, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2))
+        item = (b, it, qtok, has_q, whole, hg, t0, n)
+        problem = (H, sm_scale_log2, scales)
         gl.warp_specialize([
-            (_converter, (kv_desc, kpe_desc, kv_indptr, kv_indices, kv_len, stage, k16, ready8, k16_ready,
-                          k16_free, stage_free, b, t0, n, NS, PAGE)),
-            (_consumer0, (q_nope, q_pe, scales, kv_len, OUT, LSE_OUT, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), b, it, qtok, has_q,
-                          whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)),
-            (_consumer1, (q_nope, q_pe, scales, kv_len, OUT, LSE_OUT, part_o, part_lse, q_smem, k16, p_smem, xm,
-                          k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), b, it, qtok, has_q,
-                          whole, hg, t0, n, H, sm_scale_log2, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t)),
-            (_converter_b, (kv_len, stage, k16, ready8, k16_ready, k16_free, stage_free, b, t0, n, NS)),
+            (_converter, ((kv_desc, kpe_desc), pages, ring, item, NS, PAGE)),
+            (_consumer, (0, queries, outputs, pages, tiles, item, problem)),
+            (_consumer, (1, queries, outputs, pages, tiles, item, problem)),
+            (_converter_b, (pages, ring, item, NS)),
         ], [4, 4, 4], [REGS, REGS, 256 - REGS])
 
 

@@ -7,7 +7,7 @@ from .merge import launch_merge
 
 if gluon is not None:
     from .config import GROUPS_C, fence_async_shared, gl, mbarrier
-    from .consumer import _consumer0, _consumer1
+    from .consumer import _consumer
     from .producer import _producer
 
     @gluon.jit
@@ -69,10 +69,10 @@ if gluon is not None:
             sc_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
             sbuf = gl.allocate_shared_memory(gl.float32, [NS, 64, GROUPS_C], sc_sl)
         fence_async_shared()
-        out = OUT
-        lse_out = LSE_OUT
-        # A tuple assigned to a variable turns its constexprs into runtime values; HPW and WIDE must stay
-        # constexpr (layouts, static branches), so the consumers' argument tuples are written out in the call.
+        # The partitions take their runtime values in bundles (tuples, unpacked inside) and their constexprs on
+        # their own: a tuple assigned to a plain variable turns its constexprs into runtime values, while HPW, WIDE
+        # and the others must stay constexpr (layouts, static branches); the consumers' ``variant`` is a tuple of
+        # constexprs only, bound as a constexpr and read back into annotated names.
         # NS reaches the consumers as a runtime value: the timed H16 build is compiled that way, and a constexpr NS
         # would be another kernel (its SASS and speed to be checked on their own).
         zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
@@ -82,21 +82,22 @@ if gluon is not None:
             sc_desc = kpe_desc
             sc_ptr = kpe_ptr
             stride_sc_row = stride_kpe_row
+        pool = (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, sc_desc, sc_ptr,
+                stride_sc_row)
+        pages = (kv_indptr, kv_indices, kv_len)
+        work = (cta_ptr, item_req, item_t0, item_t1)
+        ring = (kbuf, pbuf, sbuf, ready, empty)
+        qbufs = (q_smem, qpe_smem, pT_smem, q8_smem, qpe8_smem)
+        xch = (xo, xml, xbar)
+        queries = (q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h)
+        outputs = (OUT, LSE_OUT, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+                   stride_pl_i)
+        problem = (H, sm_scale_log2, scales, qo_indptr, ns_t)
+        variant: gl.constexpr = (NHG, HPW, WIDE, MTP, QK8, QKC, GROUP, PV8)
         gl.warp_specialize([
-            (_producer, (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                         kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                         kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, sc_ptr,
-                         stride_sc_row, GROUP)),
-            (_consumer0, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
-                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
-            (_consumer1, (kbuf, pbuf, ready, empty, q_smem, qpe_smem, pT_smem, q_nope, q_pe, scales, qo_indptr,
-                          kv_len, cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, out, lse_out, xo, xml,
-                          xbar, sm_scale_log2, H, NHG, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                          stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t, ns_t,
-                          HPW, WIDE, MTP, q8_smem, qpe8_smem, QK8, QKC, sbuf, GROUP, PV8)),
+            (_producer, (pool, pages, work, ring, NHG, NS, PAGE, WIDE, GROUP)),
+            (_consumer, (0, ring, qbufs, xch, queries, outputs, pages, work, problem, variant)),
+            (_consumer, (1, ring, qbufs, xch, queries, outputs, pages, work, problem, variant)),
         ], [4, 4], [REGS, REGS])
 
 

@@ -10,12 +10,17 @@ if gluon is not None:
     from .fragments import _per_item
 
     @gluon.jit
-    def _store_item(o0, o1, o2, o3, o4, o5, o6, o7, m_use, l_i, ckv_scale, it, t0, t1, L, qtok, h0, H,
-                    mma: gl.constexpr, HPW: gl.constexpr, part_o, part_lse, out, lse_out, stride_po_i, stride_po_r, stride_pl_i, stride_o_t,
-                    stride_o_h, stride_lse_t, nrows, MTP: gl.constexpr):
+    def _store_item(acc, m_use, l_i, ckv_scale, item, rows, outputs, mma: gl.constexpr, HPW: gl.constexpr,
+                    MTP: gl.constexpr):
         # One consumer's normalized (o, lse base 2) for heads h0 + hcol: the final out/lse when the item is the
         # whole request, else the item's fp32 partial (the merge kernel combines a request's partials).
-        # An empty state (l = 0) writes o = 0, lse = -inf.
+        # An empty state (l = 0) writes o = 0, lse = -inf. acc: the 8 O^T chunks; item: (it, t0, t1, L, qtok);
+        # rows: (h0, H, nrows); outputs: the kernel's bundle (kernel.py)
+        o0, o1, o2, o3, o4, o5, o6, o7 = acc
+        it, t0, t1, L, qtok = item
+        h0, H, nrows = rows
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_r,
+         stride_pl_i) = outputs
         tok_r = _per_item(gl.arange(0, 64, layout=gl.SliceLayout(1, mma)), it)
         hcol = _per_item(gl.arange(0, HPW, layout=gl.SliceLayout(0, mma)), it)
         dim_m = 2 * (8 * (tok_r >> 4) + (tok_r & 7)) + ((tok_r >> 3) & 1)   # the PV's relabelled output dims

@@ -7,13 +7,11 @@ from .config import gluon
 if gluon is not None:
     from .config import (GROUPS_C, P8_SCALE_C, _NEW_REINTERPRET, _cp_async, _cta_barrier, _tma_load, async_copy,
                          fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from .ring import ready_slot_dev
+    from .ring import ring_acquire
 
     @gluon.jit
-    def _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr, kv_len,
-                        cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG: gl.constexpr,
-                        NS: gl.constexpr, WIDE: gl.constexpr, sbuf=None, sc_ptr=None,
-                        stride_sc_row=None, GROUP: gl.constexpr = False):
+    def _producer_page1(pool, pages, work, ring, NHG: gl.constexpr, NS: gl.constexpr, WIDE: gl.constexpr,
+                        GROUP: gl.constexpr):
         # Page 1 (SGLang's default): a tile's 64 rows are 64 arbitrary pool rows (page id = row), too small for TMA
         # boxes. The 128 producer threads copy with 16-byte cp.async, 4 threads per row (a warp instruction covers 8
         # rows x 64 B: half the cache lines per instruction of 2 threads per row), rows r and r + 32 per thread
@@ -27,6 +25,11 @@ if gluon is not None:
         # the two consumers take per tile (~2.1K per SM), so one tile ahead left the producer waiting on each
         # load (page 1 ran at 2.3 TB/s against page 64's 3.0; the producer has 24 registers: its
         # item-loop state spills, a few reloads per tile).
+        (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, sc_desc, sc_ptr,
+         stride_sc_row) = pool
+        kv_indptr, kv_indices, kv_len = pages
+        cta_ptr, item_req, item_t0, item_t1 = work
+        kbuf, pbuf, sbuf, ready, empty = ring
         cpl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rr = gl.arange(0, 64, layout=gl.SliceLayout(1, cpl))
         ccol = gl.arange(0, 128, layout=gl.SliceLayout(0, cpl))
@@ -54,10 +57,7 @@ if gluon is not None:
                 nxt = nxt2
                 tok = (t + 2) * 64 + rr
                 nxt2 = gl.load(kv_indices + pbase + tok, mask=(tok < L) & (t + 2 < t1), other=-1)
-                s = g % NS
-                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
-                bar = ready.index(rb)
+                s, bar = ring_acquire(ring, g, NS)
                 ok = ((ids >= 0) & (ids < num_rows))[:, None]
                 row = ids.to(gl.int64)
                 krow = ckv_ptr + row * stride_kv_row
@@ -74,26 +74,27 @@ if gluon is not None:
                 g += 1
 
     @gluon.jit
-    def _producer(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices,
-                  kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty,
-                  NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr, WIDE: gl.constexpr,
-                  sbuf=None, sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False):
-        # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA
+    def _producer(pool, pages, work, ring, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
+                  WIDE: gl.constexpr, GROUP: gl.constexpr):
+        # the default partition: page 1 copies rows with cp.async, every other page size boxes with TMA.
+        # pool: the KV pool and its group scales, pages: (kv_indptr, kv_indices, kv_len), work: the CTA's work
+        # items (cta_ptr, item_req, item_t0, item_t1), ring: (kbuf, pbuf, sbuf, ready, empty)
         if PAGE == 1:
-            _producer_page1(ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, kv_indices, kv_indptr,
-                            kv_len, cta_ptr, item_req, item_t0, item_t1, kbuf, pbuf, ready, empty, NHG, NS,
-                            WIDE, sbuf, sc_ptr, stride_sc_row, GROUP)
+            _producer_page1(pool, pages, work, ring, NHG, NS, WIDE, GROUP)
         else:
-            _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0,
-                          item_t1, kbuf, pbuf, ready, empty, NHG, NS, PAGE, WIDE, sbuf, sc_desc, GROUP)
+            _producer_tma(pool, pages, work, ring, NHG, NS, PAGE, WIDE, GROUP)
 
     @gluon.jit
-    def _producer_tma(kv_desc, kpe_desc, kv_indices, kv_indptr, kv_len, cta_ptr, item_req, item_t0, item_t1,
-                      kbuf, pbuf, ready, empty, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
-                      WIDE: gl.constexpr, sbuf=None, sc_desc=None, GROUP: gl.constexpr = False):
+    def _producer_tma(pool, pages, work, ring, NHG: gl.constexpr, NS: gl.constexpr, PAGE: gl.constexpr,
+                      WIDE: gl.constexpr, GROUP: gl.constexpr):
         # Page ids come 16 table entries at a time (one per lane, extracted with warp shuffles): one load latency
         # per 16 entries instead of one per tile (a scalar load per tile capped the issue rate near one tile
         # per load latency). Pages of 16/32 tokens: a tile is 4/2 pages, each its own row boxes.
+        (kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows, sc_desc, sc_ptr,
+         stride_sc_row) = pool
+        kv_indptr, kv_indices, kv_len = pages
+        cta_ptr, item_req, item_t0, item_t1 = work
+        kbuf, pbuf, sbuf, ready, empty = ring
         EPT: gl.constexpr = 64 // PAGE if PAGE < 64 else 1      # table entries per 64-token tile
         TPC: gl.constexpr = 16 // EPT                            # tiles per chunk of 16 entries
         ROWS: gl.constexpr = PAGE if PAGE < 64 else 64
@@ -123,10 +124,7 @@ if gluon is not None:
                     else:
                         tt = t + ar
                         ids = gl.load(kv_indices + pbase + (tt * 64) // PAGE, mask=tt < t1, other=0)
-                s = g % NS
-                mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
-                rb, _ = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
-                bar = ready.index(rb)
+                s, bar = ring_acquire(ring, g, NS)
                 if GROUP:   # + the tile's [64, 4] fp32 group scales, one box per page as the rows
                     mbarrier.expect(bar, 64 * 576 + 64 * GROUPS_C * 4)
                 else:

@@ -44,4 +44,33 @@ def ready_barrier(gg: int, ns: int, wide: bool = False) -> tuple[int, int]:
 
 
 if gluon is not None:
+    from .config import mbarrier
     ready_slot_dev = gluon.jit(ready_slot)
+
+    # The ring of the wide build's partitions, ``ring`` = (kbuf, pbuf, sbuf, ready, empty) (kernel.py): one step
+    # of each side. Ring position g is the g-th tile the CTA's partition walks; NS its depth (a constexpr in the
+    # producer, a runtime value in the consumers).
+
+    @gluon.jit
+    def ring_acquire(ring, g, NS):
+        """Producer: wait until position g's stage is free (from the second pass on); (stage, its ready barrier)."""
+        kbuf, pbuf, sbuf, ready, empty = ring
+        s = g % NS
+        mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1, pred=g >= NS)
+        rb, ph = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
+        return s, ready.index(rb)
+
+    @gluon.jit
+    def ring_wait(ring, g, NS):
+        """Consumer: wait until position g's stage is filled; its stage."""
+        kbuf, pbuf, sbuf, ready, empty = ring
+        s = g % NS
+        rb, ph = ready_slot_dev(g, s, NS, ready.shape[0] != empty.shape[0])
+        mbarrier.wait(ready.index(rb), ph)
+        return s
+
+    @gluon.jit
+    def ring_release(ring, s):
+        """Consumer: stage s is read (after the partition's barrier: every warp is done with it)."""
+        kbuf, pbuf, sbuf, ready, empty = ring
+        mbarrier.arrive(empty.index(s), count=1)

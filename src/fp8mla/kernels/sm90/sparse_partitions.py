@@ -127,9 +127,11 @@ if gluon is not None:
         k16.index(z + C).store(x * r16[:, None])
 
     @gluon.jit
-    def _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r16,
-                   C: gl.constexpr, NG: gl.constexpr, cl: gl.constexpr):
+    def _round_ckv(records, raw, ring, idx_n, z, i, r16, C: gl.constexpr, NG: gl.constexpr, cl: gl.constexpr):
         # one c_kv round: chunks C, C + 1 (one scale group) of tile i, then tile i + 1's copies of them
+        ckv_ptr, sa_ptr, kpe_ptr, indices, num_slots = records
+        raw_c, raw_k, raw_s = raw
+        k16, kpe16, tv, k16_ready, k16_free = ring
         mbarrier.wait(k16_free.index(C), (i & 1) ^ 1, pred=i > 0)
         mbarrier.wait(k16_free.index(C + 1), (i & 1) ^ 1, pred=i > 0)
         async_copy.wait_group(NG - 1)
@@ -144,9 +146,14 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _converter_a(ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_s, k16, kpe16, tv, k16_ready, k16_free,
-                     idx_row, j0, j1, n, num_slots):
-        # chunk 8 (k_pe) and c_kv chunks 0-3; T_t for the owner
+    def _converter_a(records, raw, ring, item):
+        # chunk 8 (k_pe) and c_kv chunks 0-3; T_t for the owner. records: the pool's three views, the index rows
+        # and the slot count; raw: this converter's raw stage (raw_c, raw_k, raw_s); ring: the 16-bit tile, tv and
+        # the chunk barriers; item: the CTA's (token, head group, split) (sparse_mla_kernel)
+        ckv_ptr, sa_ptr, kpe_ptr, indices, num_slots = records
+        raw_c, raw_k, raw_s = raw
+        k16, kpe16, tv, k16_ready, k16_free = ring
+        t64, h0, sp, idx_row, j0, j1, n = item
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])   # 16 e4m3 bytes a thread, 2 rows
         kl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # 16 bf16 bytes, same rows as cl
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -190,17 +197,20 @@ if gluon is not None:
             r0h = r0.to(gl.float16)
             r1h = r1.to(gl.float16)
             # -- rounds (0, 1) and (2, 3): scale groups 0 and 1 --
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r0h, 0, 3, cl)
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r1h, 2, 3, cl)
+            _round_ckv(records, raw, ring, idx_n, z, i, r0h, 0, 3, cl)
+            _round_ckv(records, raw, ring, idx_n, z, i, r1h, 2, 3, cl)
             idx_c = idx_n
             idx_n = idx_nn
             idx_sn = idx_snn
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _converter_b(ckv_ptr, sa_ptr, indices, raw_c, raw_s, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                     num_slots):
-        # c_kv chunks 4-7 (scale groups 2, 3), with its own copy of the scales
+    def _converter_b(records, raw, ring, item):
+        # c_kv chunks 4-7 (scale groups 2, 3), with its own copy of the scales (raw's raw_s; raw_k unused)
+        ckv_ptr, sa_ptr, kpe_ptr, indices, num_slots = records
+        raw_c, raw_k, raw_s = raw
+        k16, kpe16, tv, k16_ready, k16_free = ring
+        t64, h0, sp, idx_row, j0, j1, n = item
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         rl: gl.constexpr = gl.SliceLayout(1, cl)
@@ -238,18 +248,23 @@ if gluon is not None:
             _copy_ckv(raw_c, ckv_ptr, idx_n, num_slots, 5, cl)
             async_copy.commit_group()
             # -- round (6, 7): group 3 --
-            _round_ckv(raw_c, raw_s, k16, k16_ready, k16_free, ckv_ptr, idx_n, num_slots, z, i, r3h, 6, 2, cl)
+            _round_ckv(records, raw, ring, idx_n, z, i, r3h, 6, 2, cl)
             idx_c = idx_n
             idx_n = idx_nn
             idx_sn = idx_snn
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _consumer(cid: gl.constexpr, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16,
-                  p_smem, xm, tv, k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits,
-                  sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t,
-                  stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-                  SPLIT: gl.constexpr):
+    def _consumer(cid: gl.constexpr, queries, outputs, tiles, item, problem, SPLIT: gl.constexpr):
+        # queries, outputs: the bundles of the dense builds (kernel.py); tiles: (q_smem, qpe_smem, k16, kpe16,
+        # p_smem, xm, tv, k16_ready, k16_free, x_bar, p_bar, q_bar); item: as the converters'; problem: (H,
+        # num_splits, sm_scale_log2, lse_scale, stride_lse_h)
+        q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h = queries
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_h,
+         stride_pl_i) = outputs
+        q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv, k16_ready, k16_free, x_bar, p_bar, q_bar = tiles
+        t64, h0, sp, idx_row, j0, j1, n = item
+        H, num_splits, sm_scale_log2, lse_scale, stride_lse_h = problem
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -373,26 +388,6 @@ if gluon is not None:
                 gl.store(lse_out + t64 * stride_lse_t + hl * stride_lse_h, lse * lse_scale, mask=hl < H)
 
     @gluon.jit
-    def _consumer0(q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
-                   k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
-                   lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
-                   stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT: gl.constexpr):
-        _consumer(0, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
-                  k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
-                  lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
-                  stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT)
-
-    @gluon.jit
-    def _consumer1(q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
-                   k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
-                   lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
-                   stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT: gl.constexpr):
-        _consumer(1, q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv,
-                  k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, n, H, num_splits, sm_scale_log2,
-                  lse_scale, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_o_t, stride_o_h,
-                  stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, SPLIT)
-
-    @gluon.jit
     def sparse_mla_kernel(
         q_nope, q_pe, ckv_ptr, sa_ptr, kpe_ptr, indices, out, lse_out, part_o, part_lse,
         sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
@@ -433,20 +428,20 @@ if gluon is not None:
         mbarrier.init(bars.index(1), count=1)   # p_bar: P complete (its owner)
         mbarrier.init(bars.index(2), count=2)   # q_bar: Q complete
         fence_async_shared()
+        # the partitions' runtime values in bundles (queries and outputs as the dense builds')
+        queries = (q_nope, q_pe, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h)
+        outputs = (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_po_i, stride_po_h,
+                   stride_pl_i)
+        records = (ckv_ptr, sa_ptr, kpe_ptr, indices, num_slots)
+        ring = (k16, kpe16, tv, k16_ready, k16_free)
+        tiles = (q_smem, qpe_smem, k16, kpe16, p_smem, xm, tv, k16_ready, k16_free, bars.index(0), bars.index(1),
+                 bars.index(2))
+        item = (t64, h0, sp, idx_row, j0, j1, n)
+        problem = (H, num_splits, sm_scale_log2, lse_scale, stride_lse_h)
         gl.warp_specialize([
-            (_converter_a, (ckv_ptr, sa_ptr, kpe_ptr, indices, raw_c, raw_k, raw_sa, k16, kpe16, tv, k16_ready,
-                            k16_free, idx_row, j0, j1, n, num_slots)),
-            (_consumer0, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
-                          tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
-                          num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
-                          stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
-                          stride_po_h, stride_pl_i, SPLIT)),
-            (_consumer1, (q_nope, q_pe, out, lse_out, part_o, part_lse, q_smem, qpe_smem, k16, kpe16, p_smem, xm,
-                          tv, k16_ready, k16_free, bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, n, H,
-                          num_splits, sm_scale_log2, lse_scale, stride_qn_t, stride_qn_h, stride_qp_t,
-                          stride_qp_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
-                          stride_po_h, stride_pl_i, SPLIT)),
-            (_converter_b, (ckv_ptr, sa_ptr, indices, raw_c, raw_sb, k16, k16_ready, k16_free, idx_row, j0, j1, n,
-                            num_slots)),
+            (_converter_a, (records, (raw_c, raw_k, raw_sa), ring, item)),
+            (_consumer, (0, queries, outputs, tiles, item, problem, SPLIT)),
+            (_consumer, (1, queries, outputs, tiles, item, problem, SPLIT)),
+            (_converter_b, (records, (raw_c, raw_k, raw_sb), ring, item)),
         ], [4, 4, 4], [REGS, REGS, 256 - REGS])
 
