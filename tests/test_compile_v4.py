@@ -36,7 +36,9 @@ CASES = {"attn-v4-split-sink": ("attn", 1, dict(SPLIT=True, HAS_SINK=True, HAS_C
          "attn-bf16": ("attn", 0, dict(SPLIT=False, HAS_SINK=False, HAS_C=False), (80, 90)),
          "quant-v4": ("quant", 1, dict(NG=8, G=64, NQ=448), (80, 90)),
          "quant-v41": ("quant", 2, dict(NG=16, G=32, NQ=512), (89, 120))}
-MAX_STACK = 32   # bytes of local memory a thread may spill to (fp8_v4 spills 16 B on sm_80 with triton 3.9)
+# bytes of local memory a thread may spill to (sm_80: fp8_v4 16 B and the split + sink build 24 B with triton 3.9.0;
+# the split + sink build 40 B with triton 3.6.0)
+MAX_STACK = 48
 
 
 def _modules():
