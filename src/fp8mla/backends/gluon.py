@@ -107,11 +107,10 @@ def _invariant_refusal(b, q):
         return b
     if q.max_qo > 1:
         return (f"batch_invariant: the gluon builds take one query per request in this mode (the multi-token "
-                f"variant follows the batch's longest query; got {q.max_qo}); use backend='triton'")
+                f"variant follows the batch's longest query; got {q.max_qo})")
     if not (b.wide or b.heads_on_m):
         return ("batch_invariant: the gluon build at <= 16 heads splits a work item's tiles between its two "
-                "consumers by the item's place in its CTA, so a request's bits would follow its batch; use "
-                "backend='triton'")
+                "consumers by the item's place in its CTA, so a request's bits would follow its batch")
     return b
 
 
