@@ -246,8 +246,11 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
         assert launches == {"copy_": 1, "scatter_": 1, "index_select": 1}, c.ops
         assert sum(c.ops.values()) == 3, c.ops
         assert not {"_local_scalar_dense", "item"} & set(c.ops), c.ops  # nothing read back from the device
-    for page in (64, 1):  # nothing grows with the context
-        assert seen[(page, 256)] == seen[(page, 2048)], seen
+    for page in (64, 1):  # nothing grows with the context (8x the pages): the same ops, the same lines but for a
+        # few that follow the host schedules' memo of their last items, which earlier tests of the process leave
+        # behind (a full CI run measured 2,055 against 2,064 at page 64; O(batch) would be >= 64, O(pages) more)
+        assert seen[(page, 256)][:2] == seen[(page, 2048)][:2], seen
+        assert abs(seen[(page, 256)][2] - seen[(page, 2048)][2]) <= 16, seen
     # page 1 against page 64: the same ops; a few more lines per sequence (each step takes a new page, and the
     # cancel gives it back): O(batch), never O(pages)
     assert seen[(1, 256)][:2] == seen[(64, 256)][:2], seen
