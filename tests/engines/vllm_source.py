@@ -96,6 +96,8 @@ class Release:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 if any((a.asname or a.name.split(".")[0]) == name for a in node.names):
                     return True
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__" and _serves(node, name):
+                return True   # a module-level __getattr__ that answers this name (vllm.platforms.current_platform)
         return False
 
     def find_class(self, name: str, modules=BASE_MODULES) -> ast.ClassDef | None:
@@ -177,3 +179,13 @@ def class_methods(path, class_name: str) -> dict[str, Params]:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             return {m.name: Params.of(m) for m in node.body if isinstance(m, ast.FunctionDef)}
     raise ValueError(f"class_name: no class {class_name!r} in {path}")
+
+
+def _serves(getattr_def: ast.FunctionDef, name: str) -> bool:
+    """Whether a module's ``__getattr__(name)`` compares its argument with this name (``if name == "x":``)."""
+    arg = getattr_def.args.args[0].arg if getattr_def.args.args else None
+    for node in ast.walk(getattr_def):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == arg:
+            if any(isinstance(c, ast.Constant) and c.value == name for c in node.comparators):
+                return True
+    return False
