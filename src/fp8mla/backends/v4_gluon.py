@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import LN2, num_sms
+from .v4_triton import size_split_workspace
 
 BACKEND = "gluon"
 
@@ -17,16 +18,8 @@ def prepare(p, kernel_options: dict) -> None:
     if kernel_options:
         raise TypeError(f"plan: kernel options {sorted(kernel_options)} are for the triton backend, not 'gluon'")
     p.config = {}
-    cap = 0
-    if p.num_splits is not None:   # a pinned split count: allocated per call (as the triton backend)
-        return
-    for n in range(1, num_sms(p.device) + 1):
-        s = splits(p, n)
-        if s > 1:
-            cap = max(cap, n * (s + 1))
-    if cap:
-        p.part_o = torch.empty(cap, p.num_heads, 512, dtype=torch.float32, device=p.device)
-        p.part_lse = torch.empty(cap, p.num_heads, dtype=torch.float32, device=p.device)
+    if p.num_splits is None:   # (a pinned split count: allocated per call, as the triton backend)
+        size_split_workspace(p, num_sms(p.device), splits)
 
 
 def splits(p, n: int) -> int:

@@ -17,12 +17,19 @@ def prepare(p, kernel_options: dict) -> None:
             raise ValueError(f"invariant_chunk: expected a multiple of the kernel's key block (block_n="
                              f"{p.config['block_n']}), got {p.invariant_chunk}")
         return
+    if p.num_splits is None:   # (a pinned split count: allocated per call)
+        size_split_workspace(p, 2 * num_sms(p.device), splits)
+
+
+def size_split_workspace(p, max_tokens: int, splits_of) -> None:
+    """Plan ``p``'s split workspace, fixed at plan (the Triton and Gluon V4 backends): the largest ``tokens x
+    (splits + sink partial)`` any call of 1 .. ``max_tokens`` tokens needs (``splits_of(p, tokens)``, the
+    backend's rule): O(SMs) rows, not O(batch); none when no such call splits."""
     cap = 0
-    if p.num_splits is None:  # the largest tokens x (splits + sink part) any call needs: O(SMs), not O(batch)
-        for n in range(1, 2 * num_sms(p.device) + 1):
-            s = splits(p, n)
-            if s > 1:
-                cap = max(cap, n * (s + 1))
+    for n in range(1, max_tokens + 1):
+        s = splits_of(p, n)
+        if s > 1:
+            cap = max(cap, n * (s + 1))
     if cap:
         p.part_o = torch.empty(cap, p.num_heads, 512, dtype=torch.float32, device=p.device)
         p.part_lse = torch.empty(cap, p.num_heads, dtype=torch.float32, device=p.device)
