@@ -324,7 +324,7 @@ def test_graph_replan_keeps_the_invariant_cut_and_names_the_capacity():
     from fp8mla.kernels.split import chunk_items_host
     want = chunk_items_host(layout.host, 16, num_indices=32, target=1, block_n=impl.cfg["block_n"], min_chunk=1,
                             fixed_chunk=64)
-    buf, n = state["graph"].buf, want["num_items"][0]
+    buf, n = state.graph.buf, want["num_items"][0]
     assert n == 6 and buf["num_items"].tolist() == [6]
     for key in ("item_req", "item_start", "item_end", "item_part"):
         assert buf[key][:n].tolist() == want[key][:n], key

@@ -16,6 +16,7 @@ import torch
 
 import fp8mla
 from fp8mla.kernels import sm90 as k, split
+from fp8mla.backends import PlanState
 from conftest import compile_report_in_child
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
@@ -294,7 +295,7 @@ def test_graph_build_host_and_device_schedules_fill_the_same_buffers(monkeypatch
                          torch.device("cpu"), True)
     g = torch.Generator().manual_seed(3)
     opts = dict(max_batch_size=16, max_kv_indices=4096)
-    st_host, st_dev = {}, {}
+    st_host, st_dev = PlanState(), PlanState()
     for lens in ([97, 1, 514, 0, 4096], [8192] * 16, [1], [300, 17, 64, 65, 63]):
         B = len(lens)
         W = max(1, -(-max(lens) // 64))
@@ -622,13 +623,13 @@ def test_mtp_graph_wrapper_keeps_its_first_variant():
     from fp8mla.backends import gluon as gb
     lay = lambda *q: SimpleNamespace(max_qo_len=max(q))   # noqa: E731
     graph, plain = SimpleNamespace(use_cuda_graph=True), SimpleNamespace(use_cuda_graph=False)
-    state = {}
+    state = PlanState()
     assert gb.plan_max_qo(lay(4, 1), graph, state) == 4
     assert gb.plan_max_qo(lay(2, 1), graph, state) == 4 and gb.plan_max_qo(lay(1), graph, state) == 4
     with pytest.raises(ValueError, match="qo_len 5"):
         gb.plan_max_qo(lay(5), graph, state)
-    state = {}
+    state = PlanState()
     assert gb.plan_max_qo(lay(1), graph, state) == 1
     with pytest.raises(ValueError, match="qo_len 2"):
         gb.plan_max_qo(lay(2), graph, state)
-    assert [gb.plan_max_qo(lay(q), plain, {}) for q in (1, 3, 8)] == [1, 3, 8]
+    assert [gb.plan_max_qo(lay(q), plain, PlanState()) for q in (1, 3, 8)] == [1, 3, 8]

@@ -166,7 +166,7 @@ def test_refusals(monkeypatch):
         assert isinstance(why, str) and why.startswith("fp8_math: ") and "group" in why
         with pytest.raises(ValueError, match="fp8_math: .*group"):
             gb.build(SimpleNamespace(batch_size=1, qo_lens=[1], max_qo_len=1), _spec(fmt="fp8_e4m3_group"),
-                     {"fp8_math": True}, {})
+                     {"fp8_math": True})
 
 
 @pytest.mark.usefixtures("sm90_compile_tools")

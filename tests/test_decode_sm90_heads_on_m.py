@@ -146,22 +146,21 @@ def test_plans_launch_one_cta_per_item_and_head_group(gb, monkeypatch):
     monkeypatch.setattr(k, "launch_heads_on_m", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(k, "mh_kv_descriptors", lambda ckv, kpe: ("kv", "kpe"))
     spec = _spec(128)
-    p = gb.build(_layout(64, [1] * 64, [8192] * 64), spec, {}, {})
+    p = gb.build(_layout(64, [1] * 64, [8192] * 64), spec, {})
     assert p.build == k.KNOWN_BUILDS["mh128_p64"] and p.slots == 66 and p.n_items == 64
     assert p.t["cta_ptr"][66].item() == 64 and p.t["item_t1"][:64].tolist() == [128] * 64
     assert p.t["m_ptr"].tolist() == list(range(65)) and p.t["part_o"].shape[1:] == (128, 512)
-    assert gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, dict(heads_on_m=False),
-                    {}).build == k.KNOWN_BUILDS["h128_p64"]
-    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {}, {})
+    assert gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, dict(heads_on_m=False)).build == k.KNOWN_BUILDS["h128_p64"]
+    d = gb.build(_layout(64, [1] * 64, [8192] * 64, host=False), spec, {})
     assert d.build == k.KNOWN_BUILDS["mh128_p64"]
     assert d.n_items == 66 + 64 and d.t["cta_ptr"][66].item() == d.t["m_ptr"][64].item() == 64
     for key in ("item_req", "item_t0", "item_t1"):
         assert torch.equal(d.t[key][:64], p.t[key][:64]), key
     lens = [0, 1, 63, 64, 65, 127, 1000, 4097]
-    h = gb.build(_layout(64, [1] * 8, lens), _spec(96), dict(min_chunk=64), {})
+    h = gb.build(_layout(64, [1] * 8, lens), _spec(96), dict(min_chunk=64))
     assert h.n_items == len(h.t["item_req"]) == h.t["m_ptr"][8].item() and h.slots == 66
     assert max(b - a for a, b in zip(h.t["m_ptr"].tolist(), h.t["m_ptr"].tolist()[1:])) > 1   # splits: a merge
-    g = gb.build(_layout(64, [1] * 8, lens), _spec(64, graph=True), dict(max_batch_size=16, heads_on_m=True), {})
+    g = gb.build(_layout(64, [1] * 8, lens), _spec(64, graph=True), dict(max_batch_size=16, heads_on_m=True))
     assert g.build == k.KNOWN_BUILDS["mh64_p64"] and g.slots == 132 and g.n_items == 132 + 16
     ckv = torch.zeros(80, 64, 512, dtype=torch.float8_e4m3fn)
     q = torch.zeros(8, 64, 512, dtype=torch.bfloat16)

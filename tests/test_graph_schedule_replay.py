@@ -59,8 +59,8 @@ def test_replayed_schedule_fills_the_buffers_as_the_eager_ops(backend, kv_dtype)
         for attn in (replayed, eager):
             _plan(attn, table[:B], lens_dev, kv_dtype)
             assert attn.backend == backend
-        buf_r = replayed._state[backend]["graph"]
-        buf_e = eager._state[backend]["graph"]
+        buf_r = replayed._state[backend].graph
+        buf_e = eager._state[backend].graph
         buf_e.replay = lambda key, ops: ops()   # this wrapper's schedule: the eager ops, every plan
         keys.add(B)
         assert torch.equal(buf_r.flat, buf_e.flat), f"step {i}: the replayed schedule's buffers differ"

@@ -228,7 +228,7 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
         keep.append((cache, r))  # alive: no later host tensor reuses these addresses
         device_ptrs.clear()
         device_ptrs |= {r.table.untyped_storage().data_ptr()}
-        device_ptrs |= {g[k].untyped_storage().data_ptr() for g in r._graphs.values() for k in ("block_table", "dev")}
+        device_ptrs |= {t.untyped_storage().data_ptr() for g in r._graphs.values() for t in (g.block_table, g.dev)}
         prefix = [ctx - 1] * B
         for _ in range(2):  # fills the rows, builds the buffers, then the steady state (the staged prefix's views)
             r.begin_step(ids, prefix).cancel()
@@ -238,7 +238,7 @@ def test_runner_begin_step_host_work_is_o_batch(monkeypatch):
         calls = _count_python_lines(lambda: r.begin_step(ids, prefix).cancel())
         launches = {k: v for k, v in c.ops.items() if k not in _NO_LAUNCH}
         seen[(page, ctx)] = (sum(c.ops.values()), launches, calls)
-        assert r._graphs[B]["attn"].backend == "triton" and r._graphs[B]["attn"].layout.host is not None
+        assert r._graphs[B].attn.backend == "triton" and r._graphs[B].attn.layout.host is not None
         # ONE staged copy (positions, slots, rows, table entries, page ids and the plan's schedule arrays: the plan
         # stages into the runner's buffer, from a persistent host buffer: no pinning per step), one scatter (int64
         # index: no cast), one gather: 3 ops in all, each a launch on a GPU (17 with 4 launches before the plan
@@ -382,8 +382,8 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     r.use_cuda_graph = True
     monkeypatch.setattr(r, "_capture", lambda g: None)
     r._bucket(B)
-    dev = {r.table.untyped_storage().data_ptr(), r._graphs[B]["dev"].untyped_storage().data_ptr(),
-           r._graphs[B]["block_table"].untyped_storage().data_ptr()}
+    dev = {r.table.untyped_storage().data_ptr(), r._graphs[B].dev.untyped_storage().data_ptr(),
+           r._graphs[B].block_table.untyped_storage().data_ptr()}
     on_host = fp8mla.layout._on_host
     monkeypatch.setattr(fp8mla.layout, "_on_host", lambda t: t.untyped_storage().data_ptr() not in dev and on_host(t))
     prefix = [cache.seq_len(s) for s in ids]
@@ -391,7 +391,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
         r.begin_step(ids, prefix).cancel()
     with _OpCount() as c:
         st = r.begin_step(ids, prefix)
-    attn = r._graphs[B]["attn"]
+    attn = r._graphs[B].attn
     assert attn.backend == "gluon" and attn.layout.host is not None
     launches = {key: v for key, v in c.ops.items() if key not in _NO_LAUNCH}
     assert launches == {"copy_": 1, "scatter_": 1, "index_select": 1} and sum(c.ops.values()) == 3, c.ops
@@ -419,7 +419,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
     assert 0 < kept < 24, kept  # both paths ran (lengths 1000 - 7i cross a tile boundary on some steps)
     # A captured bucket (a stand-in graph, never replayed here): its plan object stays through tile changes (the
     # graph holds its launch configuration), and the buffers still hold each step's device schedule.
-    r._graphs[B]["graph"] = object()
+    r._graphs[B].graph = object()
     impl = attn._plan.impl
     for step in range(8):
         prefix = [cache.seq_len(s) for s in ids]
@@ -433,7 +433,7 @@ def test_runner_begin_step_gluon_plan_is_host_scheduled(monkeypatch):
             assert torch.equal(t[key][:n], want[key][:n]), (step, key)
         assert torch.equal(t["kv_len"][:B], L)
         st.committed = True
-    r._graphs[B]["graph"] = None
+    r._graphs[B].graph = None
 
 
 def test_host_schedule_memos_match_fresh_schedules():
@@ -478,7 +478,7 @@ def test_runner_fast_plan_still_refuses_bad_lengths(monkeypatch):
     monkeypatch.setattr(r, "_capture", lambda g: None)
     prefix = [cache.seq_len(s) for s in ids]
     r.begin_step(ids, prefix).cancel()
-    assert r._graphs[4]["fast"] and r._graphs[4]["attn"]._rows_fast is not None  # the trusted path is taken
+    assert r._graphs[4].fast and r._graphs[4].attn._rows_fast is not None  # the trusted path is taken
     before = [(cache.seq_len(s), list(cache.pages(s))) for s in ids]
     with pytest.raises(ValueError, match=r"^kv_len: request 1 has kv_len 65, expected 0 <= kv_len <= .* = 64"):
         r.begin_step(ids, [40, 64, 20])
@@ -487,7 +487,7 @@ def test_runner_fast_plan_still_refuses_bad_lengths(monkeypatch):
         r.begin_step(ids + [99], prefix + [5])
     assert [(cache.seq_len(s), list(cache.pages(s))) for s in ids] == before
     st = r.begin_step(ids, prefix)  # and the runner still plans
-    assert r._graphs[4]["attn"].layout.kv_lens == [p + 1 for p in prefix] + [0]
+    assert r._graphs[4].attn.layout.kv_lens == [p + 1 for p in prefix] + [0]
     st.cancel()
 
 

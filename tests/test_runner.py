@@ -430,6 +430,6 @@ def test_runner_plans_into_graph_buffers(monkeypatch):
     r.use_cuda_graph = True                              # graph-mode attention buffers...
     monkeypatch.setattr(r, "_capture", lambda g: None)   # ...but no capture: the bucket's step runs as is
     got, _ = run_schedule(r.step, cache_b, 256)
-    assert all(g["attn"].backend == "triton" and g["attn"]._use_cuda_graph for g in r._graphs.values())
+    assert all(g.attn.backend == "triton" and g.attn._use_cuda_graph for g in r._graphs.values())
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-3, msg=f"step {i}")

@@ -111,7 +111,7 @@ def _plan(monkeypatch, lens, heads, graph, host, order_seed=0, **opts):
     opts = dict(batch_invariant=True, invariant_chunk=CHUNK, **opts)
     if graph:
         opts.update(max_batch_size=64, max_kv_indices=4096, max_partials=256)
-    return gb.build(lay, spec, opts, {})
+    return gb.build(lay, spec, opts)
 
 
 @pytest.mark.parametrize("heads,heads_on_m", [(128, None), (128, False), (64, None), (32, None)])

@@ -106,7 +106,7 @@ def test_heads_on_m_plans_stage_the_longest_first_items(monkeypatch):
         staged = {}
         for lay in (host_lay, dev_lay):
             hs._LAST_ITEMS = None
-            p = gb.build(lay, spec, opts, {})
+            p = gb.build(lay, spec, opts)
             assert p.build.heads_on_m
             n = int(p.t["m_ptr"][64])
             sizes = (p.t["item_t1"][:n] - p.t["item_t0"][:n]).tolist()

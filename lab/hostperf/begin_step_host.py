@@ -103,7 +103,7 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode(0)
         print(f"{name}: median {median_ms(fn, a.reps, sync):.4f} ms (host)")
     g = runner._graphs.get(B) or next(iter(runner._graphs.values()))
-    print(f"runner bucket: fast re-plan {g['fast']}, backend {runner.last_step.paged.backend}")
+    print(f"runner bucket: fast re-plan {g.fast}, backend {runner.last_step.paged.backend}")
     for name, fn in (("model.begin_step + cancel", eager), ("runner.begin_step + cancel", begin),
                      ("runner.step (advancing)", step)):
         profile(name, fn, 100, a.top)

@@ -17,7 +17,7 @@ import torch
 from . import backends
 from ._checks import as_int, check_int, check_positive_int, check_tensor, plain_number
 from ._scales import MAX_SM_SCALE, Q_DTYPES, DeviceScales, check_q_dtype, check_scale, check_sm_scale  # noqa: F401
-from .backends import AttentionSpec
+from .backends import AttentionSpec, PlanState
 from .backends._invariant import GLUON_AUTO, check_chunk
 from .backends.select import Refusal, dense_question, qo_range, refusal_error, select, without_gluon
 from .formats import FORMATS, KVFormat, get_format
@@ -151,7 +151,7 @@ class MLAPagedAttention:
         self._plan: _Plan | None = None
         self._rows_fast = None       # replan_rows' per-table constants
         self._selected = {}          # backends.select's choices, by (spec, the batch's qo_len range)
-        self._state: dict = {}       # per-backend buffers kept across plans (CUDA graphs)
+        self._state: dict[str, PlanState] = {}   # backend name -> what it keeps across plans (CUDA graphs)
         self._graph_backend = None   # CUDA graphs: the backend run() last launched (a capture holds its launches)
         self._scales = DeviceScales()   # the fp32 [2] device tensor (ckv_scale, kpe_scale) of the last run
 
@@ -254,7 +254,8 @@ class MLAPagedAttention:
         """The CUDA-graph buffers of the last plan's backend when a caller can stage their small arrays with its
         own (they have ``rebase``: the decode runner moves them into its staging buffer, then re-plans through
         :meth:`replan_rows`), else None."""
-        buf = self._state.get(self.backend, {}).get("graph")
+        state = self._state.get(self.backend)
+        buf = None if state is None else state.graph
         return buf if callable(getattr(buf, "rebase", None)) else None
 
     def _rows_buffers(self):
@@ -263,7 +264,8 @@ class MLAPagedAttention:
         p = self._plan
         if p is None or not p.spec.use_cuda_graph or self._strategy != "native":
             return None
-        buf = self._state.get(p.backend, {}).get("graph")
+        state = self._state.get(p.backend)
+        buf = None if state is None else state.graph
         return buf if getattr(buf, "rebased", False) else None
 
     def replan_rows(self, lens: list, sink: list, fixed: bool = False) -> None:
@@ -348,10 +350,13 @@ class MLAPagedAttention:
         if self._strategy == "gather_cast":
             from .backends import gather_cast
             inner = "triton" if name in ("triton", "gluon") else "torch"
-            return f"gather_cast+{inner}", gather_cast.build(layout, spec, self._kernel_options, {}, inner=inner)
-        state = self._state.setdefault(name, {})
+            return f"gather_cast+{inner}", gather_cast.build(layout, spec, self._kernel_options, PlanState(),
+                                                             inner=inner)
+        state = self._state.get(name)
+        if state is None:
+            state = self._state[name] = PlanState()
         if spec.use_cuda_graph:
-            state["external"] = self._external
+            state.external = self._external
         return name, backends.build(choice.module, layout, spec, self._kernel_options, state)
 
     # -- run ------------------------------------------------------------------------------------------------

@@ -48,5 +48,5 @@ class GatherCastPlan:
         self.inner.run(q_nope, q_pe, self.ckv, self.kpe, self.ones, None, out, lse, base_e)
 
 
-def build(layout, spec, options: dict, state: dict, inner: str = "torch") -> GatherCastPlan:
+def build(layout, spec, options: dict, state=None, inner: str = "torch") -> GatherCastPlan:
     return GatherCastPlan(layout, spec, inner, options)

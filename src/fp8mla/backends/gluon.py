@@ -32,6 +32,7 @@ import torch
 from ..runtime import LN2, num_sms
 from ..kernels.split import (invariant_items_device, merge_sizes, safe_kv_len, tile_items_device,
                              tile_items_host)
+from . import PlanState
 from ._graph import GraphBuffers
 from ._heads_on_m import aligned_slack
 from ._invariant import INVARIANT_CHUNK, INVARIANT_PARTIALS
@@ -114,20 +115,20 @@ def _invariant_refusal(b, q):
     return b
 
 
-def _named_build(spec, layout, options: dict, state: dict):
+def _named_build(spec, layout, options: dict, state: PlanState):
     """The named build of a plan on this backend (``select`` over the gluon builds), or the reason it refuses it.
     The build follows the plan's max_qo (fixed by the first plan of a CUDA-graph wrapper, ``plan_max_qo``); kept
     for the spec and the batch's query lengths, so a wrapper's repeated plans select once."""
-    max_qo = plan_max_qo(layout, spec, dict(state))   # (a copy: build() fixes a graph wrapper's max_qo itself)
+    max_qo = plan_max_qo(layout, spec, state, keep=False)   # (build() fixes a graph wrapper's max_qo itself)
     qo = qo_range(layout)
     key = (spec, qo, max_qo, id(options))
-    memo = state.get("selected")
+    memo = state.selected
     if memo is not None and memo[0] == key:
         return memo[1]
     choice = select(dense_question(spec, qo, options, max_qo), "gluon")
     if isinstance(choice, Refusal):
         return choice.reason
-    state["selected"] = (key, choice.build)
+    state.selected = (key, choice.build)
     return choice.build
 
 
@@ -212,17 +213,19 @@ class GluonPlan:
             lse.mul_(LN2)  # log2 -> ln
 
 
-def build(layout, spec, options: dict, state: dict) -> GluonPlan:
+def build(layout, spec, options: dict, state: PlanState | None = None) -> GluonPlan:
     from ..kernels import sm90 as k
-    opts = state.get("opts")
-    if opts is None or state.get("opts_from") is not options:  # the wrapper's options dict: merged once
-        opts = state["opts"] = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
-        state["opts_from"] = options
+    if state is None:
+        state = PlanState()
+    opts = state.opts
+    if opts is None or state.opts_from is not options:  # the wrapper's options dict: merged once
+        opts = state.opts = {**DEFAULTS, **{key: v for key, v in options.items() if v is not None}}
+        state.opts_from = options
     b = _named_build(spec, layout, opts, state)
     if isinstance(b, str):
         raise ValueError(f"backend 'gluon': {b}")
     device = spec.device
-    buf = state.get("graph") if spec.use_cuda_graph else None
+    buf = state.graph if spec.use_cuda_graph else None
     n_sm = buf.n_sm if buf is not None else num_sms(device)  # (the device's properties: a few us per ask)
     B = layout.batch_size
     min_tiles = max(1, int(opts["min_chunk"]) // k.TILE)
@@ -250,7 +253,7 @@ def build(layout, spec, options: dict, state: dict) -> GluonPlan:
     if spec.use_cuda_graph:
         if buf is None:
             # (sized for the per-tensor variant's rows, >= the group variant's: a wrapper may plan either later)
-            buf = state["graph"] = _GraphBuffers(opts, n_sm, device, state.get("external", {}),
+            buf = state.graph = _GraphBuffers(opts, n_sm, device, state.external,
                                                  max(rows, k.padded_heads(spec.num_heads, max_qo)))
         buf.check(B, layout.kv_indices.numel(), rows)
         cap = buf.max_items if fixed else slots + buf.max_batch   # heads-on-M: the CTAs launched
@@ -311,7 +314,7 @@ def _check_items(h: dict, max_items: int, fixed) -> None:
                          "construct MLAPagedAttention with a larger max_partials")
 
 
-def replan_rows(plan, layout, state: dict, fixed: bool = False):
+def replan_rows(plan, layout, state: PlanState, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths, CUDA-graph buffers staged by the caller).
     While the host schedule's items are those ``plan`` was built with (``tile_items_host``'s memo: every request
@@ -321,31 +324,36 @@ def replan_rows(plan, layout, state: dict, fixed: bool = False):
     configuration (the grids are fixed and the merge loops over any count): the plan stays whatever the items,
     once it was built from a real schedule here (so the capture never holds the first, empty plan's merge size)."""
     from ..kernels import sm90 as k
-    buf, opts = state.get("graph"), state.get("opts")
+    buf, opts = state.graph, state.opts
     if buf is None or opts is None or plan.t is not buf.buf or layout.host is None or _invariant_chunk(opts):
         return None   # (the mode: build() stages the new cut into the same buffers)
     nhg = plan.build.nhg
     h = tile_items_host(layout.host, layout.page_size, num_indices=layout.kv_indices.numel(),
                       num_ctas=max(1, buf.n_sm // nhg), min_tiles=max(1, int(opts["min_chunk"]) // k.TILE),
                       slack=aligned_slack(plan.build), longest_first=plan.build.heads_on_m)
-    last = state.get("rows_items")
+    last = state.rows_items
     if last is not None and last[0] is plan and (fixed or last[1] is h["item_req"]):
         buf.load_host(h, layout.kv_indices)
         return plan
-    plan = build(layout, plan.spec, state["opts_from"], state)
-    state["rows_items"] = (plan, h["item_req"])
+    plan = build(layout, plan.spec, state.opts_from, state)
+    state.rows_items = (plan, h["item_req"])
     return plan
 
 
-def plan_max_qo(layout, spec, state: dict) -> int:
+def plan_max_qo(layout, spec, state: PlanState, keep: bool = True) -> int:
     """The kernel variant's query tokens per request: 1, or the layout's max qo_len (multi-token decode). With
     CUDA graphs the launch grid and the variant are captured, so the wrapper's first plan fixes them: a later plan
     may have shorter queries (the kernel reads each request's qo_len on the device), never longer, and a wrapper
-    first planned with one query per request stays there."""
+    first planned with one query per request stays there. ``keep``: a graph wrapper's first answer is recorded on
+    ``state`` (False: only asked)."""
     max_qo = max(1, layout.max_qo_len or 1)
     if not spec.use_cuda_graph:
         return max_qo
-    fixed = state.setdefault("graph_max_qo", max_qo)
+    fixed = state.graph_max_qo
+    if fixed is None:
+        fixed = max_qo
+        if keep:
+            state.graph_max_qo = max_qo
     if max_qo > fixed:
         raise ValueError(f"plan: max qo_len {max_qo} exceeds the {fixed} this CUDA-graph wrapper's gluon kernel was "
                          "first planned (and captured) with; plan the longest qo_len first or use one wrapper per "

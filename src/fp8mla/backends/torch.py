@@ -248,7 +248,7 @@ class InvariantTorchPlan(TorchPlan):
             lse[rows] = ls if base_e else ls * LOG2E
 
 
-def build(layout, spec, options: dict, state: dict) -> TorchPlan:
+def build(layout, spec, options: dict, state=None) -> TorchPlan:
     if options.get("batch_invariant"):
         return InvariantTorchPlan(layout, spec, options.get("invariant_chunk") or INVARIANT_CHUNK)
     return TorchPlan(layout, spec)

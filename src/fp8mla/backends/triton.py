@@ -22,6 +22,7 @@ import torch
 from ..kernels.decode import KV_BF16, KV_FP8_FP16_MATH, KV_GROUP, default_config, mla_decode
 from ..kernels.split import chunk_items, chunk_items_host, items_target, max_parts, safe_kv_len
 from ..runtime import LN2, interpreting, num_sms
+from . import PlanState
 from ._graph import GraphBuffers
 from ._invariant import INVARIANT_CHUNK, INVARIANT_PARTIALS
 
@@ -117,8 +118,10 @@ class TritonPlan:
             lse.mul_(LN2)  # log2 -> ln
 
 
-def build(layout, spec, options: dict, state: dict) -> TritonPlan:
+def build(layout, spec, options: dict, state: PlanState | None = None) -> TritonPlan:
     check_dims(spec)
+    if state is None:
+        state = PlanState()
     opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
     kv_mode = _kv_mode(spec)
     H, Dc, device = spec.num_heads, spec.head_dim_ckv, spec.device
@@ -128,7 +131,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     if plan_qo is None:  # device-only qo_indptr (MLAPagedAttention reads it on the host; others may not)
         plan_qo = int((layout.qo_indptr[1:] - layout.qo_indptr[:-1]).max()) if B else 0
     if graph:
-        buffers = state.get("graph")
+        buffers = state.graph
         max_qo = buffers.max_qo if buffers is not None else (opts["max_qo_len"] or max(1, plan_qo))
         if plan_qo > max_qo:
             raise ValueError(f"qo_indptr: a request has {plan_qo} query tokens, above the {max_qo} the CUDA-graph "
@@ -151,7 +154,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
     # CUDA-graph wrappers re-plan every step: the config and split target (which ask the device's properties, a few
     # microseconds each) are kept for the same heads / query rows / format / options
     ck = (H, max_qo, kv_mode, extend_qo, device)
-    kept = state.get("config") if graph else None
+    kept = state.config if graph else None
     if kept is not None and kept[0] == ck and kept[1] is options:
         cfg, max_rows, target = kept[2:]
     else:
@@ -160,16 +163,15 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
         row_tiles = -(-max_rows // cfg["block_m"]) if max_rows else 1
         target = items_target(row_tiles, num_sms(device), opts["ctas_per_sm"])
         if graph:
-            state["config"] = (ck, options, cfg, max_rows, target)
+            state.config = (ck, options, cfg, max_rows, target)
     base = dict(qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, kv_indices=layout.kv_indices)
     if extend_qo:
         kv_len = safe_kv_len(layout.kv_indptr, layout.kv_len, layout.page_size, layout.kv_indices.numel())
         return TritonPlan(spec, kv_mode, cfg, 0, 1, 1, dict(base, kv_len=kv_len), extend_qo)
     if graph:
-        buffers = state.get("graph")
+        buffers = state.graph
         if buffers is None:
-            buffers = state["graph"] = _GraphBuffers(opts, H, Dc, max_qo, device, target,
-                                                     state.get("external", {}))
+            buffers = state.graph = _GraphBuffers(opts, H, Dc, max_qo, device, target, state.external)
         buffers.check(H, Dc, H * max_qo, B, layout.kv_indices.numel())
         if layout.host is not None:  # host lengths: schedule on the host, stage everything in one copy
             rule = (target, cfg["block_n"], opts["min_chunk"], fixed)
@@ -177,7 +179,7 @@ def build(layout, spec, options: dict, state: dict) -> TritonPlan:
             t = buffers.load_host(sched, layout.kv_indices)
             plan = TritonPlan(spec, kv_mode, cfg, buffers.max_rows, buffers.max_items, buffers.max_batch, t,
                               invariant=invariant)
-            state["host_plan"] = (plan, rule)  # for replan_rows
+            state.host_plan = (plan, rule)  # for replan_rows
             return plan
         # the raw lengths into the buffers, then the schedule on them (it clamps them in place), replayed from a
         # CUDA graph per shape: its ~60 small ops cost ~1.2 ms of host time per plan on an H100 host
@@ -239,16 +241,16 @@ def _host_schedule(layout, rule: tuple, max_items: int) -> dict:
     return h
 
 
-def replan_rows(plan, layout, state: dict, fixed: bool = False):
+def replan_rows(plan, layout, state: PlanState, fixed: bool = False):
     """:func:`build` for the decode runner's trusted re-plan (``MLAPagedAttention.replan_rows``: the same spec,
     options, batch size and page table as ``plan``, new host lengths): only the host schedule is new, the plan
     object (config, grids, CUDA-graph buffers) is the same (``fixed``, a captured plan: the same either way). None
     when ``plan`` is not the last host-scheduled graph plan (then :func:`build` runs)."""
-    kept = state.get("host_plan")
+    kept = state.host_plan
     if kept is None or kept[0] is not plan or layout.host is None:
         return None
-    sched = _host_schedule(layout, kept[1], state["graph"].max_items)
-    state["graph"].load_host(sched, layout.kv_indices)
+    sched = _host_schedule(layout, kept[1], state.graph.max_items)
+    state.graph.load_host(sched, layout.kv_indices)
     return plan
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,6 +90,33 @@ class _Staging:
             ev[i].record(torch.cuda.current_stream(self.dev.device))  # the stream the copy went to
 
 
+@dataclass(eq=False)
+class _Bucket:
+    """One batch bucket's attention, static step and buffers (``DecodeRunner._bucket``). ``dev`` is the staging
+    buffer (int32, on the device) that one copy per step fills; ``pos``, ``ents``, ``rows`` and ``pages`` are views
+    of it."""
+
+    size: int                       # Bb: requests the bucket's step runs (the batch padded with empty requests)
+    attn: MLAPagedAttention
+    step: MLAStep                   # the bucket's static step (the graph reads its tensors)
+    block_table: torch.Tensor       # [Bb, width] int32: the bucket's rows of the runner's table
+    dev: torch.Tensor               # the staging buffer
+    fast: bool                      # the attention re-plans through replan_rows, its arrays staged in ``dev``
+    pos: torch.Tensor               # [Bb] int64 positions (read by the graph)
+    ents: torch.Tensor              # [Bb] int64 the new tokens' entries of the flat table (the scatter's index)
+    rows: torch.Tensor              # [Bb] int32 block-table rows (the gather's index)
+    pages: torch.Tensor             # [Bb] int32 the new tokens' page ids
+    staging: _Staging               # the host side of the one copy
+    zeros: list                     # padding: kv_len 0, the padding slot, row and table entry, Bb of each
+    pad_slots: list
+    pad_rows: list
+    pad_ents: list
+    fmt: dict = field(default_factory=dict)   # batch size -> the struct format of the runner's part of the copy
+    graph: object = None            # the captured CUDA graph; None before the capture, False if it failed
+    out: torch.Tensor | None = None  # the graph's output tensor
+    staged: list | None = None      # the plan's arrays in the last copy (those unchanged since are not copied)
+
+
 class DecodeRunner:
     """Decode steps of ``model`` over ``cache`` with one CUDA graph per batch bucket.
 
@@ -135,7 +163,7 @@ class DecodeRunner:
         self._free_rows = list(range(B - 1, -1, -1))
         # seq_id -> [row, the cache's sequence record, tokens whose pages the row holds] (a list: updated in place)
         self._rows: dict = {}
-        self._graphs: dict = {}   # bucket -> (graph or None, attention, static step, output)
+        self._graphs: dict[int, _Bucket] = {}   # bucket size -> its graph, attention, static step, buffers
         self._pool = None
         self.stats = dict(graph_steps=0, eager_steps=0, captures=0, row_fills=0)
         self.last_step: MLAStep | None = None  # the step step() ran last (its plans name the backends)
@@ -263,45 +291,45 @@ class DecodeRunner:
             rows.append(ent[0])
             ent[2] = p + 1
         g = self._bucket(Bb)
-        attn, st, pad = g["attn"], g["step"], Bb - B
+        attn, st, pad = g.attn, g.step, Bb - B
         kv_len = [p + 1 for p in prefix]
         if pad:
-            kv_len += g["zeros"][:pad]
+            kv_len += g.zeros[:pad]
         sink: list = []   # the attention plan's (values, capacity) segments, staged below with the runner's own
-        fast = g["fast"]
+        fast = g.fast
         if fast:  # (a captured bucket's plan object stays: its graph holds the launch configuration)
-            attn.replan_rows(kv_len, sink, fixed=bool(g["graph"]))
+            attn.replan_rows(kv_len, sink, fixed=bool(g.graph))
         # The staging buffer (see _bucket): int64 positions, slots, table entries; int32 rows, page ids; the plan's
         # arrays. Padding rows: position 0, the padding slot, the padding row; their table entries rewrite the
         # padding row's first entry with 0 (what it holds).
         ents = [r * W + p // ps for r, p in zip(rows, prefix)]
         pages = [x // ps for x in slots]
         if pad:
-            slots, rows, ents = slots + g["pad_slots"][:pad], rows + g["pad_rows"][:pad], ents + g["pad_ents"][:pad]
-        fmt = g["fmt"].get(B)
+            slots, rows, ents = slots + g.pad_slots[:pad], rows + g.pad_rows[:pad], ents + g.pad_ents[:pad]
+        fmt = g.fmt.get(B)
         if fmt is None:  # the runner's part of the struct format, per batch size (padding: zero bytes)
-            fmt = g["fmt"][B] = f"={B}q{8 * pad}x{2 * Bb}q{Bb}i{B}i{4 * pad}x"
+            fmt = g.fmt[B] = f"={B}q{8 * pad}x{2 * Bb}q{Bb}i{B}i{4 * pad}x"
         # The plan's arrays: those up to the last one that changed since this bucket's last copy (its buffers hold
         # the rest; the backends put the ones that change every step first). The same list object, or a short
         # equal one, is the same array: the schedules' lists are never changed once made.
-        prev, n = g["staged"], len(sink)
+        prev, n = g.staged, len(sink)
         if prev is not None and len(prev) == n:
             while n and (sink[n - 1][0] is prev[n - 1] or (len(prev[n - 1]) < 4 and sink[n - 1][0] == prev[n - 1])):
                 n -= 1
         fmt, vals = pack_ints(sink[:n], "i", [fmt], [*prefix, *slots, *ents, *rows, *pages])
-        g["staged"] = None  # (until the copy below was made)
-        g["staging"].copy("".join(fmt), vals)
-        g["staged"] = [v for v, _ in sink]
+        g.staged = None  # (until the copy below was made)
+        g.staging.copy("".join(fmt), vals)
+        g.staged = [v for v, _ in sink]
         # Each new token's page goes into its row (the same page again while a page fills up; a new one at a page
         # boundary; the copy when a shared last page was unshared), then the bucket's rows into its table.
-        self._table_flat.scatter_(0, g["ents"], g["pages"])
-        torch.index_select(self.table, 0, g["rows"], out=g["block_table"])
+        self._table_flat.scatter_(0, g.ents, g.pages)
+        torch.index_select(self.table, 0, g.rows, out=g.block_table)
         if not fast:
-            self._plan_attention(attn, g["block_table"], kv_len)
+            self._plan_attention(attn, g.block_table, kv_len)
         st.seq_ids, st.num_tokens, st.prefix_lens = list(ids), [1] * B, list(prefix)
         st.reserved, st.committed, st.forks = True, False, self.cache.fork_count
         st.undo = lambda: self._rewind(ids, prefix)
-        if g["graph"] is None and self.use_cuda_graph:
+        if g.graph is None and self.use_cuda_graph:
             self._capture(g)
         return st
 
@@ -312,7 +340,7 @@ class DecodeRunner:
         attn.plan_layout(lay, H, cache.head_dim_ckv, cache.head_dim_kpe, True, cfg.sm_scale, self.attn_dtype,
                          cache.format.name)
 
-    def _bucket(self, Bb: int) -> dict:
+    def _bucket(self, Bb: int) -> _Bucket:
         """The bucket's attention, static step and buffers (made on its first step). Its staging buffer, int32 on
         the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), the
         new tokens' table entries [Bb] as int64 (the scatter's index), int32 block-table rows [Bb] (the gather's
@@ -342,24 +370,23 @@ class DecodeRunner:
         st = MLAStep(cache, [], [], [], stage[2 * Bb: 4 * Bb].view(torch.int64), None, None, self.attn_dtype, None,
                      torch.arange(Bb, device=dev), None, None, None, attn, m.rope, m.backend, fused=m.fused)
         W = self.width
-        g = self._graphs[Bb] = dict(
-            graph=None, attn=attn, step=st, out=None, bucket=Bb, block_table=table, dev=stage, fast=buf is not None,
+        g = self._graphs[Bb] = _Bucket(
+            size=Bb, attn=attn, step=st, block_table=table, dev=stage, fast=buf is not None,
             pos=stage[: 2 * Bb].view(torch.int64), ents=stage[4 * Bb: 6 * Bb].view(torch.int64),
-            rows=stage[6 * Bb: 7 * Bb], pages=stage[7 * Bb: 8 * Bb], fmt={}, zeros=[0] * Bb,
-            pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb,
-            staging=_Staging(stage), staged=None)
+            rows=stage[6 * Bb: 7 * Bb], pages=stage[7 * Bb: 8 * Bb], staging=_Staging(stage), zeros=[0] * Bb,
+            pad_slots=[self.pad_slot] * Bb, pad_rows=[self.pad_row] * Bb, pad_ents=[self.pad_row * W] * Bb)
         return g
 
-    def _run_bucket(self, g: dict) -> torch.Tensor:
+    def _run_bucket(self, g: _Bucket) -> torch.Tensor:
         """The bucket's step on the static tensors: what the graph holds."""
-        Bb, st, m = g["bucket"], g["step"], self.model
-        st.cos, st.sin = m.rope.cos_sin(g["pos"])
+        Bb, st, m = g.size, g.step, self.model
+        st.cos, st.sin = m.rope.cos_sin(g.pos)
         y = self.x[:Bb]
         for blk in m.layers:
             y = blk(y, st)
         return y
 
-    def _capture(self, g: dict) -> None:
+    def _capture(self, g: _Bucket) -> None:
         """Capture the bucket's step. If capture fails, the bucket runs its padded step eagerly from then on and
         ``stats["capture_error"]`` says why (a warning too): slower, never wrong."""
         import warnings
@@ -374,15 +401,15 @@ class DecodeRunner:
         try:
             # thread_local: the NCCL watchdog thread's event queries (tensor parallel) must not void the capture.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
-                g["out"] = self._run_bucket(g)
+                g.out = self._run_bucket(g)
         except Exception as e:  # noqa: BLE001 - any capture failure: run this bucket eagerly, say why
             torch.cuda.synchronize(self.device)
-            g["graph"], g["out"] = False, None
-            self.stats["capture_error"] = f"bucket {g['bucket']}: {type(e).__name__}: {e}"
+            g.graph, g.out = False, None
+            self.stats["capture_error"] = f"bucket {g.size}: {type(e).__name__}: {e}"
             warnings.warn(f"DecodeRunner: CUDA-graph capture failed, running eagerly: {self.stats['capture_error']}",
                           RuntimeWarning, stacklevel=3)
             return
-        g["graph"] = graph
+        g.graph = graph
         self.stats["captures"] += 1
 
     def forward(self, x: torch.Tensor, st: MLAStep) -> torch.Tensor:
@@ -399,9 +426,9 @@ class DecodeRunner:
         self.x[:B].copy_(x)
         self.x[B:Bb].zero_()
         with torch.no_grad():
-            if g["graph"]:
-                g["graph"].replay()
-                out = g["out"]
+            if g.graph:
+                g.graph.replay()
+                out = g.out
                 self.stats["graph_steps"] += 1
             else:
                 out = self._run_bucket(g)
