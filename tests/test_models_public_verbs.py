@@ -84,3 +84,23 @@ def test_cache_verbs_the_models_use():
     cache.add_sequence(a)
     assert cache.seq_state(a) is not first             # a new life of the id: a new state
     assert cache.id_list(range(3)) == [0, 1, 2] and cache.id_list(5) == [5]
+
+
+def private_imports_from_below(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each private name (``_x``) that a models/ module imports from a module outside models/
+    (a lower layer: kernels, cache, attention ...); names shared between models/ modules are theirs to keep."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.level != 1 or node.module is None):
+            out += [(node.lineno, a.name) for a in node.names if _private(a.name)]
+    return out
+
+
+def test_models_import_no_private_names_from_lower_layers():
+    assert private_imports_from_below("from ..kernels.quant_append import E4M3, _store\nfrom .deepseek import _rope\n"
+                                      "from fp8mla.cache import _x\n") == [(1, "_store"), (3, "_x")]
+    bad = []
+    for path in sorted(glob.glob(os.path.join(MODELS, "*.py"))):
+        with open(path) as f:
+            bad += [f"{os.path.basename(path)}:{line}: {name}" for line, name in private_imports_from_below(f.read())]
+    assert not bad, "private names imported from below models/ (give them a public name there):\n" + "\n".join(bad)

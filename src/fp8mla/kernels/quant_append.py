@@ -25,7 +25,7 @@ import triton.language as tl
 
 # storage kinds
 BF16, FP16, E4M3, E5M2 = 0, 1, 2, 3
-_KIND = {torch.bfloat16: BF16, torch.float16: FP16, torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
+STORAGE_KIND = {torch.bfloat16: BF16, torch.float16: FP16, torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 # how a per-tensor scale is applied (torch skips the division when the scale is exactly 1)
 NO_SCALE, DIVIDE = 0, 1
 
@@ -67,7 +67,8 @@ def f32_to_fp8_bits(x, E4M3_: tl.constexpr):
 
 
 @triton.jit
-def _store(ptr, y, mask, KIND: tl.constexpr, SOFT_CVT: tl.constexpr):
+def store_kv(ptr, y, mask, KIND: tl.constexpr, SOFT_CVT: tl.constexpr):
+    """Store fp32 ``y`` (already saturated) as the pool's storage kind ``KIND`` (exact bits under ``SOFT_CVT``)."""
     # ``ptr`` points at uint8 (fp8) or int16 (bf16) views of the pool under SOFT_CVT, else at the pool's dtype.
     if SOFT_CVT and KIND == 0:
         tl.store(ptr, f32_to_bf16_bits(y), mask=mask)
@@ -78,7 +79,8 @@ def _store(ptr, y, mask, KIND: tl.constexpr, SOFT_CVT: tl.constexpr):
 
 
 @triton.jit
-def _scale_sat(x, s, HOW: tl.constexpr, MAXV: tl.constexpr):
+def scale_saturate(x, s, HOW: tl.constexpr, MAXV: tl.constexpr):
+    """``x / s`` (``HOW == DIVIDE``; ``x`` as is for ``NO_SCALE``) clamped to +-``MAXV``."""
     if HOW == 1:
         x = tl.math.div_rn(x, s)
     # Saturate (16-bit formats too: fp16 past 65504 would become inf); comparisons keep NaN, which
@@ -118,24 +120,24 @@ def _quant_append_kernel(
         gs = tl.where(gs > 0, gs, 1.0)
         y = tl.math.div_rn(x, gs[:, :, None])
         y = tl.where(y > MAXV, MAXV, tl.where(y < -MAXV, -MAXV, y))
-        _store(rows_ptr + slot[:, None, None] * stride_row + col, y, m3, KIND, SOFT_CVT)
+        store_kv(rows_ptr + slot[:, None, None] * stride_row + col, y, m3, KIND, SOFT_CVT)
         gm = tmask[:, None] & (g[None, :] < GROUPS)
         tl.store(scale_ptr + slot[:, None] * stride_scale + g[None, :], gs, mask=gm)
     else:
         dc = tl.arange(0, BLOCK_DC)
         m = tmask[:, None] & (dc[None, :] < DC)
         x = tl.load(ckv_ptr + t64[:, None] * stride_ckv + dc[None, :], mask=m, other=0.0).to(tl.float32)
-        y = _scale_sat(x, ckv_s, CKV_HOW, MAXV)
-        _store(rows_ptr + slot[:, None] * stride_row + dc[None, :], y, m, KIND, SOFT_CVT)
+        y = scale_saturate(x, ckv_s, CKV_HOW, MAXV)
+        store_kv(rows_ptr + slot[:, None] * stride_row + dc[None, :], y, m, KIND, SOFT_CVT)
 
     dk = tl.arange(0, BLOCK_DK)
     m = tmask[:, None] & (dk[None, :] < DK)
     x = tl.load(kpe_ptr + t64[:, None] * stride_kpe + dk[None, :], mask=m, other=0.0).to(tl.float32)
-    y = _scale_sat(x, kpe_s, KPE_HOW, MAXV)
-    _store(rows_ptr + slot[:, None] * stride_row + DC + dk[None, :], y, m, KIND, SOFT_CVT)
+    y = scale_saturate(x, kpe_s, KPE_HOW, MAXV)
+    store_kv(rows_ptr + slot[:, None] * stride_row + DC + dk[None, :], y, m, KIND, SOFT_CVT)
 
 
-def _how(scale: float) -> tuple[int, float]:
+def tensor_scale_rule(scale: float) -> tuple[int, float]:
     """How ``formats.KVFormat.quantize`` applies a per-tensor scale, and the fp32 divisor it uses."""
     if scale == 1.0:
         return NO_SCALE, 1.0
@@ -162,7 +164,7 @@ def quant_append(pool_rows: torch.Tensor, scale_rows: torch.Tensor | None, slot_
     assert pool_rows.dim() == 2 and pool_rows.shape[1] == Dc + Dk and pool_rows.stride(-1) == 1
     if T == 0:
         return
-    kind = _KIND[fmt.storage_dtype]
+    kind = STORAGE_KIND[fmt.storage_dtype]
     if c_kv.stride(-1) != 1:
         c_kv = c_kv.contiguous()
     if k_pe.stride(-1) != 1:
@@ -176,8 +178,8 @@ def quant_append(pool_rows: torch.Tensor, scale_rows: torch.Tensor | None, slot_
     if groups:
         assert scale_rows is not None and scale_rows.shape[1] == groups and scale_rows.stride(-1) == 1
     fp8 = kind >= E4M3
-    ckv_how, ckv_s = _how(ckv_scale) if fp8 and not groups else (NO_SCALE, 1.0)
-    kpe_how, kpe_s = _how(kpe_scale) if fp8 else (NO_SCALE, 1.0)
+    ckv_how, ckv_s = tensor_scale_rule(ckv_scale) if fp8 and not groups else (NO_SCALE, 1.0)
+    kpe_how, kpe_s = tensor_scale_rule(kpe_scale) if fp8 else (NO_SCALE, 1.0)
     max_s = float(fmt.max_value)  # group scale = div_rn(amax, max)
     BLOCK_DC, BLOCK_DK = triton.next_power_of_2(Dc), triton.next_power_of_2(Dk)
     if block_t is None:  # ~4K elements of c_kv per program

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.quant_append import BF16 as KV_BF16, E4M3, E5M2, _KIND, _how, _scale_sat, _store, f32_to_bf16_bits
+from ..kernels.quant_append import (BF16 as KV_BF16, E4M3, E5M2, STORAGE_KIND, f32_to_bf16_bits, scale_saturate,
+                                     store_kv, tensor_scale_rule)
 
 __all__ = ["rms_norm", "kv_norm_rope_write", "q_rope", "supports_kv_format"]
 
@@ -81,7 +82,7 @@ def _kv_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, rows_ptr,
     r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / DC + eps)
     w = tl.load(w_ptr + dc, mask=m, other=0.0).to(tl.float32)
     c = _round(w * _round(x * r, MODEL), MODEL)
-    _store(rows_ptr + slot * stride_row + dc, _scale_sat(c, ckv_s, CKV_HOW, MAXV), m, KIND, SOFT_CVT)
+    store_kv(rows_ptr + slot * stride_row + dc, scale_saturate(c, ckv_s, CKV_HOW, MAXV), m, KIND, SOFT_CVT)
 
     j = tl.arange(0, BLOCK_H)
     slot_h = tl.load(slot_ptr + t + j * 0).to(tl.int64)
@@ -93,8 +94,8 @@ def _kv_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, rows_ptr,
     o1 = _round(x1 * co - x2 * si, MODEL)
     o2 = _round(x2 * co + x1 * si, MODEL)
     live = mh & (slot_h >= 0)
-    _store(row + DC + j, _scale_sat(o1, kpe_s, KPE_HOW, MAXV), live, KIND, SOFT_CVT)
-    _store(row + DC + HALF + j, _scale_sat(o2, kpe_s, KPE_HOW, MAXV), live, KIND, SOFT_CVT)
+    store_kv(row + DC + j, scale_saturate(o1, kpe_s, KPE_HOW, MAXV), live, KIND, SOFT_CVT)
+    store_kv(row + DC + HALF + j, scale_saturate(o2, kpe_s, KPE_HOW, MAXV), live, KIND, SOFT_CVT)
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def kv_norm_rope_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
         raise ValueError(f"kv_format: {fmt.name!r} has group scales; the fused write takes per-tensor formats")
     if T == 0:
         return
-    kind = _KIND[fmt.storage_dtype]
+    kind = STORAGE_KIND[fmt.storage_dtype]
     soft = _soft_cvt()
     rows = pool_rows  # the interpreter's casts do not round to nearest: store bits through integer views
     if soft and kind == KV_BF16:
@@ -170,8 +171,8 @@ def kv_norm_rope_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     elif soft and kind in (E4M3, E5M2):
         rows = pool_rows.view(torch.uint8)
     fp8 = kind in (E4M3, E5M2)
-    ckv_how, ckv_s = _how(ckv_scale) if fp8 else (0, 1.0)
-    kpe_how, kpe_s = _how(kpe_scale) if fp8 else (0, 1.0)
+    ckv_how, ckv_s = tensor_scale_rule(ckv_scale) if fp8 else (0, 1.0)
+    kpe_how, kpe_s = tensor_scale_rule(kpe_scale) if fp8 else (0, 1.0)
     _kv_kernel[(T,)](kv, norm_weight, cos, sin, slots, rows, kv.stride(0), cos.stride(0), rows.stride(0),
                      float(eps), ckv_s, kpe_s, DC=Dc, BLOCK_DC=_pow2(Dc), HALF=half, BLOCK_H=_pow2(half),
                      MODEL=_ROUND[kv.dtype], INTERLEAVE=bool(interleave), MAXV=float(fmt.max_value), KIND=kind,
