@@ -16,7 +16,7 @@ import torch
 
 from . import backends
 from ._checks import as_int, check_int, check_positive_int, check_tensor, plain_number
-from ._scales import MAX_SM_SCALE, Q_DTYPES, DeviceScales, check_q_dtype, check_scale, check_sm_scale  # noqa: F401
+from ._scales import DeviceScales, check_q_dtype, check_scale, check_sm_scale
 from .backends import AttentionSpec, PlanState
 from .backends._invariant import GLUON_AUTO, check_chunk
 from .backends.select import Refusal, dense_question, qo_range, refusal_error, select, without_gluon

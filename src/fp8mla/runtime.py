@@ -27,7 +27,7 @@ def _triton_importable() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")   # (importing it is the probe)
     except Exception:  # a broken install must not break the torch path
         return False
     return True
@@ -38,8 +38,8 @@ def _gluon_importable() -> bool:
     if not _triton_importable():
         return False
     try:
-        from triton.experimental import gluon  # noqa: F401
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+        importlib.import_module("triton.experimental.gluon")   # (importing them is the probe)
+        importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
     except Exception:
         return False
     return True

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import ArgumentTypeError, check_positive_int, check_tensor
-from .attention import MAX_SM_SCALE, Q_DTYPES
+from ._scales import MAX_SM_SCALE, Q_DTYPES
 from .backends._invariant import V4_INVARIANT_CHUNK, check_chunk
 from .formats_v4 import HEAD_DIM, V4Format, get_v4_format, pool_geometry
 from .layout import debug_checks
@@ -299,7 +299,8 @@ def _invariant_chunk(batch_invariant, invariant_chunk, backend: str) -> int | No
         raise ValueError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
     if not batch_invariant:
         if invariant_chunk is not None:
-            raise ValueError("invariant_chunk: an option of the batch-invariant mode; pass batch_invariant=True with it")
+            raise ValueError("invariant_chunk: an option of the batch-invariant mode; pass batch_invariant=True "
+                             "with it")
         return None
     if backend != "auto" and backend not in INVARIANT_BACKENDS:
         raise ValueError(f"batch_invariant: backend {backend!r} does not cut a row by the row alone; use one of "

@@ -50,7 +50,7 @@ def measure_ceilings(device="cuda", read_gb: float = 4.0, reps: int = 20) -> Cei
     torch.sum(x, dtype=torch.float32)
     t_read = statistics.median(events_ms(lambda: torch.sum(x, dtype=torch.float32), reps))
     nbytes = x.numel() * 2
-    del x
+    x = None   # (frees the memory: closures above read these names, so no del)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     for _ in range(3):

@@ -36,7 +36,8 @@ def add_arguments(p):
                    choices=["flashinfer", "flashmla", "gather_cast", "torch", "fp8_math", "wide_heads", "graph"],
                    help="also time: flashinfer (fa3, fa2 on the same pool), flashmla (FlashMLA's BF16 decode on a BF16 "
                         "copy of the pool and its FP8 path with Q quantized, vLLM's FLASHMLA; with --sparse its "
-                        "sparse decode, with --v4 its V4 sparse decode on fp8_v4: fp8mla.bench.flashmla), gather_cast, torch, fp8_math (the gluon "
+                        "sparse decode, with --v4 its V4 sparse decode on fp8_v4: fp8mla.bench.flashmla), "
+                        "gather_cast, torch, fp8_math (the gluon "
                         "kernel's opt-in FP8 tensor-core math), wide_heads (both builds of the gluon kernel at 33-128 "
                         "heads, heads-on-M and wide, whichever the default picked), graph (the gluon kernel in a "
                         "CUDA-graph wrapper of 256 request slots, the engines' launch: each build that takes the "
@@ -104,7 +105,6 @@ def _why(e: Exception, head: int = 200, tail: int = 400) -> str:
 
 
 def _flashinfer_runner(backend, plan_args, H, kv_dtype, q_nope, q_pe, ckv, kpe, out, lse):
-    import flashinfer  # noqa: F401 - imported here: optional
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
     a = plan_args
     w = BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.int8, device=q_nope.device),
@@ -184,7 +184,8 @@ def main(args) -> int:
                     runners = {}
                     for vname, opts in variants.items():
                         name = "fp8mla" if vname == "default" else f"fp8mla[{vname}]"
-                        attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)  # the portable kernel
+                        # the portable kernel
+                        attn = MLAPagedAttention(backend="triton", strategy=args.strategy, **opts)
                         attn.plan(**plan_args, num_heads=H, kv_data_type=fmt_name)
                         runners[name] = (lambda a=attn: a.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **sk))
                     if "gluon" in fp8mla_backends(device):  # the Hopper kernel, where its supports() takes the plan
@@ -277,7 +278,7 @@ def main(args) -> int:
                         print(f"{name:22s} {fmt_name:9s} H{H:<3d} B{B:<3d} L{L:<6d} page{page:<3d} "
                               f"{ms:8.4f} ms {row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s "
                               f"{row['pct_floor']:5.1f}% floor  err {err:.2e} {res}", flush=True)
-                    del pool, ckv, kpe
+                    pool = ckv = kpe = None   # (frees the memory: closures above read these names, so no del)
                     torch.cuda.empty_cache()
                     _ = t0
     path = os.path.join(args.out, "decode.csv")

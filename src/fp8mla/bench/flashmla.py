@@ -17,6 +17,8 @@ Each runner writes ``[B, H, 512]`` into ``out`` (a view), so the bench's error c
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 DC, DK = 512, 64
@@ -26,8 +28,8 @@ PAGE = 64
 def load_ops():
     """``(ops, ext)``: ``torch.ops._flashmla_C`` and ``torch.ops._flashmla_extension_C``, or a str saying why not."""
     try:
-        import vllm._flashmla_C  # noqa: F401 - registers the ops
-        import vllm._flashmla_extension_C  # noqa: F401
+        importlib.import_module("vllm._flashmla_C")   # (importing them registers the ops)
+        importlib.import_module("vllm._flashmla_extension_C")
     except Exception as e:  # noqa: BLE001 - any import failure: the rows are skipped, by name
         return (f"FlashMLA's ops do not import ({type(e).__name__}: {e}); install vLLM, or fetch them with "
                 "../shared/tools/flashmla-ops and run with PYTHONPATH=.fmla")

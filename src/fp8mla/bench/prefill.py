@@ -138,7 +138,7 @@ def _extend_rows(args, ceil, device):
             rows.append(row)
             print(f"{row['kernel']:18s} {fmt_name:9s} H{H} B{B} qo{Q} kv{L} page{page}: {ms:8.3f} ms "
                   f"{row['tflops']:6.1f} TFLOP/s {row['pct_matmul']:5.1f}% of matmul  err {err:.2e}", flush=True)
-        del pool, ckv, kpe
+        pool = ckv = kpe = None   # (frees the memory: closures above read these names, so no del)
         torch.cuda.empty_cache()
     return rows
 

@@ -293,10 +293,11 @@ def main(args) -> int:
         print("fp8mla bench step: needs a CUDA device (torch.cuda.is_available() is False). "
               "On a CPU, `fp8mla demo` runs the same scenario at a small size.", file=sys.stderr)
         return 2
-    from .common import cpu_time_ms, environment, measure_ceilings, time_ms
+    from .common import cpu_time_ms, environment, measure_ceilings, time_ms as gpu_time_ms
+    time_ms = gpu_time_ms
     if dry:
         print("DRY RUN on the CPU: checks the benchmark's plumbing; the times are not a benchmark")
-        time_ms, args.cuda_graph, args.ceilings = cpu_time_ms, False, False  # noqa: F811
+        time_ms, args.cuda_graph, args.ceilings = cpu_time_ms, False, False
     scale = SCALES[args.scale]
     layers = args.layers or scale.layers
     env = environment()

@@ -53,8 +53,9 @@ def _segment_pool(B, L, page, fmt, device, g):
 
 
 def _print_row(row: dict) -> None:
-    print(f"{row['kernel']:20s} {row['kv']:8s} H{row['H']:<3d} B{row['B']:<3d} L{row['L']:<6d} window{row['window']:<4d} "
-          f"topk{row['topk']:<5d} page{row['page']:<3d} splits {row['splits']:<3d} {row['ms']:8.4f} ms "
+    print(f"{row['kernel']:20s} {row['kv']:8s} H{row['H']:<3d} B{row['B']:<3d} L{row['L']:<6d} "
+          f"window{row['window']:<4d} topk{row['topk']:<5d} page{row['page']:<3d} splits {row['splits']:<3d} "
+          f"{row['ms']:8.4f} ms "
           f"{row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TFLOP/s {row['pct_floor']:5.1f}% floor  "
           f"err {row['rel_l2']:.2e}", flush=True)
 
@@ -118,8 +119,11 @@ def main(args) -> int:
                     attn = V4SparseAttention(backend="auto")
                     attn.plan(H, sm_scale, torch.bfloat16, name, window_topk=W, window_page_size=page,
                               compressed_topk=K, compressed_page_size=page)
-                    run = lambda: attn.run(q, window, w_idx, compressed_pool=comp, compressed_indices=c_idx,  # noqa: E731
-                                           sinks=sinks, out=out, lse=lse)
+
+                    def run():
+                        return attn.run(q, window, w_idx, compressed_pool=comp, compressed_indices=c_idx,
+                                        sinks=sinks, out=out, lse=lse)
+
                     out.fill_(float("nan"))
                     run()
                     torch.cuda.synchronize()
@@ -165,7 +169,7 @@ def main(args) -> int:
                                              gbps=nbytes / fm_ms / 1e6, tflops=flops / fm_ms / 1e9,
                                              pct_floor=100 * floor / fm_ms, rel_l2=fm_err))
                             _print_row(rows[-1])
-                    del window, comp
+                    window = comp = None   # (frees the memory: closures above read these names, so no del)
                     torch.cuda.empty_cache()
     path = os.path.join(args.out, "decode_v4.csv")
     with open(path, "w", newline="") as f:

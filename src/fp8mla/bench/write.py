@@ -87,7 +87,7 @@ def _append_rows(args, copy_bw, read_bw, device):
                 continue
             rows.append(_row("append", name, fmt_name, T, nbytes, ms, copy_bw, read_bw))
             _print(rows[-1])
-        del cache
+        cache = None   # (frees the memory: closures above read these names, so no del)
         torch.cuda.empty_cache()
     return rows
 
@@ -138,7 +138,7 @@ def _gather_rows(args, copy_bw, read_bw, device):
                  P * page * (fmt.bytes_per_token(DC, DK) + (DC + DK) * 2), ms, copy_bw, read_bw)
         rows.append(r)
         _print(r)
-        del pool, ckv, kpe
+        pool = ckv = kpe = None   # (frees the memory: closures above read these names, so no del)
         torch.cuda.empty_cache()
     return rows
 
