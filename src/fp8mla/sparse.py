@@ -180,8 +180,9 @@ class MLASparseAttention:
         Args:
             q_nope: ``[n, H, 512]``, q_pe: ``[n, H, 64]`` in the planned query dtype (absorbed queries).
             kv_cache: the layer's pool. ``fp8_ds_mla``: uint8 ``[P, page_size, 656]`` (or FlashMLA's
-                ``[P, page_size, 1, 656]``; the bytes may be typed float8_e4m3fn, as FlashMLA's tests do). Other formats: ``[P, page_size, 576]`` of the storage dtype
-                (c_kv | k_pe), or ``ckv_cache [P, page_size, 512]`` with ``kpe_cache`` given.
+                ``[P, page_size, 1, 656]``; the bytes may be typed float8_e4m3fn, as FlashMLA's tests do). Other
+                formats: ``[P, page_size, 576]`` of the storage dtype (c_kv | k_pe), or ``ckv_cache [P, page_size,
+                512]`` with ``kpe_cache`` given.
             indices: int32 ``[n, topk]`` global token slots ``page * page_size + offset``; -1 = no token.
                 Entries outside ``[0, P * page_size)`` are skipped like -1 (``FP8MLA_CHECK=1`` raises instead).
             out: ``[n, H, 512]`` query dtype, written in place; lse: ``[n, H]`` fp32.

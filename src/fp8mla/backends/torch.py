@@ -187,7 +187,8 @@ class TorchPlan:
 class InvariantTorchPlan(TorchPlan):
     """The batch-invariant mode: each request alone, its KV cut in chunks by ``kernels.split.chunk_bounds`` (its own
     length and the chunk size), each chunk's (o, lse) merged in chunk order (``kernels.split.merge_chunks``). Every
-    torch op sees shapes that follow the request only (a batched or padded matmul may block its reduction by the batch's shape)."""
+    torch op sees shapes that follow the request only (a batched or padded matmul may block its reduction by the
+    batch's shape)."""
 
     def __init__(self, layout, spec, chunk: int):
         self.spec, self.layout, self.chunk = spec, layout, chunk

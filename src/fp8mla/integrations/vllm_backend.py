@@ -167,9 +167,9 @@ class FP8MLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
                       query_start_loc_device, num_decode_tokens, max_query_len=None, dcp_tot_seq_lens_device=None):
         # vLLM passes every argument by keyword; max_query_len only from 0.31 (RELEASE), and decode rows are
         # single tokens here whatever it says (query_len_support SINGLE_ONLY).
-        _plan(self._wrapper(block_table_tensor), block_table_tensor, seq_lens_device, query_start_loc_cpu, self.page_size,
-              self._num_heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim, self._sm_scale,
-              self._q_dtype, self._kv_dtype)
+        _plan(self._wrapper(block_table_tensor), block_table_tensor, seq_lens_device, query_start_loc_cpu,
+              self.page_size, self._num_heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim,
+              self._sm_scale, self._q_dtype, self._kv_dtype)
         STATS.plans += 1
         return FP8MLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                     dcp_tot_seq_lens=dcp_tot_seq_lens_device, attn=self._attn)

@@ -471,13 +471,13 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale_arr, scales, out, l
     part_lse ``[items, max_rows]`` fp32; the index/work arrays are int32 device tensors (see the plan);
     ``num_items`` and ``batch_size`` are 1-element int32 device tensors so a captured graph can be re-planned.
     ``out``, ``lse`` and ``ckv_scale_arr`` may have any strides (a transposed ``lse`` is fine).
-    ``q_split``: bf16 MMAs (kv_mode 1) with an fp16 query: the query is split into two bf16 parts (ignored in the
-    other modes, which run fp16 MMAs). ``v_convert``: ``"plain"`` or ``"asm"`` (V converted by inline PTX in
-    128-column chunks: no byte-wise shared loads; the portable path); None picks :func:`default_config`'s for
-    the device (plain on sm_90 and the interpreter, asm elsewhere). ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2 bits; an FP8
-    pool on a GPU older than sm_89 (where Triton has no FP8 type) is viewed as uint8 automatically.
-    Page ids outside ``[0, P)`` are never read: the request's rows come out NaN. ``invariant_merge``: every
-    request's partials merged by the sequential formula with fixed block sizes (the batch-invariant mode).
+    ``q_split``: bf16 MMAs (kv_mode 1) with an fp16 query: the query is split into two bf16 parts (ignored in the other
+    modes, which run fp16 MMAs). ``v_convert``: ``"plain"`` or ``"asm"`` (V converted by inline PTX in 128-column
+    chunks: no byte-wise shared loads; the portable path); None picks :func:`default_config`'s for the device (plain on
+    sm_90 and the interpreter, asm elsewhere). ``raw_fp8``: 1 / 2 when the FP8 pool comes as uint8 holding e4m3 / e5m2
+    bits; an FP8 pool on a GPU older than sm_89 (where Triton has no FP8 type) is viewed as uint8 automatically. Page
+    ids outside ``[0, P)`` are never read: the request's rows come out NaN. ``invariant_merge``: every request's
+    partials merged by the sequential formula with fixed block sizes (the batch-invariant mode).
     """
     P, page, Dc = ckv_cache.shape
     Dk = kpe_cache.shape[-1]

@@ -345,7 +345,8 @@ class DecodeRunner:
         the device, filled by one copy per step: positions [Bb] and slots [Bb] as int64 (read by the graph), the
         new tokens' table entries [Bb] as int64 (the scatter's index), int32 block-table rows [Bb] (the gather's
         index) and page ids [Bb], then, with CUDA-graph buffers, the attention plan's own small arrays (its buffers
-        are views of this one, see ``backends._graph.GraphBuffers.rebase``), so that the plan costs no copy of its own."""
+        are views of this one, see ``backends._graph.GraphBuffers.rebase``), so that the plan costs no copy of its
+        own."""
         g = self._graphs.get(Bb)
         if g is not None:
             return g

@@ -41,13 +41,13 @@ def aligned_pieces(tiles: list[int], num_ctas: int, min_tiles: int, slack: int =
     whatever its size; an empty request one CTA for its empty item), each piece ``[j * n_b // k_b, (j + 1) * n_b
     // k_b)`` its own CTA: one work item per CTA, and a request whose share is one CTA is not split at all (no
     partial, no merge). Taken when the pieces fit ``num_ctas`` and the largest piece is at most ``ALIGNED_SLACK``
-    tiles (``slack``) over the contiguous cut's share ``ceil(T / G)``, which splits requests wherever CTA boundaries fall
-    (CTAs then run two or more items). The equal-length shapes of the benchmarks fit (B8 L8k on 132 CTAs: 16 pieces
-    of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request boundaries); equal
-    lengths whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of
-    17), nor do more non-empty requests than CTAs. An empty request (a padding row of a CUDA-graph bucket) takes
-    no CTA: its empty item runs in the CTA of the next piece (the last CTA after the last piece; ``aligned_lists``).
-    ``tile_items_device`` computes the same on the device, ``tile_items_host`` on the host."""
+    tiles (``slack``) over the contiguous cut's share ``ceil(T / G)``, which splits requests wherever CTA boundaries
+    fall (CTAs then run two or more items). The equal-length shapes of the benchmarks fit (B8 L8k on 132 CTAs: 16 pieces
+    of 8 tiles per request, where the contiguous cut gives 7.76 tiles per CTA across request boundaries); equal lengths
+    whose share rounds badly do not (17 requests of 128 tiles on 132 CTAs: 7 pieces of 19 against a share of 17), nor do
+    more non-empty requests than CTAs. An empty request (a padding row of a CUDA-graph bucket) takes no CTA: its empty
+    item runs in the CTA of the next piece (the last CTA after the last piece; ``aligned_lists``). ``tile_items_device``
+    computes the same on the device, ``tile_items_host`` on the host."""
     B, T = len(tiles), sum(tiles)
     if B == 0 or sum(1 for n in tiles if n) > num_ctas:
         return None
