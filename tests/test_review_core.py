@@ -329,7 +329,7 @@ def test_fp8_math_is_refused_not_ignored():
 def test_fp8_math_refusal_is_not_kept_by_a_graph_wrapper(monkeypatch):
     """A CUDA-graph wrapper keeps its backend choice per (spec, one query per request); the key does not hold the
     query lengths gluon's support depends on (qo 0 or > 8), so a refused fp8_math plan must not be kept: a later plan
-    of the same key that gluon takes runs instead of raising (a review found the refusal cached)."""
+    of the same key that gluon takes runs instead of raising (a refusal was once kept so)."""
     import fp8mla.attention as att
     cache = fp8mla.PagedMLACache(num_layers=1, num_pages=4, page_size=16, kv_format="fp8_e4m3")
     s = cache.add_sequence(num_tokens=20)

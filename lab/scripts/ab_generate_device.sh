@@ -5,7 +5,7 @@
 # Why: generate measured 9.1-9.3k decode tok/s on 2026-12-01 06:13 and 5.7-7.5k at 22:37 after the redesign;
 # the CPU profiles of both trees are equal (lab/hostperf/README.md), so either the GPU path changed or the machine.
 # Prepare (here):  mkdir -p .old_tree && git archive f9adfa7 src | tar -x -C .old_tree
-# Device (repo root, carry [".old_tree"]):  bash lab/scripts/ab_generate_device.sh OUT     (~2-3 min)
+# Device (repo root, with .old_tree/ present):  bash lab/scripts/ab_generate_device.sh OUT     (~2-3 min)
 set -u
 out=${1:?OUT}
 mkdir -p "$out"

@@ -1,4 +1,4 @@
-"""Two consumer experiments the tile timeline pointed to (kernel log 22; written 2026-11-30 after the session's
+"""Two consumer experiments the tile timeline pointed to (kernel log 22; written 2026-11-30 after the day's
 device time was spent: NOT RUN yet):
 
   * H <= 16: two P.V chunk groups in flight instead of one (``launch(pv_in_flight=2)``): the timeline put 1.7K of

@@ -1,5 +1,5 @@
 """Decode v2 on the H200: correctness of the Gluon sm_90 kernel, then timings against the ceilings measured in the
-same run (and the Triton kernel when the package imports). One script, one device call:
+same run (and the Triton kernel when the package imports). One script, one GPU run:
 
     python scripts/decode_v2_device.py check            # correctness only (odd lengths, NaN pools, reruns)
     python scripts/decode_v2_device.py bench [--variants ns4,ns5 ...]

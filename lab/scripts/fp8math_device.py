@@ -1,4 +1,4 @@
-"""fp8_math's error budget measured on a grid (issue 11, build item 3): MLAPagedAttention(fp8_math=True) against the
+"""fp8_math's error budget measured on a grid: MLAPagedAttention(fp8_math=True) against the
 float64 reference, and the default kernel on the same batches, over NaN-poisoned shuffled pools.
 
     PYTHONPATH=$PWD/src python3 scripts/fp8math_device.py [--out DIR]

@@ -2,7 +2,7 @@
 
 The question (graph-mode ``auto``): a graph wrapper fixes its build at the first plan, so ``auto`` cannot pick by
 the lengths of later plans; at equal lengths heads-on-M was 10-14% faster in graph mode (2026-12-02, third
-session), and its request-aligned pieces can be 1.6-1.9x the contiguous share at spread lengths. This times both
+run), and its request-aligned pieces can be 1.6-1.9x the contiguous share at spread lengths. This times both
 builds on the same plans (graph wrapper of 256 slots, and plain plans for reference) over length sets an engine
 sees: equal, uniform random, log-normal, one long request among short ones. Prediction: heads-on-M stays <= 1.0x
 the wide build at equal and mildly spread lengths and loses (>1.0x) where one long request dominates a small

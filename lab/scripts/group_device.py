@@ -1,5 +1,5 @@
 """Per-token group scales in the Gluon decode kernel (``launch(scale_desc=...)``, kernel log 24 of
-docs/benchmarks.md; written 2026-12-01 without a GPU: NOT RUN yet). One device call, <= ~4 min:
+docs/benchmarks.md; written 2026-12-01 without a GPU: NOT RUN yet). One GPU run, <= ~4 min:
 
     PYTHONPATH=$PWD/src python3 scripts/group_device.py
 

@@ -1,5 +1,5 @@
 """The group build at H <= 16 on its 3-stage ring (kernel log 29: an odd ring has per-consumer ready barriers, so
-the group build takes 3 stages there instead of 2; 4 do not fit). One short device call (~1.5 min):
+the group build takes 3 stages there instead of 2; 4 do not fit). One short GPU run (~1.5 min):
 
     PYTHONPATH=$PWD/src python3 scripts/group_odd_ring_device.py
 

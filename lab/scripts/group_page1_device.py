@@ -1,5 +1,5 @@
 """Page-1 checks of the group build (kernel log 28: page ids two tiles ahead; the group build's page-1 producer is
-the same code): two of scripts/group_device.py's page-1 cases plus B4 L8192, for a short device call (~20 s):
+the same code): two of scripts/group_device.py's page-1 cases plus B4 L8192, for a short GPU run (~20 s):
 
     PYTHONPATH=$PWD/src python3 scripts/group_page1_device.py
 """

@@ -1,6 +1,6 @@
 """Why the group build is ~2x slower than the per-tensor one at H16 (2026-12-01 03:24 UTC run: B64 L8k .209 vs
 .107 ms): its ring has 2 stages there (4 do not fit shared memory with the scale tiles and four P^T tiles; 3 is odd,
-and the alternating-tile kernel's parity wait races at an odd depth, kernel log 25). One device call, ~2 min:
+and the alternating-tile kernel's parity wait races at an odd depth, kernel log 25). One GPU run, ~2 min:
 
     PYTHONPATH=$PWD/src python3 scripts/group_ring_probe.py
 

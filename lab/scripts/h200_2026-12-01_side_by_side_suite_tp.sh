@@ -8,7 +8,7 @@
 #   3. with two GPUs (nvidia-h200-x2), the grid phase on the other GPU in parallel and the model step with TP 2
 #      (scripts/step_device.sh).
 # Usage (repo root, FlashInfer and pytest-xdist wheels in .whl: ../shared/tools/flashinfer-wheels, then
-# `pip download pytest-xdist execnet hypothesis sortedcontainers attrs` for cp312 into .whl; carry [".whl"]):
+# `pip download pytest-xdist execnet hypothesis sortedcontainers attrs` for cp312 into .whl; with .whl/ present):
 #   bash scripts/h200_2026-12-01_side_by_side_suite_tp.sh OUTDIR
 set -u
 out=${1:-out/next}; mkdir -p "$out"

@@ -2,9 +2,9 @@
 # One H200 run of 2026-12-02, 17:38 UTC (<= 9.5 min):
 #   table  the decode table of docs/benchmarks.md (page 64, 16 and 128 heads, per-tensor / group / BF16 pool,
 #          FlashInfer fa3 + fa2, fp8_math) on today's tree (heads-on-M picked at 128 heads), then 64 heads beside
-#          FlashInfer (issue 27's side-by-side), then page 1 (no FlashInfer)
+#          FlashInfer (the side-by-side), then page 1 (no FlashInfer)
 #   spread heads-on-M vs wide in CUDA-graph wrappers at spread lengths (lab/scripts/graph_spread_device.py)
-# Usage (repo root; carry [".whl"]; .whl and .sgl_whl together exceed what one call carries):  bash lab/scripts/h200_2026-12-02_decode_table_graph_spread.sh "$OUT"
+# Usage (repo root, with the FlashInfer wheel in .whl/; the SGLang wheels in .sgl_whl/ do not fit beside it):  bash lab/scripts/h200_2026-12-02_decode_table_graph_spread.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

@@ -6,7 +6,7 @@
 #   grid   the grid's torch-backend cases not passed yet (DONE_IDS = lab/notebook/data/gpu_2026-12-02/grid/
 #          passed_ids.txt: 1,793 of 2,000), one part, 15 workers
 # OUT gets summary.txt, passed_ids.txt, logs.tgz.
-# Usage (repo root; carry [".whl"] for pytest-xdist):  bash lab/scripts/h200_2026-12-02_gpu_suite_one_wave_merge.sh "$OUT"
+# Usage (repo root; with .whl/ present for pytest-xdist):  bash lab/scripts/h200_2026-12-02_gpu_suite_one_wave_merge.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 run of 2026-12-02 (<= 7 min): the two-converter heads-on-M build's GPU
 # gate and A/B, the group tests the suite run's cap cut, SGLang's kit after the test fixes.
-# Usage (repo root; carry [".whl", ".sgl_whl"]):  bash lab/scripts/h200_2026-12-02_heads_on_m_conv2_gate.sh "$OUT"
+# Usage (repo root; with .whl/ and .sgl_whl/ present):  bash lab/scripts/h200_2026-12-02_heads_on_m_conv2_gate.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

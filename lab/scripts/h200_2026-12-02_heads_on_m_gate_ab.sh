@@ -9,11 +9,11 @@
 #          built in the background from the start)
 #   conv2  lab/many_heads/check_device.py: the prototype's best build vs conv2 (two converter warpgroups), float64
 #          checks then timings, beside the product's kernel
-# Usage (repo root; carry [".whl"]):  bash lab/scripts/h200_2026-12-02_heads_on_m_gate_ab.sh "$OUT"
+# Usage (repo root; with .whl/ present):  bash lab/scripts/h200_2026-12-02_heads_on_m_gate_ab.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-work=/tmp/issue27 && rm -rf "$work" && mkdir -p "$work"
+work=/tmp/heads_on_m_gate && rm -rf "$work" && mkdir -p "$work"
 total=${TOTAL_S:-470}
 t0=$(date +%s)
 export PYTHONUNBUFFERED=1

@@ -3,7 +3,7 @@
 #   lpt    lab/scripts/mh_lpt_device.py: wide / heads-on-M longest first / heads-on-M old cut / auto, plain plans
 #   tests  the heads-on-M GPU tests, the Gluon decode file, the merge grid, the longest-first schedule (xdist)
 #   sgl    SGLang's attention kit after the stored-value fix of the fresh-latents test
-# Usage (repo root; carry [".sgl_whl"], which holds the xdist wheels too):  bash lab/scripts/h200_2026-12-02_longest_first_ab.sh "$OUT"
+# Usage (repo root; with .sgl_whl/ present, which holds the xdist wheels too):  bash lab/scripts/h200_2026-12-02_longest_first_ab.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

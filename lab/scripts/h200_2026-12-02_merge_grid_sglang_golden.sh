@@ -2,11 +2,11 @@
 # One H200 run of 2026-12-02, 09:13 UTC (<= 9.5 min):
 #   merge   lab/merge_grid/device.sh: the strided/flat split merge against the product's in 256-slot CUDA-graph
 #           plans and plain plans, both Gluon builds (this also times heads-on-M against wide in graph mode)
-#   sgl     SGLang 0.5.23's attention test kit on the GPU (lab/scripts/sglang_kit_device.sh; carry .sgl_whl)
+#   sgl     SGLang 0.5.23's attention test kit on the GPU (lab/scripts/sglang_kit_device.sh; with .sgl_whl/ present)
 #   golden  python -m devtools.sass check under the device's triton (in parallel with sgl: CPU only)
 #   qmag    lab/scripts/qmag_ab_device.py (large-query error, heads-on-M vs wide vs Triton; in parallel with sgl)
 # OUT gets summary.txt and logs.tgz (every log), plus ab.json.
-# Usage (repo root; carry [".sgl_whl", ".whl"]):  bash lab/scripts/h200_2026-12-02_merge_grid_sglang_golden.sh "$OUT"
+# Usage (repo root; with .sgl_whl/ and .whl/ present):  bash lab/scripts/h200_2026-12-02_merge_grid_sglang_golden.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

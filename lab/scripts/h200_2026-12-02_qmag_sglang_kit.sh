@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 run of 2026-12-02: the large-query error A/B of the heads-on-M build (lab/scripts/qmag_ab_device.py)
-# and SGLang's attention test kit on the GPU (lab/scripts/sglang_kit_device.sh; carry [".sgl_whl"]).
+# and SGLang's attention test kit on the GPU (lab/scripts/sglang_kit_device.sh; with .sgl_whl/ present).
 set -u
 out=${1:?OUT}
 mkdir -p "$out"

@@ -7,7 +7,7 @@
 #           take the old cut's times at B8-B16 and keep the rest; and both builds in CUDA-graph wrappers with host
 #           lengths (heads-on-M now longest first there too)
 #   tests   the heads-on-M GPU tests, the longest-first schedule, the decode runner, the graph re-plan tests
-# Usage (repo root; carry [".sgl_whl"] for the xdist wheels):  bash lab/scripts/h200_2026-12-02_sparse_port_golden.sh "$OUT"
+# Usage (repo root; with .sgl_whl/ present for the xdist wheels):  bash lab/scripts/h200_2026-12-02_sparse_port_golden.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

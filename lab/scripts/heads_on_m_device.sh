@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The heads-on-M build's GPU check (issue 27) on one H200, in one device call of ~5 min (limits sum to < 10 min):
+# The heads-on-M build's GPU check on one H200, in one GPU run of ~5 min (limits sum to < 10 min):
 #   1. tests/test_decode_sm90_heads_on_m.py (float64 checks of the build through MLAPagedAttention; its two
 #      compile-only tests, checked on the CPU under triton 3.6 and 3.9, left out)                        ~1.5-2 min
 #   2. the wide-heads GPU tests of tests/test_decode_sm90.py at page 64 (H 20, 32: the wide build; 64, 100, 128:
@@ -15,8 +15,8 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-# each step's timeout: its own budget, within what is left of ${TOTAL_S:-570} s for the whole script (one device
-# call allows 600 s)
+# each step's timeout: its own budget, within what is left of ${TOTAL_S:-570} s for the whole script (one GPU
+# run may take 600 s)
 budget() { local left=$(( ${TOTAL_S:-570} - ($(date +%s) - t0) )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -1,4 +1,4 @@
-"""Where a small batch's time goes (issue 11's B1 / B8 targets): the Gluon decode kernel built with its timing probe
+"""Where a small batch's time goes (the B1 / B8 targets): the Gluon decode kernel built with its timing probe
 (``launch(timeline=...)``), inside a CUDA graph between three one-thread kernels that read the GPU's global timer.
 
     PYTHONPATH=$PWD/src python3 scripts/latency_device.py [--out DIR]

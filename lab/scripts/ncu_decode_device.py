@@ -1,6 +1,6 @@
 """Hardware counters of the Gluon decode kernel on an H200 (the next diagnosis step of docs/benchmarks.md's kernel
 logs 10, 14 and 16: why the consumers take ~2x their tensor work per tile). NOT RUN YET: written 2026-11-30 after
-the session's device time was spent; the ncu flags are the documented ones, the driver is decode_v2_device.py's.
+the day's device time was spent; the ncu flags are the documented ones, the driver is decode_v2_device.py's.
 
     # one shape per ncu process (the first launch compiles and is skipped; the second is profiled):
     ncu --target-processes all -k regex:mla_decode_sm90_kernel --launch-skip 1 --launch-count 1 \\

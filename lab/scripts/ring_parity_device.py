@@ -1,5 +1,5 @@
 """The ready-barrier parity race of the alternating-tile (H <= 16) Gluon kernel at an odd ring depth (kernel log 25
-of docs/benchmarks.md) and its fix (log 29). One device call, <= 5 min (four processes, each compiling its kernel):
+of docs/benchmarks.md) and its fix (log 29). One GPU run, <= 5 min (four processes, each compiling its kernel):
 
     PYTHONPATH=$PWD/src python3 scripts/ring_parity_device.py
 

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Issue 26 step 6: SGLang 0.5.23's attention unit-test kit (tests/engines/test_sglang.py) on one H200, with
+# SGLang 0.5.23's attention unit-test kit (tests/engines/test_sglang.py) on one H200, with
 # fp8mla's torch, triton and gluon backends under SGLang's own pools and ForwardBatch (the pools on the GPU).
 # The device has no network: SGLang and the part of its dependency set the kit imports travel as wheels in
 # .sgl_whl/ (47 MB; the list and why in docs/engines.md). SGLang's CUDA kernel package sgl_kernel (373 MB) does
-# not fit one call: lab/scripts/sglang_kit_stub/ stands in for it at import (a call of it is printed as
+# not fit one run: lab/scripts/sglang_kit_stub/ stands in for it at import (a call of it is printed as
 # "sgl_kernel stand-in called: NAME"). <= 3 min. OUT gets environment.txt, imports.txt, sglang.txt (the pytest
 # log), sglang.xml and pip.txt.
-# Usage (repo root; .sgl_whl filled by lab/scripts/sglang_kit_wheels.sh; carry [".sgl_whl"]):
+# Usage (repo root; .sgl_whl filled by lab/scripts/sglang_kit_wheels.sh; with .sgl_whl/ present):
 #   bash lab/scripts/sglang_kit_device.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 site=/tmp/sgl_site
-ls .sgl_whl/*.whl > /dev/null 2>&1 || { echo "no .sgl_whl/*.whl: carry .sgl_whl"; exit 2; }
+ls .sgl_whl/*.whl > /dev/null 2>&1 || { echo "no .sgl_whl/*.whl: with .sgl_whl/ present"; exit 2; }
 timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .sgl_whl/*.whl \
     > "$out/pip.txt" 2>&1 || echo "pip install of .sgl_whl failed (pip.txt)"
 # fp8mla's own metadata (the plugin's entry point that one test reads); the sources stay those of src/ (first)

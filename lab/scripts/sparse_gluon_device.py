@@ -27,7 +27,7 @@ import traceback
 
 import torch
 
-TARGETS_MS = {128: 0.08, 16: 0.035, 8: 0.035}   # issue 27: sparse topk 2048, B64
+TARGETS_MS = {128: 0.08, 16: 0.035, 8: 0.035}   # sparse topk 2048, B64
 LSE_TOL = 1e-4      # tests/test_sparse_triton.py's budget: out 3e-3 on the GPU, 5e-3 in the CPU interpreter
 DC, DK = 512, 64
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The ported warp-specialized Gluon sparse build (src/fp8mla/kernels/sm90/sparse.py + sparse_partitions.py, branch
-# sparse_port) on one H200, in one device call of <= 150 s (each step's limit within what is left of TOTAL_S):
+# sparse_port) on one H200, in one GPU run of <= 150 s (each step's limit within what is left of TOTAL_S):
 #   1. tests/test_sparse_gluon.py: float64 checks through MLASparseAttention(backend="gluon") and "auto" (odd topk,
 #      fixed and one-wave splits, NaN records, -1 / out-of-pool entries, poisoned outputs, rerun, CUDA graph) ~60 s
 #   2. fp8mla bench decode --sparse at H128 / H16 / H8, topk 2048 of 4,096 tokens, B64, page 64 (the shape of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's targets in one device call: the DeepSeek-V3 MLA layer stack's decode step (fp8mla bench step --model),
+# The model-step targets in one GPU run: the DeepSeek-V3 MLA layer stack's decode step (fp8mla bench step --model),
 # eager vs the CUDA-graph runner, with begin_step's host time, the kernels' device time and the roofline floor;
 # tensor parallel over 2 GPUs with the speed-up over tp 1 printed in the same run; generate's tokens/s with graphs
 # on and off.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU re-verification of a landing (issue 26) on one H200, in phases that each fit one device call.
+# The GPU re-verification of a merged tree on one H200, in phases that each fit one GPU run.
 #   suite   the GPU test suite (every file but the CPU-only ones; the attention grid's 2,000 torch-backend cases
 #           only as far as GRID_SHARDS/GRID_SHARD pick), xdist over the 16 cores, one GPU
 #   bench   the decode side-by-side with FlashInfer (page 64 and page 1; FP8 per-tensor, group, BF16; fp8_math),
 #           then the model step (B=1, B=64) and `fp8mla generate` with CUDA graphs and eager; the golden SASS file of
 #           the device's triton when devtools can record it
 #   swap    FlashInfer's own MLA wrapper tests, FlashInfer alone and with fp8mla swapped in
-# Usage (repo root; carry .whl for FlashInfer and .fi_tests for swap):  bash lab/scripts/verify_landing_device.sh OUT PHASE...
+# Usage (repo root; with .whl/ for FlashInfer and .fi_tests for swap):  bash lab/scripts/verify_landing_device.sh OUT PHASE...
 set -u
 out=${1:?OUT}; shift
 mkdir -p "$out"

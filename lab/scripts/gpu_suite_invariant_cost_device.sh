@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The last device run of a tree (H100/H200, one call of <= 10 min), outputs under $OUT: the GPU suite's files phase
+# One GPU run of <= 10 minutes (H100/H200), outputs under $OUT: the GPU suite's files phase
 # (scripts/gpu_suite_device.sh; SUITE_TIMEOUT per part), then the batch-invariant mode's cost on the Gluon builds
 # (named) and the Triton kernel (auto) beside the default.
 set -u

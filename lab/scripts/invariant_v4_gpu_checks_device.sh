@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run (H100/H200), outputs under $OUT: the GPU tests of the batch-invariant mode and of the V4 attention,
+# One GPU run (H100/H200), outputs under $OUT: the GPU tests of the batch-invariant mode and of the V4 attention,
 # the CUDA-graph re-plan probe of the vLLM-style plans, and the batch-invariant mode's cost beside the default.
 set -u
 export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1

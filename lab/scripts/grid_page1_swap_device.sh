@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 26's leftovers after the first device call of 2026-12-02, in one call of <= 8 minutes on one H200:
-#   grid   the attention grid's torch-backend cases that call did not reach (414 of 2,000: every node id in
+# Three GPU checks in one run of <= 8 minutes on one H200 (first used 2026-12-02):
+#   grid   the attention grid's torch-backend cases missing from an earlier run (every node id in
 #          lab/notebook/data/gpu_2026-12-02/grid/passed_ids.txt is deselected), one part, 15 workers; the ids that
 #          pass are merged with that file into OUT/passed_ids.txt (feed it back as DONE_IDS if the cap cuts again)
 #   p1     `fp8mla bench decode` at page 1, FP8 e4m3, 16 and 128 heads, with FlashInfer fa3 and fa2 attempted at
@@ -11,12 +11,13 @@
 # Every phase runs under `timeout` inside a total of TOTAL_S (default 475 s); a phase that fails or is cut does
 # not stop the next. OUT gets <= 7 files: summary.txt (each phase's result lines, written as it goes),
 # environment.txt, passed_ids.txt, decode_p1.csv, swap_summary.md, logs.tgz (every log; re-packed after each
-# phase, so a call cut short still brings back what ran).
-# Usage (repo root; carry [".whl", ".fi_tests"]):  bash lab/scripts/verify_followup_device.sh "$OUT"
+# phase, so a run cut short still brings back what ran).
+# Usage (repo root, with the FlashInfer wheel in .whl/ and its tests in .fi_tests/):
+#   bash lab/scripts/grid_page1_swap_device.sh "$OUT"
 set -u
 out=${1:?OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-work=${WORK:-/tmp/verify_followup}
+work=${WORK:-/tmp/grid_page1_swap}
 rm -rf "$work" && mkdir -p "$work"
 total=${TOTAL_S:-475}
 t0=$(date +%s)
@@ -33,7 +34,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl > "$work/pip.txt" 2>&1 || say "pip install of .whl failed (see logs.tgz pip.txt)"
 else
-  say "no .whl/*.whl: FlashInfer will be missing (bash /work/shared/tools/flashinfer-wheels, carry .whl)"
+  say "no .whl/*.whl: FlashInfer will be missing (bash /work/shared/tools/flashinfer-wheels, then pass .whl/ along)"
 fi
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -88,7 +89,7 @@ tail -n 25 "$work/swap_fp8mla.txt" | tee -a "$out/summary.txt"
 [ -f "$work/swap_fp8mla/summary.md" ] && cp "$work/swap_fp8mla/summary.md" "$out/swap_summary.md"
 pack
 
-# --- FlashInfer itself on the same selection, only if the call has the time ------------------------------------
+# --- FlashInfer itself on the same selection, only if the run has the time -------------------------------------
 if [ "$(left)" -ge 100 ]; then
   c=$(( $(left) - 15 ))
   FI_MODES=flashinfer FI_CONTRACT=0 FI_BUDGET=$(( c + 5 )) FI_RUN_CAP=$c timeout -k 10 $(( c + 10 )) \
