@@ -20,121 +20,24 @@ Two ways to write tokens, one quantize-on-write underneath:
 - ``write(layer, slot_mapping, c_kv, k_pe)`` writes rows into any flat slot ids the caller gives (an engine's
   ``slot_mapping``); it knows nothing of sequences. ``append`` is ``write`` on ``pending_slots(seq_ids)``.
 
+The sequence records and the batch page table are in :mod:`fp8mla.cache_records`, the argument checks in
+:mod:`fp8mla.cache_checks`.
+
 ``reserve`` was called ``extend`` (a name it shared with the paged-prefill kernel, ``kernels/extend.py``, that
 has nothing to do with allocation); ``extend`` stays as an alias.
 """
 from __future__ import annotations
 
 import itertools
-from array import array
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
-from ._checks import as_int, as_real, check_int, check_positive_int, check_tensor
+from ._checks import as_int, check_int, check_positive_int, check_tensor
+from .cache_checks import (check_budget_bytes, check_budget_fits, check_cache_scale, check_device, check_unused_scales,
+                           hashable_id, id_list)
+from .cache_records import OutOfPagesError, SequenceState, batch_csr, page_array
 from .formats import KVFormat, get_format
-
-
-def _check_unused_scales(fmt: KVFormat, ckv_scale, kpe_scale) -> None:
-    """A per-tensor scale the format does not use must stay 1.0 (the identity): anything else was meant to
-    scale the stored values, and the format would drop it without a word."""
-    if fmt.scale_kind != "tensor" and ckv_scale != 1.0:
-        why = ("its c_kv scales are per token and 128 channels, computed on write"
-               if fmt.scale_kind in ("group", "record") else "it stores values as they are")
-        raise ValueError(f"ckv_scale: the {fmt.name} format takes no per-tensor c_kv scale ({why}); expected "
-                         f"1.0 (the default), got {ckv_scale!r}")
-    if (not fmt.is_fp8 or fmt.scale_kind == "record") and kpe_scale != 1.0:
-        raise ValueError(f"kpe_scale: the {fmt.name} format takes no per-tensor scale (it stores k_pe as "
-                         f"{'bf16' if fmt.is_fp8 else 'it is'}); expected 1.0 (the default), got {kpe_scale!r}")
-
-
-def _check_scale(name: str, v) -> float:
-    x = as_real(v)
-    if x is None or not 0 < x < float("inf"):  # (NaN fails too)
-        raise ValueError(f"{name}: expected a positive finite float, got {v!r}")
-    return float(x)
-
-
-def _hashable(seq_id):
-    """``seq_id`` as the sequence table's key, or an error naming it when it cannot key the table (a list, a set,
-    ...). Integer scalars (numpy's, 0-d CPU tensors) become ints: a tensor hashes by identity, so as a key it would
-    never be found again. A tuple is refused too: where one id or several are taken (``reserve``,
-    ``plan_inputs``, ...), a tuple is a list of ids, so a tuple id would be read as the ids it holds (a misleading
-    "no sequence" KeyError, or another sequence)."""
-    i = as_int(seq_id)
-    if i is not None:
-        return i
-    if isinstance(seq_id, torch.Tensor):
-        raise TypeError(f"seq_id: expected an int or a str, got a tensor of shape {tuple(seq_id.shape)} on "
-                        f"{seq_id.device} (one id: a 0-d integer tensor on the CPU, or int(t))")
-    if isinstance(seq_id, tuple):
-        raise TypeError(f"seq_id: expected an int or a str, got a tuple {seq_id!r} (seq_ids reads a tuple as a list "
-                        f"of ids, so a tuple cannot be an id itself)")
-    try:
-        hash(seq_id)
-    except TypeError:
-        raise TypeError(f"seq_id: expected a hashable id (an int or a str), got a {type(seq_id).__name__}: "
-                        f"{seq_id!r}") from None
-    return seq_id
-
-
-def _check_device(device) -> torch.device:
-    """The device as a torch.device, or an error naming ``device`` (torch's own is an assert about how it was
-    compiled, or a parse error listing every device type it knows)."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") \
-            from None
-    if d.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch "
-                             f"{torch.__version__}, CUDA build {torch.version.cuda}); expected 'cpu' here")
-        if d.index is not None and d.index >= n:
-            raise ValueError(f"device: expected cuda:0 .. cuda:{n - 1} ({n} CUDA device(s)), got {device!r}")
-    elif d.type != "cpu":
-        mod = getattr(torch, d.type, None)
-        if mod is not None and hasattr(mod, "is_available") and not mod.is_available():
-            raise ValueError(f"device: {device!r} asked for, but torch has no such device available")
-    return d
-
-
-def _device_memory(device: torch.device):
-    """Total bytes of ``device``'s memory, or None when it cannot be told."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory
-        if device.type == "cpu":
-            import os
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError, RuntimeError):
-        pass
-    return None
-
-
-class OutOfPagesError(RuntimeError):
-    """The pool has fewer free pages than a request needs. Nothing was allocated."""
-
-
-def _page_array(pages=()) -> array:
-    # Page ids as a C int32 array: appends are as cheap as a list's, and a batch's table is a memcpy of slices
-    # (plan_inputs / layout), never a Python loop over pages.
-    return array("i", pages)
-
-
-assert array("i").itemsize == 4, "page tables are int32 (array typecode 'i')"
-
-
-@dataclass
-class SequenceState:
-    """The cache's state of one sequence (``PagedMLACache.seq_state``): its pages, in token order, and its
-    lengths. Read it, never change it (the cache does). One object per life of an id: a sequence freed and added
-    again gets a new one, so a caller that kept the old one tells them apart by identity (``is``)."""
-    pages: array = field(default_factory=_page_array)
-    length: int = 0          # tokens reserved, including the pending ones
-    pending: int = 0         # tokens reserved by the last reserve(), written by append()
 
 
 class PagedMLACache:
@@ -161,11 +64,11 @@ class PagedMLACache:
             check_positive_int(name, v) for name, v in (
                 ("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                 ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)))
-        ckv_scale, kpe_scale = (_check_scale(name, v) for name, v in (("ckv_scale", ckv_scale),
-                                                                     ("kpe_scale", kpe_scale)))
+        ckv_scale, kpe_scale = (check_cache_scale(name, v) for name, v in (("ckv_scale", ckv_scale),
+                                                                           ("kpe_scale", kpe_scale)))
         self.format: KVFormat = get_format(kv_format, arg="kv_format", sparse_ok=True)
-        _check_unused_scales(self.format, ckv_scale, kpe_scale)
-        device = _check_device(device)
+        check_unused_scales(self.format, ckv_scale, kpe_scale)
+        device = check_device(device)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
         self.ckv_scale = float(ckv_scale) if self.format.scale_kind == "tensor" else 1.0
@@ -195,20 +98,11 @@ class PagedMLACache:
                                                                             ("page_size", page_size)))
         head_dim_ckv, head_dim_kpe = (check_positive_int(name, v) for name, v in (("head_dim_ckv", head_dim_ckv),
                                                                                  ("head_dim_kpe", head_dim_kpe)))
-        if as_real(budget_bytes) is None:  # numpy numbers and 0-d CPU tensors are numbers too
-            raise TypeError(f"budget_bytes: expected a number of bytes (an int such as 2 * 1024**3), got "
-                            f"{budget_bytes!r} ({type(budget_bytes).__name__})")
-        budget_bytes = as_real(budget_bytes)
-        if not 0 < budget_bytes < float("inf"):  # NaN fails too
-            raise ValueError(f"budget_bytes: expected a positive finite number of bytes, got {budget_bytes!r}")
+        budget_bytes = check_budget_bytes(budget_bytes)
         fmt = get_format(kv_format, arg="kv_format", sparse_ok=True)
         # Checked before any allocation: the constructor would build a Python free list of num_pages entries.
-        _check_unused_scales(fmt, kw.get("ckv_scale", 1.0), kw.get("kpe_scale", 1.0))
-        device = _check_device(kw.get("device", "cpu"))
-        total = _device_memory(device)
-        if total is not None and budget_bytes > total:
-            raise ValueError(f"budget_bytes: {budget_bytes:.4g} B is more than the memory of {device} "
-                             f"({total:.4g} B); expected a budget that fits")
+        check_unused_scales(fmt, kw.get("ckv_scale", 1.0), kw.get("kpe_scale", 1.0))
+        check_budget_fits(budget_bytes, check_device(kw.get("device", "cpu")))
         per_page = num_layers * page_size * fmt.bytes_per_token(head_dim_ckv, head_dim_kpe)
         num_pages = int(budget_bytes) // per_page
         if num_pages < 1:
@@ -290,27 +184,13 @@ class PagedMLACache:
                 return pages[i]
         return None
 
-    @staticmethod
-    def id_list(seq_ids) -> list:
-        """One id (an int, a str, ...) or an ordered collection of ids (list, tuple, range, 1-D tensor, any other
-        iterable), as a list. Sets and dicts are refused: their order is not the caller's, and the rows of c_kv,
-        the slots returned and the plan follow the order of ``seq_ids``."""
-        if isinstance(seq_ids, (list, tuple, range)):
-            return list(seq_ids)
-        if isinstance(seq_ids, (set, frozenset, dict)):
-            raise TypeError(f"seq_ids: expected one id or a list or tuple of ids (in the order of the rows), got "
-                            f"a {type(seq_ids).__name__}")
-        if isinstance(seq_ids, torch.Tensor):  # a tensor hashes by identity: never use one as an id itself
-            return seq_ids.tolist() if seq_ids.dim() else [seq_ids.item()]
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
-            return [seq_ids]
-        return list(seq_ids)
+    id_list = staticmethod(id_list)   # (cache_checks.id_list: one id or an ordered collection, as a list)
 
     def seq_state(self, seq_id) -> SequenceState:
         """The live state of ``seq_id`` (its pages and lengths); KeyError naming the id when it is not here."""
         if type(seq_id) is int and seq_id in self._seqs:
             return self._seqs[seq_id]
-        key = _hashable(seq_id)
+        key = hashable_id(seq_id)
         if key not in self._seqs:
             raise KeyError(f"seq_id: no sequence {seq_id!r} in the cache (live ids: {sorted(self._seqs)[:16]})")
         return self._seqs[key]
@@ -326,7 +206,7 @@ class PagedMLACache:
         if seq_id is None:
             seq_id = next(i for i in self._ids if i not in self._seqs)
         else:
-            seq_id = _hashable(seq_id)
+            seq_id = hashable_id(seq_id)
             if seq_id in self._seqs:
                 raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
         self._seqs[seq_id] = SequenceState()
@@ -379,7 +259,7 @@ class PagedMLACache:
         try:
             distinct = len(set(ids)) == len(ids)
         except TypeError:
-            distinct = len(set(map(_hashable, ids))) == len(ids)  # raises, naming the unhashable id
+            distinct = len(set(map(hashable_id, ids))) == len(ids)  # raises, naming the unhashable id
         if not distinct:
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         table = self._seqs
@@ -451,7 +331,7 @@ class PagedMLACache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
-        del self._seqs[_hashable(seq_id)]
+        del self._seqs[hashable_id(seq_id)]
 
     def fork(self, seq_id, new_id=None):
         """A new sequence sharing ``seq_id``'s pages (a common prefix). Shared pages are never written: a
@@ -463,7 +343,7 @@ class PagedMLACache:
         src = self.seq_state(seq_id)
         new_id = self.add_sequence(new_id)
         dst = self._seqs[new_id]
-        dst.pages, dst.length = _page_array(src.pages), src.length
+        dst.pages, dst.length = page_array(src.pages), src.length
         for p in dst.pages:
             self._refs[p] += 1
         self._forked = True
@@ -565,19 +445,8 @@ class PagedMLACache:
         if len(qo_lens) != len(ids):
             raise ValueError(f"qo_lens: expected one length per sequence ({len(ids)}), got {len(qo_lens)}")
         seqs = [self.seq_state(i) for i in ids]
-        ps = self.page_size
-        kv_pages, table = [], _page_array()
-        for s in seqs:  # O(batch) Python; the page ids are copied as array slices (memcpy)
-            n = min(len(s.pages), -(-s.length // ps))
-            kv_pages.append(n)
-            table += s.pages[:n]
-        i32 = dict(dtype=torch.int32, device=self.device if _device is None else _device)
-        kv_indices = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         return dict(
-            qo_indptr=torch.tensor([0] + list(itertools.accumulate(qo_lens)), **i32),
-            kv_indptr=torch.tensor([0] + list(itertools.accumulate(kv_pages)), **i32),
-            kv_indices=kv_indices.to(**i32),
-            kv_len_arr=torch.tensor([s.length for s in seqs], **i32),
+            batch_csr(seqs, qo_lens, self.page_size, self.device if _device is None else _device),
             head_dim_ckv=self.head_dim_ckv, head_dim_kpe=self.head_dim_kpe, page_size=self.page_size,
             kv_data_type=self.format.name,
         )

@@ -125,9 +125,9 @@ BYTES_PER_REQUEST = 100
 def _check_sizes(args, cfg, layers: int, device: torch.device) -> None:
     """Refuse sizes whose cache (or request list) cannot fit in the device's memory, before allocating anything:
     a 10**12-token request would otherwise end in a raw allocator error that names no flag."""
-    from ..cache import _device_memory
+    from ..cache_checks import device_memory
     from ..formats import get_format
-    total = _device_memory(device)
+    total = device_memory(device)
     if total is None:
         return
     if args.prompts * BYTES_PER_REQUEST > total:
