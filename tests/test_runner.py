@@ -162,7 +162,7 @@ def test_failed_forward_gives_the_reservation_back():
 
 
 def test_failed_plan_gives_the_reservation_back(monkeypatch):
-    from fp8mla.models import deepseek
+    from fp8mla.models import mla_step
     m = tiny_model()
     cache = m.make_cache(32, 4, "bf16")
     ids = [cache.add_sequence() for _ in range(2)]
@@ -171,7 +171,7 @@ def test_failed_plan_gives_the_reservation_back(monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("plan failed")
-    monkeypatch.setattr(deepseek, "plan_decode", boom)
+    monkeypatch.setattr(mla_step, "plan_decode", boom)
     with pytest.raises(RuntimeError, match="plan failed"):
         m.begin_step(cache, ids, [1, 1])
     assert cache_state(cache) == before

@@ -42,8 +42,8 @@ from .._checks import as_int
 from ..cache import PagedMLACache
 from ..sparse import INDEX_BLOCK, MLASparseAttention
 from .config import YarnRope
-from .deepseek import (DeepseekMLA, DeepseekMLAModel, RMSNorm, _attn_dtype, _reserve, _rope, _write,
-                       check_step_args, forked_since, refuse_stale_step)
+from .deepseek import DeepseekMLA, DeepseekMLAModel, RMSNorm, rope_step, write_latents
+from .mla_step import attention_dtype, check_step_args, forked_since, refuse_stale_step, reserve_tokens
 from .dsa_config import DSAConfig, load_dsa_config
 from .indexer import DSACache, LightningIndexer, select_topk
 
@@ -107,7 +107,7 @@ def begin_dsa_step(cache: DSACache, seq_ids, num_tokens, *, cfg: DSAConfig, rope
                         f"builds one), got {type(cache).__name__}")
     ids, counts = check_step_args(cache, seq_ids, num_tokens, cfg)
     prefix = [cache.seq_len(s) for s in ids]
-    slots = _reserve(cache, ids, counts)
+    slots = reserve_tokens(cache, ids, counts)
     try:
         dev = cache.device
         cnt = torch.tensor(counts, dtype=torch.int64)
@@ -174,8 +174,8 @@ class DSAAttention(DeepseekMLA):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         ckv = self.kv_a_layernorm(ckv)
-        q_pe = _rope(step, q_pe)
-        _write_latents(step, self.layer_idx, ckv, _rope(step, k_pe))  # before the attention reads them
+        q_pe = rope_step(step, q_pe)
+        _write_latents(step, self.layer_idx, ckv, rope_step(step, k_pe))  # before the attention reads them
         if self.indexer is not None:
             step.indices = self.select(x, q_resid, step)
         elif step.indices is None:
@@ -204,7 +204,7 @@ def _write_latents(step: DSAStep, layer: int, ckv: torch.Tensor, k_pe: torch.Ten
         from ..kernels.quant_ds_mla import quant_ds_mla
         quant_ds_mla(cache.pool[layer].view(cache.num_pages * cache.page_size, -1), step.slots, ckv, k_pe)
     else:
-        _write(step, layer, ckv, k_pe)
+        write_latents(step, layer, ckv, k_pe)
 
 
 class DSABlock(nn.Module):
@@ -262,8 +262,8 @@ class DSAModel(nn.Module):
         if cache.num_layers < len(self.layers):
             raise ValueError(f"cache: {cache.num_layers} layers, the model has {len(self.layers)}")
         return begin_dsa_step(cache, seq_ids, num_tokens, cfg=self.cfg, rope=self.rope,
-                              num_heads=self.layers[0].self_attn.num_local_heads, attn_dtype=_attn_dtype(self.dtype),
-                              backend=self.backend)
+                              num_heads=self.layers[0].self_attn.num_local_heads,
+                              attn_dtype=attention_dtype(self.dtype), backend=self.backend)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: DSAStep) -> torch.Tensor:

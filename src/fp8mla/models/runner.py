@@ -32,7 +32,8 @@ from ..attention import MLAPagedAttention
 from .._checks import check_positive_int
 from ..cache import PagedMLACache
 from ..layout import PagedLayout, pack_ints
-from .deepseek import DeepseekMLAModel, MLAStep, _attn_dtype, check_step_args
+from .deepseek import DeepseekMLAModel
+from .mla_step import MLAStep, attention_dtype, check_step_args
 
 __all__ = ["DecodeRunner", "batch_buckets", "bucket_for"]
 
@@ -149,7 +150,7 @@ class DecodeRunner:
             raise ValueError(f"use_cuda_graph: CUDA graphs need a CUDA device, the cache is on {dev}")
         self.use_cuda_graph = bool(use_cuda_graph)
         cfg = model.cfg
-        self.attn_dtype = _attn_dtype(model.dtype)
+        self.attn_dtype = attention_dtype(model.dtype)
         # Padding rows write their latents into a slot of the runner's own one-token sequence, never read.
         self.pad_id = cache.add_sequence(num_tokens=1)
         self.pad_slot = cache.pages(self.pad_id)[0] * ps
