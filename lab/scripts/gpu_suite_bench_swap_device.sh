@@ -6,7 +6,7 @@
 #           then the model step (B=1, B=64) and `fp8mla generate` with CUDA graphs and eager; the golden SASS file of
 #           the device's triton when devtools can record it
 #   swap    FlashInfer's own MLA wrapper tests, FlashInfer alone and with fp8mla swapped in
-# Usage (repo root; with .whl/ for FlashInfer and .fi_tests for swap):  bash lab/scripts/verify_landing_device.sh OUT PHASE...
+# Usage (repo root; with .whl/ for FlashInfer and .fi_tests for swap):  bash lab/scripts/gpu_suite_bench_swap_device.sh OUT PHASE...
 set -u
 out=${1:?OUT}; shift
 mkdir -p "$out"
