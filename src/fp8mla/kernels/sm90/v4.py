@@ -120,15 +120,16 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
     groups = triton.cdiv(H, HEAD_GROUP)
     dummy = window.indices
     global LAST_COMPILED  # registers / spills of the last launch, for the device check
+    # the kernel's bundles (v4_attention_kernel unpacks each in this order)
     LAST_COMPILED = v4_attention_kernel[(n * groups, num_splits)](
-        q, out, lse, po, pl, sinks if has_sink else lse,
-        w8, w16, w32, w_stride, window.page_size, window.num_pages * window.page_size, window.indices,
-        window.indices.stride(0), w_topk, window.lengths if window.lengths is not None else dummy,
-        c8, c16, c32, c_stride, c.page_size, c.num_pages * c.page_size, c.indices, c.indices.stride(0), c_topk,
-        c.lengths if compressed is not None and c.lengths is not None else dummy,
-        sm_scale * LOG2E, lse_scale, H, chunk, num_splits, parts, groups, w_tiles, total,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        po.stride(0), po.stride(1), pl.stride(0),
+        (q, out, lse, po, pl, sinks if has_sink else lse),
+        (w8, w16, w32, w_stride, window.page_size, window.num_pages * window.page_size, window.indices,
+         window.indices.stride(0), w_topk, window.lengths if window.lengths is not None else dummy),
+        (c8, c16, c32, c_stride, c.page_size, c.num_pages * c.page_size, c.indices, c.indices.stride(0), c_topk,
+         c.lengths if compressed is not None and c.lengths is not None else dummy),
+        (sm_scale * LOG2E, lse_scale, H, chunk, num_splits, parts, groups, w_tiles, total),
+        (q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+         po.stride(0), po.stride(1), pl.stride(0)),
         FMT=fmt, HAS_W_LEN=window.lengths is not None,
         HAS_C_LEN=compressed is not None and compressed.lengths is not None, HAS_SINK=has_sink, SPLIT=split,
         REGS=REGS, num_warps=NUM_WARPS,
