@@ -2,7 +2,8 @@
 ``backend="auto"``'s choice on an sm_90 device (simulated: ``runtime.gluon_usable`` / ``triton_usable`` patched),
 the tile and split geometry, the plan's split workspace, and the pool addressing the kernel uses (typed bases,
 page strides in 16-byte units, record and scale-word offsets) replayed in torch against ``V4Format.read`` for every
-format and page size, and the launch's bundles leaf by leaf against the kernel's unpacking. The GPU checks are tests/test_v4_gluon.py; the compile checks tests/test_compile_v4_gluon.py."""
+format and page size, and the launch's bundles leaf by leaf against the kernel's unpacking. The GPU checks are
+tests/test_v4_gluon.py; the compile checks tests/test_compile_v4_gluon.py."""
 from __future__ import annotations
 
 import pytest
@@ -72,19 +73,20 @@ def test_gluon_on_the_cpu_names_why():
     assert auto.backend == "torch"
 
 
-def test_tiles_and_splits():
+def test_tiles_and_splits(monkeypatch):
     assert sm90_v4.tiles_of(128, 512) == (2, 10)
     assert sm90_v4.tiles_of(1, 0) == (1, 1)
     assert sm90_v4.tiles_of(100, 37) == (2, 3)     # each segment padded to whole tiles: tiles never mix pools
-    assert sm90_v4.split_geometry(10, 3) == (4, 3)
-    assert sm90_v4.split_geometry(10, 7) == (2, 5)
-    assert sm90_v4.split_geometry(10, 40) == (1, 10)
-    assert sm90_v4.split_geometry(1, 8) == (1, 1)
+    assert sm90_v4.tile_splits(10, 3) == (4, 3)
+    assert sm90_v4.tile_splits(10, 7) == (2, 5)
+    assert sm90_v4.tile_splits(10, 40) == (1, 10)
+    assert sm90_v4.tile_splits(1, 8) == (1, 1)
     # one wave: 132 SMs over tokens x head groups, at least min_split entries and one tile a split
-    assert sm90_v4.wave_splits(132, 2, 64, 10, 256) == 2
-    assert sm90_v4.wave_splits(132, 2, 64, 10, 64) == 10
-    assert sm90_v4.wave_splits(132, 64, 128, 10, 64) == 1
-    assert sm90_v4.wave_splits(132, 1, 8, 1, 256) == 1
+    # (tests/test_v4_splits.py: the rule over a grid)
+    monkeypatch.setattr(v4_gluon, "num_sms", lambda device: 132)
+    for n, heads, wt, min_split, want in ((2, 64, 640, 256, 2), (2, 64, 640, 64, 10), (64, 128, 640, 64, 1),
+                                          (1, 8, 64, 256, 1)):
+        assert v4_gluon.splits(_Plan(heads, wt, 0, min_split=min_split), n) == want
 
 
 class _Plan:
@@ -207,7 +209,7 @@ def _launch_leaves(monkeypatch, split: bool, has_sink: bool) -> tuple[dict, dict
     got = dict(zip(names, leaves))
     po, pl = (part_o, part_lse) if split else (out, lse)
     w_tiles, total = sm90_v4.tiles_of(128, 320)
-    chunk, splits = sm90_v4.split_geometry(total, want_splits)
+    chunk, splits = sm90_v4.tile_splits(total, want_splits)
     want = dict(q=q, out=out, lse_out=lse, part_o=po, part_lse=pl, sinks=sinks if has_sink else lse,
                 sm_scale_log2=0.25 * sm90_v4.LOG2E, lse_scale=0.5, H=H, chunk=chunk, num_splits=splits,
                 num_parts=splits + has_sink, num_groups=2, w_tiles=w_tiles, total_tiles=total,
