@@ -307,6 +307,15 @@ V4_POINTERS = {"q": "*bf16", "out": "*bf16", "lse_out": "*fp32", "part_o": "*fp3
                "c32": "*i32", "w_idx": "*i32", "c_idx": "*i32", "w_len": "*i32", "c_len": "*i32"}
 V4_DIV16 = ("w_topk", "w_sidx", "c_topk", "c_sidx", "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h",
             "stride_po_i", "stride_po_h")
+# The kernel's runtime parameters are bundles (tuples from the host, v4.py): {parameter: its leaves in order}
+V4_BUNDLES = {"tensors": ("q", "out", "lse_out", "part_o", "part_lse", "sinks"),
+              "window": ("w8", "w16", "w32", "w_stride", "w_page", "w_slots", "w_idx", "w_sidx", "w_topk", "w_len"),
+              "compressed": ("c8", "c16", "c32", "c_stride", "c_page", "c_slots", "c_idx", "c_sidx", "c_topk",
+                             "c_len"),
+              "scalars": ("sm_scale_log2", "lse_scale", "H", "chunk", "num_splits", "num_parts", "num_groups",
+                          "w_tiles", "total_tiles"),
+              "strides": ("stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h",
+                          "stride_po_i", "stride_po_h", "stride_pl_i")}
 # The V4 builds the golden record keeps: {name: (format kind, SPLIT)}, each with sinks and both segments' lengths
 V4_BUILDS = {"v4_fp8_split": (1, True), "v4_fp8_nosplit": (1, False), "v41_fp8_nosplit": (2, False),
              "v4_bf16_nosplit": (0, False)}
@@ -408,20 +417,34 @@ def compile_sparse(split: bool, sass_path=None) -> dict:
 
 def v4_source(fmt: int, split: bool):
     """The ``GluonASTSource`` of the Hopper V4 kernel as a launch of pool format ``fmt`` (0 bf16, 1 fp8_v4,
-    2 fp8_v41) with sinks and both segments' lengths compiles it (``SPLIT=split``, ``v4_partitions.REGS``)."""
+    2 fp8_v41) with sinks and both segments' lengths compiles it (``SPLIT=split``, ``v4_partitions.REGS``): each
+    bundle's leaves typed and specialized one by one, as triton's launcher does (``V4_BUNDLES``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels.sm90 import v4_partitions as mod
     if mod.gluon is None:
         raise RuntimeError(f"gluon is not importable: {mod.GLUON_IMPORT_ERROR}")
     fn = mod.v4_attention_kernel
     names = fn.arg_names
-    consts = dict(FMT=fmt, HAS_W_LEN=True, HAS_C_LEN=True, HAS_SINK=True, SPLIT=split, REGS=mod.REGS,
-                  stride_lse_h=1)
-    sig = {n: "constexpr" if n in consts else
-           V4_POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32") for n in names}
-    return GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                 if sig[n].startswith("*") or n in V4_DIV16})
+    consts = dict(FMT=fmt, HAS_W_LEN=True, HAS_C_LEN=True, HAS_SINK=True, SPLIT=split, REGS=mod.REGS)
+    leaf_consts = dict(stride_lse_h=1)   # lse [n, H] contiguous: triton makes an int of 1 a constant
+    if sorted(names) != sorted([*V4_BUNDLES, *consts]):
+        raise RuntimeError(f"v4_attention_kernel's parameters {names} are not V4_BUNDLES + {sorted(consts)}")
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+            continue
+        types = []
+        for j, leaf in enumerate(V4_BUNDLES[name]):
+            if leaf in leaf_consts:
+                types.append("constexpr")
+                constexprs[(i, j)] = leaf_consts[leaf]
+                continue
+            types.append(V4_POINTERS.get(leaf, "fp32" if leaf in ("sm_scale_log2", "lse_scale") else "i32"))
+            if types[-1].startswith("*") or leaf in V4_DIV16:
+                attrs[(i, j)] = [["tt.divisibility", 16]]
+        sig[name] = tuple(types)
+    return GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
 def compile_v4(fmt: int, split: bool, sass_path=None) -> dict:

@@ -7,15 +7,11 @@ spills: none under triton 3.6 (the H200's), bounded under later versions (triton
 in converter A's loop, none in the consumers'). The GPU checks are tests/test_sparse_gluon.py.
 
 Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles), with
-devtools/sass.py's ``analyse`` / ``instructions`` / ``tools_present``."""
+devtools/sass.py's ``sparse_source`` and the compile checks' common parts (tests/sm90_compile.py)."""
 from __future__ import annotations
 
-import collections
 import importlib
-import json
 import os
-import re
-import subprocess
 import sys
 
 if __name__ != "__main__":
@@ -27,88 +23,35 @@ ROOT = os.path.dirname(HERE)
 if __name__ == "__main__":   # the compile child runs this file as a script: devtools at the repository root, the
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]   # package in src/ (an installed fp8mla comes first otherwise)
 from devtools import sass as ck  # noqa: E402
+from tests import sm90_compile as sc  # noqa: E402
 
 # The launch's argument types and divisibility: devtools.sass.sparse_source (the SASS record's sparse builds).
 CASES = {"split": dict(SPLIT=True), "nosplit": dict(SPLIT=False)}
-# the whole opcode of an instruction line, modifiers included (HGMMA.64x64x16.F32.BF16)
-_OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
-
-
-def _innermost_loops(sass: str) -> list[collections.Counter]:
-    """Opcode counts of each loop that contains no other loop (the tile loops of the four partitions, and the
-    warp-specialize dispatch), from the backward branches of the stream."""
-    body = [(a, t) for a, t in ck.instructions(sass) if a >= 0]
-    spans = []
-    for addr, text in body:
-        targets = ck._HEX.findall(text)
-        if ck.opcode(text).split(".")[0] == "BRA" and targets and int(targets[-1], 16) < addr:
-            spans.append((int(targets[-1], 16), addr))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    return [collections.Counter(m.group(1) for a, t in body if lo <= a <= hi and (m := _OPCODE.match(t)))
-            for lo, hi in inner]
 
 
 def compile_case(case: str) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
     mod = importlib.import_module("fp8mla.kernels.sm90.sparse_partitions")
-    src = ck.sparse_source(CASES[case]["SPLIT"])
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mod.NUM_WARPS))
-    r = ck.analyse(k)
-    sass = r.pop("sass")
-    r["ops"] = dict(r["ops"])
-    r["loops"] = [dict(c) for c in _innermost_loops(sass) if sum(c.values()) > 4]
-    r["smem_model"] = mod.smem_bytes()
-    r["smem_limit"] = mod.SMEM_LIMIT
-    r["triton"] = triton.__version__
-    return r
+    return sc.compile_report(ck.sparse_source(CASES[case]["SPLIT"]), mod.NUM_WARPS, smem_model=mod.smem_bytes(),
+                             smem_limit=mod.SMEM_LIMIT)
 
 
 if __name__ == "__main__":
-    out = {}
-    for case in sys.argv[1:]:
-        try:
-            out[case] = compile_case(case)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            out[case] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
-    print(json.dumps(out))
-    sys.exit(0)
+    sys.exit(sc.child_main(compile_case, sys.argv[1:]))
 
 
-def _gluon_ok() -> bool:
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (ck.tools_present() and _gluon_ok()),
-                                reason="ptxas / cuobjdump or triton.experimental.gluon missing")
+pytestmark = sc.skip_unless_compilable()
+_sum = sc.op_sum
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"compile subprocess failed:\n{p.stderr[-3000:]}"
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    for case, r in res.items():
-        assert "error" not in r, f"{case}: {r['error']}"
-    return res
-
-
-def _sum(lp, prefix):
-    return sum(n for op, n in lp.items() if op.startswith(prefix))
+    return sc.compile_in_child(__file__, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sparse_gluon_build_sass(compiled, case):
     r = compiled[case]
-    loops = [collections.Counter(lp) for lp in r["loops"]]
-    consumers = [lp for lp in loops if _sum(lp, "HGMMA") > 0]
-    converters = sorted((lp for lp in loops if _sum(lp, "HGMMA") == 0 and _sum(lp, "LDGSTS") > 0),
-                        key=lambda lp: -_sum(lp, "LDGSTS"))
+    _, consumers, converters = sc.roles(r, lambda lp: -_sum(lp, "LDGSTS"))
     assert len(consumers) == 2 and len(converters) == 2, r["loops"]
     for lp in consumers:
         assert _sum(lp, "HGMMA") == 52, lp
@@ -130,8 +73,7 @@ def test_sparse_gluon_build_sass(compiled, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_sparse_gluon_build_spills(compiled, case):
     r = compiled[case]
-    loops = [collections.Counter(lp) for lp in r["loops"]]
-    consumers = [lp for lp in loops if _sum(lp, "HGMMA") > 0]
+    loops, consumers, _ = sc.roles(r, lambda lp: 0)
     assert r["regs"] <= 128, r["regs"]   # 16 warps at launch: setmaxnreg moves registers between the roles
     if r["triton"].startswith("3.6."):   # the H200's triton: no spill anywhere
         assert r["stack"] == 0 and r["spill_ops"] == 0, (r["stack"], r["spill_ops"])

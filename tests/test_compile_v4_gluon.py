@@ -9,14 +9,10 @@ shared memory as modelled and within one block's 227 KB; spills bounded (triton 
 in the converters' loops). The GPU checks are tests/test_v4_gluon.py.
 
 Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it; where it is set nothing compiles), with
-devtools/sass.py's ``v4_source`` / ``analyse`` / ``instructions`` / ``tools_present``."""
+devtools/sass.py's ``v4_source`` and the compile checks' common parts (tests/sm90_compile.py)."""
 from __future__ import annotations
 
-import collections
-import json
 import os
-import re
-import subprocess
 import sys
 
 if __name__ != "__main__":
@@ -28,91 +24,36 @@ ROOT = os.path.dirname(HERE)
 if __name__ == "__main__":   # the compile child runs this file as a script: devtools at the repository root, the
     sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]   # package in src/ (an installed fp8mla comes first otherwise)
 from devtools import sass as ck  # noqa: E402
+from tests import sm90_compile as sc  # noqa: E402
 
 # {case: (format kind, SPLIT)}: devtools.sass.V4_BUILDS (the SASS record's V4 builds)
 CASES = dict(ck.V4_BUILDS)
 # per format: (converter A's, B's) 16-byte copies and e4m3 unpacks a thread and tile, scale-word copies each
 COPIES = {1: ((8, 64), (10, 48), 2), 2: ((8, 64), (8, 64), 4), 0: ((16, 0), (16, 0), 0)}
-# the whole opcode of an instruction line, modifiers included (HGMMA.64x64x16.F32.BF16)
-_OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
-
-
-def _innermost_loops(sass: str) -> list[collections.Counter]:
-    """Opcode counts of each loop that contains no other loop (the tile loops of the four partitions, and the
-    warp-specialize dispatch), from the backward branches of the stream."""
-    body = [(a, t) for a, t in ck.instructions(sass) if a >= 0]
-    spans = []
-    for addr, text in body:
-        targets = ck._HEX.findall(text)
-        if ck.opcode(text).split(".")[0] == "BRA" and targets and int(targets[-1], 16) < addr:
-            spans.append((int(targets[-1], 16), addr))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    return [collections.Counter(m.group(1) for a, t in body if lo <= a <= hi and (m := _OPCODE.match(t)))
-            for lo, hi in inner]
 
 
 def compile_case(case: str) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
     from fp8mla.kernels.sm90 import v4_partitions as mod
     fmt, split = CASES[case]
-    k = triton.compile(ck.v4_source(fmt, split), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=mod.NUM_WARPS))
-    r = ck.analyse(k)
-    sass = r.pop("sass")
-    r["ops"] = dict(r["ops"])
-    r["loops"] = [dict(c) for c in _innermost_loops(sass) if sum(c.values()) > 4]
-    r["smem_model"] = mod.smem_bytes(fmt)
-    r["smem_limit"] = mod.SMEM_LIMIT
-    r["fmt"] = fmt
-    r["triton"] = triton.__version__
-    return r
+    return sc.compile_report(ck.v4_source(fmt, split), mod.NUM_WARPS, smem_model=mod.smem_bytes(fmt),
+                             smem_limit=mod.SMEM_LIMIT, fmt=fmt)
 
 
 if __name__ == "__main__":
-    out = {}
-    for case in sys.argv[1:]:
-        try:
-            out[case] = compile_case(case)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            out[case] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
-    print(json.dumps(out))
-    sys.exit(0)
+    sys.exit(sc.child_main(compile_case, sys.argv[1:]))
 
 
-def _gluon_ok() -> bool:
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (ck.tools_present() and _gluon_ok()),
-                                reason="ptxas / cuobjdump or triton.experimental.gluon missing")
+pytestmark = sc.skip_unless_compilable()
+_sum = sc.op_sum
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"compile subprocess failed:\n{p.stderr[-3000:]}"
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    for case, r in res.items():
-        assert "error" not in r, f"{case}: {r['error']}"
-    return res
-
-
-def _sum(lp, prefix):
-    return sum(n for op, n in lp.items() if op.startswith(prefix))
+    return sc.compile_in_child(__file__, CASES)
 
 
 def _roles(r):
-    loops = [collections.Counter(lp) for lp in r["loops"]]
-    consumers = [lp for lp in loops if _sum(lp, "HGMMA") > 0]
-    converters = sorted((lp for lp in loops if _sum(lp, "HGMMA") == 0 and _sum(lp, "LDGSTS") > 0),
-                        key=lambda lp: (-_sum(lp, "F2FP.F16.E4M3"), -lp["LDGSTS.E.BYPASS.128"]))
-    return loops, consumers, converters
+    return sc.roles(r, lambda lp: (-_sum(lp, "F2FP.F16.E4M3"), -lp["LDGSTS.E.BYPASS.128"]))
 
 
 @pytest.mark.parametrize("case", list(CASES))

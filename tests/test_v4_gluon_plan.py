@@ -2,7 +2,8 @@
 ``backend="auto"``'s choice on an sm_90 device (simulated: ``runtime.gluon_usable`` / ``triton_usable`` patched),
 the tile and split geometry, the plan's split workspace, and the pool addressing the kernel uses (typed bases,
 page strides in 16-byte units, record and scale-word offsets) replayed in torch against ``V4Format.read`` for every
-format and page size. The GPU checks are tests/test_v4_gluon.py; the compile checks tests/test_compile_v4_gluon.py."""
+format and page size, and the launch's bundles leaf by leaf against the kernel's unpacking. The GPU checks are
+tests/test_v4_gluon.py; the compile checks tests/test_compile_v4_gluon.py."""
 from __future__ import annotations
 
 import pytest
@@ -72,19 +73,20 @@ def test_gluon_on_the_cpu_names_why():
     assert auto.backend == "torch"
 
 
-def test_tiles_and_splits():
+def test_tiles_and_splits(monkeypatch):
     assert sm90_v4.tiles_of(128, 512) == (2, 10)
     assert sm90_v4.tiles_of(1, 0) == (1, 1)
     assert sm90_v4.tiles_of(100, 37) == (2, 3)     # each segment padded to whole tiles: tiles never mix pools
-    assert sm90_v4.split_geometry(10, 3) == (4, 3)
-    assert sm90_v4.split_geometry(10, 7) == (2, 5)
-    assert sm90_v4.split_geometry(10, 40) == (1, 10)
-    assert sm90_v4.split_geometry(1, 8) == (1, 1)
+    assert sm90_v4.tile_splits(10, 3) == (4, 3)
+    assert sm90_v4.tile_splits(10, 7) == (2, 5)
+    assert sm90_v4.tile_splits(10, 40) == (1, 10)
+    assert sm90_v4.tile_splits(1, 8) == (1, 1)
     # one wave: 132 SMs over tokens x head groups, at least min_split entries and one tile a split
-    assert sm90_v4.wave_splits(132, 2, 64, 10, 256) == 2
-    assert sm90_v4.wave_splits(132, 2, 64, 10, 64) == 10
-    assert sm90_v4.wave_splits(132, 64, 128, 10, 64) == 1
-    assert sm90_v4.wave_splits(132, 1, 8, 1, 256) == 1
+    # (tests/test_v4_splits.py: the rule over a grid)
+    monkeypatch.setattr(v4_gluon, "num_sms", lambda device: 132)
+    for n, heads, wt, min_split, want in ((2, 64, 640, 256, 2), (2, 64, 640, 64, 10), (64, 128, 640, 64, 1),
+                                          (1, 8, 64, 256, 1)):
+        assert v4_gluon.splits(_Plan(heads, wt, 0, min_split=min_split), n) == want
 
 
 class _Plan:
@@ -163,3 +165,86 @@ def test_pool_pointers_refuse_misaligned_pages():
     _, view = pool_geometry(fmt, pool, 5)
     with pytest.raises(ValueError, match="16-byte"):
         sm90_v4.pool_pointers(view, sm90_v4.FORMATS["fp8_v41"])
+
+
+def _launch_leaves(monkeypatch, split: bool, has_sink: bool) -> tuple[dict, dict]:
+    """({leaf name: value} of the bundles ``sm90_v4.v4_attention`` launches the kernel with (the kernel replaced by
+    a recorder, the merge by a no-op), named by ``devtools.sass.V4_BUNDLES``; the host values each should be)."""
+    import types
+    from devtools import sass
+    from fp8mla.kernels.sm90 import v4_partitions
+    from fp8mla.kernels.split import merge
+    if v4_partitions.gluon is None:
+        pytest.skip(f"triton.experimental.gluon: {v4_partitions.GLUON_IMPORT_ERROR}")
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*bundles, **constexprs):
+                seen.update(bundles=bundles, constexprs=constexprs)
+            return launch
+
+    monkeypatch.setattr(v4_partitions, "v4_attention_kernel", Recorder(), raising=False)
+    monkeypatch.setattr(merge, "merge_splits", lambda *a, **k: None)
+    fmt = get_v4_format("fp8_v4")
+    n, H, page = 3, 72, 16
+    pools = [fmt.new_pool(pages, page) for pages in (5, 7)]
+    segs = [types.SimpleNamespace(view=pool_geometry(fmt, pool, page)[1], page_size=page, num_pages=pool.shape[0],
+                                  indices=torch.zeros(n, topk + 8, dtype=torch.int32)[:, :topk],
+                                  lengths=torch.full((n,), topk, dtype=torch.int32))
+            for pool, topk in zip(pools, (128, 320))]
+    q = torch.zeros(n, H, 1024, dtype=torch.bfloat16)[..., :512]     # strides unlike out's
+    out = torch.zeros(n, H, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(n, H + 4)[:, :H]
+    sinks = torch.zeros(H) if has_sink else None
+    want_splits = 3 if split else 1
+    parts = want_splits + has_sink
+    part_o = torch.zeros(n * parts, H + 8, 512)
+    part_lse = torch.zeros(n * parts + 2, H + 8)
+    sm90_v4.v4_attention(q, out, lse, part_o, part_lse, sinks, segs[0], segs[1], fmt=sm90_v4.FORMATS["fp8_v4"],
+                         sm_scale=0.25, num_splits=want_splits, lse_scale=0.5)
+    names = [leaf for bundle in sass.V4_BUNDLES.values() for leaf in bundle]
+    leaves = [leaf for bundle in seen["bundles"] for leaf in bundle]
+    assert [len(b) for b in seen["bundles"]] == [len(b) for b in sass.V4_BUNDLES.values()]
+    got = dict(zip(names, leaves))
+    po, pl = (part_o, part_lse) if split else (out, lse)
+    w_tiles, total = sm90_v4.tiles_of(128, 320)
+    chunk, splits = sm90_v4.tile_splits(total, want_splits)
+    want = dict(q=q, out=out, lse_out=lse, part_o=po, part_lse=pl, sinks=sinks if has_sink else lse,
+                sm_scale_log2=0.25 * sm90_v4.LOG2E, lse_scale=0.5, H=H, chunk=chunk, num_splits=splits,
+                num_parts=splits + has_sink, num_groups=2, w_tiles=w_tiles, total_tiles=total,
+                stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_o_t=out.stride(0), stride_o_h=out.stride(1),
+                stride_lse_t=lse.stride(0), stride_lse_h=lse.stride(1), stride_po_i=po.stride(0),
+                stride_po_h=po.stride(1), stride_pl_i=pl.stride(0))
+    for s, seg in zip("wc", segs):
+        p8, p16, p32, stride_q = sm90_v4.pool_pointers(seg.view, sm90_v4.FORMATS["fp8_v4"])
+        want.update({f"{s}8": p8, f"{s}16": p16, f"{s}32": p32, f"{s}_stride": stride_q, f"{s}_page": page,
+                     f"{s}_slots": seg.num_pages * page, f"{s}_idx": seg.indices,
+                     f"{s}_sidx": seg.indices.stride(0), f"{s}_topk": seg.indices.shape[1], f"{s}_len": seg.lengths})
+    assert seen["constexprs"]["SPLIT"] == split and seen["constexprs"]["HAS_SINK"] == has_sink
+    return got, want
+
+
+@pytest.mark.parametrize("split,has_sink", [(False, True), (True, True), (True, False)])
+def test_launch_bundles_are_the_kernels(monkeypatch, split, has_sink):
+    """The host's tuples leaf by leaf as ``devtools.sass.V4_BUNDLES`` names them (the compile checks' signature),
+    and the kernel unpacking each bundle in that order: a leaf out of place would read another value silently."""
+    import ast
+    import inspect
+    import textwrap
+    from devtools import sass
+    from fp8mla.kernels.sm90 import v4_partitions
+    kernel = getattr(v4_partitions, "v4_attention_kernel", None)
+    got, want = _launch_leaves(monkeypatch, split, has_sink)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        g = got[name]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and (g.data_ptr(), g.dtype, g.shape) == \
+                (value.data_ptr(), value.dtype, value.shape), name
+        else:
+            assert not isinstance(g, torch.Tensor) and g == value, (name, g, value)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+    unpacked = {st.value.id: [e.id for e in st.targets[0].elts] for st in ast.walk(tree)
+                if isinstance(st, ast.Assign) and isinstance(st.value, ast.Name) and st.value.id in sass.V4_BUNDLES}
+    assert unpacked == {k: list(v) for k, v in sass.V4_BUNDLES.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.split.rows import wave_splits
 from ..runtime import LN2, num_sms
 from .v4_triton import size_split_workspace
 
@@ -24,14 +25,16 @@ def prepare(p, kernel_options: dict) -> None:
 
 def splits(p, n: int) -> int:
     """Splits per token in a call of ``n`` tokens: the plan's ``num_splits``, else one wave of one CTA per SM
-    (``kernels.sm90.v4.wave_splits``); never more than the row's 64-entry tiles. Fixed per (plan, n)."""
+    (``kernels.split.rows.wave_splits`` over the kernel's head groups and the row's tiles); never more than the
+    row's 64-entry tiles (``kernels.sm90.v4.tile_splits``). Fixed per (plan, n)."""
     from ..kernels.sm90 import v4 as sm90_v4
     _, total = sm90_v4.tiles_of(p.window_topk, p.compressed_topk)
     if p.num_splits is not None:
         want = p.num_splits
     else:
-        want = sm90_v4.wave_splits(num_sms(p.device), n, p.num_heads, total, p.min_split)
-    return sm90_v4.split_geometry(total, want)[1]
+        groups = -(-p.num_heads // sm90_v4.HEAD_GROUP)
+        want = wave_splits(num_sms(p.device), n, groups, total * sm90_v4.TILE, p.min_split)
+    return sm90_v4.tile_splits(total, want)[1]
 
 
 def run(p, q, window, compressed, sinks, out, lse, base_e: bool) -> None:

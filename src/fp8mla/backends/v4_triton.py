@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.split.rows import fill_splits, split_geometry
 from ..runtime import LN2, num_sms
 
 
@@ -37,20 +38,17 @@ def size_split_workspace(p, max_tokens: int, splits_of) -> None:
 
 def splits(p, n: int) -> int:
     """Programs per token: enough that ``n x head tiles x splits`` reaches twice the SM count, each split walking
-    at least ``min_split`` keys. Fixed per (plan, n): the same inputs split and merge the same way."""
+    at least ``min_split`` keys (``kernels.split.rows.fill_splits``), whole key blocks a split as the launcher
+    cuts them (``split_geometry``). Fixed per (plan, n): the same inputs split and merge the same way."""
     total = p.window_topk + p.compressed_topk
     if p.invariant_chunk is not None:  # the grid of the invariant cut: a full row's pieces, whatever the call
-        from ..kernels.v4_attention import invariant_splits
-        return invariant_splits(total, p.invariant_chunk)
+        from ..kernels.v4_attention import invariant_programs
+        return invariant_programs(total, p.invariant_chunk)
     if p.num_splits is not None:
-        want = max(1, min(p.num_splits, total))
+        want = p.num_splits
     else:
-        tiles = -(-p.num_heads // p.config["block_h"])
-        want = -(-2 * num_sms(p.device) // max(1, n * tiles))
-        want = max(1, min(want, total // p.min_split))
-    bn = p.config["block_n"]
-    chunk = -(-(-(-total // want)) // bn) * bn   # whole key blocks per split, as the launcher cuts them
-    return -(-total // chunk)
+        want = fill_splits(2 * num_sms(p.device), n, -(-p.num_heads // p.config["block_h"]), total, p.min_split)
+    return split_geometry(total, want, p.config["block_n"])[1]
 
 
 def _kernel_segment(fmt, seg):

@@ -247,9 +247,12 @@ def launch_config(fmt: int, device, *, block_h: int | None = None, block_n: int 
     return cfg
 
 
-def invariant_splits(topk: int, chunk: int) -> int:
-    """Split programs a row in the batch-invariant cut: enough for the longest row (both index rows full)."""
-    return max(1, -(-topk // chunk))
+def invariant_programs(topk: int, chunk: int) -> int:
+    """Split programs a row in the batch-invariant cut: enough for the longest row (both index rows full), the
+    shared ``split.rows.invariant_splits``, and at least one: a row without entries still has the program that
+    writes its output (zeros and lse -inf, or the sink's)."""
+    from .split.rows import invariant_splits
+    return max(1, invariant_splits(topk, chunk))
 
 
 def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compressed: Segment | None, *, fmt: int,
@@ -261,7 +264,7 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
     fp32; part_o ``[>= n * parts, H, 512]`` / part_lse ``[>= n * parts, H]`` fp32 contiguous when splitting,
     ``parts = num_splits + (sinks is not None)``; sinks fp32 ``[H]`` or None. ``lse_scale``: 1 (base 2) or ln 2.
     ``invariant_chunk`` (the batch-invariant cut, a multiple of ``block_n``): each row's own entries are cut in
-    ``ceil(len / invariant_chunk)`` pieces (:func:`invariant_splits` programs a row; ``num_splits`` is ignored).
+    ``ceil(len / invariant_chunk)`` pieces (:func:`invariant_programs` programs a row; ``num_splits`` is ignored).
     """
     import torch
     n, H, _ = q.shape
@@ -273,7 +276,7 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window: Segment, compress
     from .split.rows import split_geometry
     if invariant_chunk is not None:
         chunk = invariant_chunk
-        num_splits = invariant_splits(topk_w + topk_c, invariant_chunk)
+        num_splits = invariant_programs(topk_w + topk_c, invariant_chunk)
     else:
         chunk, num_splits = split_geometry(topk_w + topk_c, num_splits, block_n)
     split = num_splits > 1

@@ -31,8 +31,8 @@ FORMATS = {"bf16": FMT_BF16, "fp8_v4": FMT_V4, "fp8_v41": FMT_V41}
 LOG2E = 1.4426950408889634
 LAST_COMPILED = None
 
-__all__ = ["FORMATS", "HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "split_geometry", "smem_bytes",
-           "pool_pointers", "supports", "tiles_of", "v4_attention", "wave_splits"]
+__all__ = ["FORMATS", "HEAD_GROUP", "MAX_HEADS", "SMEM_LIMIT", "smem_bytes", "pool_pointers", "supports",
+           "tile_splits", "tiles_of", "v4_attention"]
 
 
 def supports(num_heads: int, fmt_name: str, q_dtype_name: str) -> tuple[bool, str]:
@@ -52,18 +52,14 @@ def tiles_of(window_topk: int, compressed_topk: int) -> tuple[int, int]:
     return w, w + -(-compressed_topk // TILE)
 
 
-def wave_splits(num_sms: int, num_tokens: int, num_heads: int, total_tiles: int, min_split: int) -> int:
-    """Splits per token: one wave of one CTA per SM, ``max(1, SMs // (tokens x head groups))``, each split walking
-    at least ``min_split`` entries (and at least one tile)."""
-    groups = -(-num_heads // HEAD_GROUP)
-    most = max(1, min(total_tiles, (total_tiles * TILE) // max(1, min_split)))
-    return max(1, min(num_sms // max(1, num_tokens * groups), most))
-
-
-def split_geometry(total_tiles: int, num_splits: int) -> tuple[int, int]:
-    """(chunk, splits): tiles per split and the splits that are not empty."""
-    chunk = -(-total_tiles // max(1, num_splits))
-    return chunk, -(-total_tiles // chunk)
+def tile_splits(total_tiles: int, num_splits: int) -> tuple[int, int]:
+    """(chunk, splits): tiles a split walks and the splits that are not empty, the shared rule
+    (``kernels.split.rows.split_geometry``) over the row's entries in whole tiles. The split count itself: one wave
+    of one CTA per SM (``kernels.split.rows.wave_splits`` over head groups of ``HEAD_GROUP``, ``backends.v4_gluon``)
+    or the plan's."""
+    from ..split.rows import split_geometry
+    chunk, splits = split_geometry(total_tiles * TILE, num_splits, TILE)
+    return chunk // TILE, splits
 
 
 def pool_pointers(view, kind: int):
@@ -94,7 +90,7 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
     fp32; window / compressed: ``backends.v4_gluon``'s segments (``view``, ``page_size``, ``num_pages``,
     ``indices`` int32 ``[n, topk]`` with a contiguous last dim, ``lengths`` int32 ``[n]`` or None; compressed None
     for a layer without compressed rows); part_o / part_lse fp32 ``[>= n * parts, H(, 512)]`` contiguous when
-    splitting, ``parts = splits + (sinks is not None)`` (``split_geometry`` gives the splits that run).
+    splitting, ``parts = splits + (sinks is not None)`` (``tile_splits`` gives the splits that run).
     """
     from ..split.merge import merge_splits
     if gluon is None:
@@ -108,7 +104,7 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
     w_topk = window.indices.shape[1]
     c_topk = compressed.indices.shape[1] if compressed is not None else 0
     w_tiles, total = tiles_of(w_topk, c_topk)
-    chunk, num_splits = split_geometry(total, num_splits)
+    chunk, num_splits = tile_splits(total, num_splits)
     split = num_splits > 1
     has_sink = sinks is not None
     parts = num_splits + int(has_sink)
@@ -120,15 +116,16 @@ def v4_attention(q, out, lse, part_o, part_lse, sinks, window, compressed, *, fm
     groups = triton.cdiv(H, HEAD_GROUP)
     dummy = window.indices
     global LAST_COMPILED  # registers / spills of the last launch, for the device check
+    # the kernel's bundles (v4_attention_kernel unpacks each in this order)
     LAST_COMPILED = v4_attention_kernel[(n * groups, num_splits)](
-        q, out, lse, po, pl, sinks if has_sink else lse,
-        w8, w16, w32, w_stride, window.page_size, window.num_pages * window.page_size, window.indices,
-        window.indices.stride(0), w_topk, window.lengths if window.lengths is not None else dummy,
-        c8, c16, c32, c_stride, c.page_size, c.num_pages * c.page_size, c.indices, c.indices.stride(0), c_topk,
-        c.lengths if compressed is not None and c.lengths is not None else dummy,
-        sm_scale * LOG2E, lse_scale, H, chunk, num_splits, parts, groups, w_tiles, total,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        po.stride(0), po.stride(1), pl.stride(0),
+        (q, out, lse, po, pl, sinks if has_sink else lse),
+        (w8, w16, w32, w_stride, window.page_size, window.num_pages * window.page_size, window.indices,
+         window.indices.stride(0), w_topk, window.lengths if window.lengths is not None else dummy),
+        (c8, c16, c32, c_stride, c.page_size, c.num_pages * c.page_size, c.indices, c.indices.stride(0), c_topk,
+         c.lengths if compressed is not None and c.lengths is not None else dummy),
+        (sm_scale * LOG2E, lse_scale, H, chunk, num_splits, parts, groups, w_tiles, total),
+        (q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+         po.stride(0), po.stride(1), pl.stride(0)),
         FMT=fmt, HAS_W_LEN=window.lengths is not None,
         HAS_C_LEN=compressed is not None and compressed.lengths is not None, HAS_SINK=has_sink, SPLIT=split,
         REGS=REGS, num_warps=NUM_WARPS,

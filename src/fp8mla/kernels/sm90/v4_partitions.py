@@ -55,10 +55,25 @@ if gluon is not None:
     from .fragments import _opaque_zero, _pv_halves_release
     NCH = gl.constexpr(NCH)   # a global read inside a jit function must be a constexpr
 
+    # A segment, as the partitions take it: (p8, p16, p32, stride_q, page, num_slots, idx, sidx, end): the pool's
+    # e4m3 / bf16 / int32 bases (the same bytes), its page stride in 16-byte units, page size and slot count, the
+    # index rows, their row stride and the token's entries (v4_attention_kernel). segs: (the window's tiles, the
+    # window segment, the compressed segment).
+
     @gluon.jit
-    def _seg_rows(e, end, idx_ptr, page, num_slots, stride_q, FMT: gl.constexpr):
-        # (valid, data row in 32-bit words, scale row in words) of entries e of one segment's index row
-        idx = gl.load(idx_ptr + e, mask=e < end, other=-1)
+    def _seg_valid(e, t64, segment):
+        # the mask of entries e of token t64's index row in one segment (the same rule as _seg_rows')
+        _p8, _p16, _p32, _stride_q, _page, num_slots, idx_rows, sidx, end = segment
+        idx = gl.load(idx_rows + t64 * sidx + e, mask=e < end, other=-1)
+        return (idx >= 0) & (idx < num_slots)
+
+    @gluon.jit
+    def _seg_rows(e, t64, segment, FMT: gl.constexpr):
+        # (valid, data row in 32-bit words, scale row in words) of entries e of token t64's index row in one segment;
+        # -1, a slot outside the pool and entries at or past the segment's end are not valid
+        _p8, _p16, _p32, stride_q, page, num_slots, idx_rows, sidx, end = segment
+        row_ptr = idx_rows + t64 * sidx
+        idx = gl.load(row_ptr + e, mask=e < end, other=-1)
         ok = (idx >= 0) & (idx < num_slots)
         safe = gl.where(ok, idx, 0)
         pg = (safe // page).to(gl.int64) * stride_q * 4   # (stride_q: 16-byte units, so the copies stay 16-byte)
@@ -75,30 +90,32 @@ if gluon is not None:
         return ok, row, srow
 
     @gluon.jit
-    def _tile_rows(ti, r, t64, w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride,
-                   c_idx, c_sidx, c_end, c_page, c_slots, c_stride, FMT: gl.constexpr):
+    def _tile_rows(ti, r, t64, segs, FMT: gl.constexpr):
         # entries r of tile ti of the token's row: the window's tiles first, then the compressed rows'
+        w_tiles, window, compressed = segs
         if ti < w_tiles:
-            ok, row, srow = _seg_rows(ti * 64 + r, w_end, w_idx + t64 * w_sidx, w_page, w_slots, w_stride, FMT)
+            ok, row, srow = _seg_rows(ti * 64 + r, t64, window, FMT)
             seg = 0
         else:
-            ok, row, srow = _seg_rows((ti - w_tiles) * 64 + r, c_end, c_idx + t64 * c_sidx, c_page, c_slots,
-                                      c_stride, FMT)
+            ok, row, srow = _seg_rows((ti - w_tiles) * 64 + r, t64, compressed, FMT)
             seg = 1
         return ok, row, srow, seg
 
     @gluon.jit
-    def _copy_tile(raw8, raw16, raw_s, w8, w16, w32, c8, c16, c32, ok, row, srow, seg, C0: gl.constexpr,
-                   FMT: gl.constexpr, cl: gl.constexpr, kl: gl.constexpr):
-        # chunks C0 .. C0 + 3 of the tile's 64 rows (and their scale words), one commit group
-        if seg == 0:
-            p8 = w8
-            p16 = w16
-            p32 = w32
+    def _copy_tile(raw, segs, rows, C0: gl.constexpr, FMT: gl.constexpr, cl: gl.constexpr, kl: gl.constexpr):
+        # chunks C0 .. C0 + 3 of the tile's 64 rows (and their scale words), one commit group; raw: the converter's
+        # raw stage (raw8, raw16, raw_s); rows: _tile_rows' (valid, row, scale row, segment 0 / 1)
+        raw8, raw16, raw_s = raw
+        _w_tiles, window, compressed = segs
+        ok, row, srow, seg = rows
+        if seg == 0:   # (a segment's first three: its bases)
+            p8 = window[0]
+            p16 = window[1]
+            p32 = window[2]
         else:
-            p8 = c8
-            p16 = c16
-            p32 = c32
+            p8 = compressed[0]
+            p16 = compressed[1]
+            p32 = compressed[2]
         cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
         cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, kl))
         ok16 = gl.convert_layout(ok, gl.SliceLayout(1, kl))
@@ -124,22 +141,24 @@ if gluon is not None:
         return (e << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _converter(C0: gl.constexpr, w8, w16, w32, c8, c16, c32, raw8, raw16, raw_s, k16, k16_ready, k16_free,
-                   t64, t0, n, w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride,
-                   c_idx, c_sidx, c_end, c_page, c_slots, c_stride, FMT: gl.constexpr):
+    def _converter(C0: gl.constexpr, raw, ring, item, segs, FMT: gl.constexpr):
+        # chunks C0 .. C0 + 3 of every tile (A: C0 = 0, the default partition; B: C0 = 4). raw: its raw stage (raw8,
+        # raw16, raw_s); ring: the bf16 tile and its chunks' barriers (k16, k16_ready, k16_free); item: the CTA's
+        # (t64, h0, sp, t0, n); segs: the segments (above _seg_valid)
+        raw8, raw16, raw_s = raw
+        k16, k16_ready, k16_free = ring
+        t64, _h0, _sp, t0, n = item
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])   # 16 e4m3 bytes a thread, 2 rows
         kl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # 16 bf16 bytes a thread
         rl: gl.constexpr = gl.SliceLayout(1, cl)
         r = gl.arange(0, 64, layout=rl)
-        ok, row, srow, seg = _tile_rows(t0, r, t64, w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride,
-                                        c_idx, c_sidx, c_end, c_page, c_slots, c_stride, FMT)
-        _copy_tile(raw8, raw16, raw_s, w8, w16, w32, c8, c16, c32, ok, row, srow, seg, C0, FMT, cl, kl)
+        ok, row, srow, seg = _tile_rows(t0, r, t64, segs, FMT)
+        _copy_tile(raw, segs, (ok, row, srow, seg), C0, FMT, cl, kl)
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
         for i in range(n):
             z = _opaque_zero(i)
             # the next tile's rows: their index loads run while this tile converts
-            ok, row, srow, seg = _tile_rows(t0 + i + 1, r, t64, w_tiles, w_idx, w_sidx, w_end, w_page, w_slots,
-                                            w_stride, c_idx, c_sidx, c_end, c_page, c_slots, c_stride, FMT)
+            ok, row, srow, seg = _tile_rows(t0 + i + 1, r, t64, segs, FMT)
             ok = ok & (i + 1 < n)
             async_copy.wait_group(0)
             _cta_barrier()   # the scale words were copied by other threads of the partition
@@ -171,47 +190,34 @@ if gluon is not None:
                 fence_async_shared()
                 _cta_barrier()   # (the last one also: every thread has read the scale words before the refill)
                 mbarrier.arrive(k16_ready.index(c), count=1)
-            _copy_tile(raw8, raw16, raw_s, w8, w16, w32, c8, c16, c32, ok, row, srow, seg, C0, FMT, cl, kl)
+            _copy_tile(raw, segs, (ok, row, srow, seg), C0, FMT, cl, kl)
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _converter_a(w8, w16, w32, c8, c16, c32, raw8, raw16, raw_s, k16, k16_ready, k16_free, t64, t0, n,
-                     w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page,
-                     c_slots, c_stride, FMT: gl.constexpr):
-        _converter(0, w8, w16, w32, c8, c16, c32, raw8, raw16, raw_s, k16, k16_ready, k16_free, t64, t0, n,
-                   w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page, c_slots,
-                   c_stride, FMT)
-
-    @gluon.jit
-    def _converter_b(w8, w16, w32, c8, c16, c32, raw8, raw16, raw_s, k16, k16_ready, k16_free, t64, t0, n,
-                     w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page,
-                     c_slots, c_stride, FMT: gl.constexpr):
-        _converter(4, w8, w16, w32, c8, c16, c32, raw8, raw16, raw_s, k16, k16_ready, k16_free, t64, t0, n,
-                   w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page, c_slots,
-                   c_stride, FMT)
-
-    @gluon.jit
-    def _tile_valid(ti, t64, w_tiles, w_idx, w_sidx, w_end, w_slots, c_idx, c_sidx, c_end, c_slots,
-                    col_l: gl.constexpr):
+    def _tile_valid(ti, t64, segs, col_l: gl.constexpr):
         # the owner's entry mask of tile ti (the same rule as the converters' copies)
+        w_tiles, window, compressed = segs
         r = gl.arange(0, 64, layout=col_l)
         if ti < w_tiles:
-            e = ti * 64 + r
-            idx = gl.load(w_idx + t64 * w_sidx + e, mask=e < w_end, other=-1)
-            ok = (idx >= 0) & (idx < w_slots)
+            ok = _seg_valid(ti * 64 + r, t64, window)
         else:
-            e = (ti - w_tiles) * 64 + r
-            idx = gl.load(c_idx + t64 * c_sidx + e, mask=e < c_end, other=-1)
-            ok = (idx >= 0) & (idx < c_slots)
+            ok = _seg_valid((ti - w_tiles) * 64 + r, t64, compressed)
         return ok
 
     @gluon.jit
-    def _consumer(cid: gl.constexpr, q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm,
-                  k16_ready, k16_free, x_bar, p_bar, q_bar, t64, h0, sp, t0, n, H, num_splits, num_parts,
-                  w_tiles, w_idx, w_sidx, w_end, w_slots, c_idx, c_sidx, c_end, c_slots,
-                  sm_scale_log2, lse_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_lse_t,
-                  stride_lse_h, stride_po_i, stride_po_h, stride_pl_i, HAS_SINK: gl.constexpr,
+    def _consumer(cid: gl.constexpr, queries, outputs, tiles, ring, item, segs, problem, HAS_SINK: gl.constexpr,
                   SPLIT: gl.constexpr):
+        # queries: (q, stride_q_t, stride_q_h); outputs: (out, lse_out, part_o, part_lse and their strides: o_t, o_h,
+        # lse_t, lse_h, po_i, po_h, pl_i); tiles: (q_smem, p_smem, xm, x_bar, p_bar, q_bar); ring, item: as the
+        # converters'; segs: the segments (above _seg_valid); problem: (H, num_splits, num_parts, sinks,
+        # sm_scale_log2, lse_scale)
+        q, stride_q_t, stride_q_h = queries
+        (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h,
+         stride_pl_i) = outputs
+        q_smem, p_smem, xm, x_bar, p_bar, q_bar = tiles
+        k16, k16_ready, k16_free = ring
+        t64, h0, sp, t0, n = item
+        H, num_splits, num_parts, sinks, sm_scale_log2, lse_scale = problem
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -243,8 +249,7 @@ if gluon is not None:
             ph = i & 1
             z = _opaque_zero(i)
             if (i % 2) == cid:
-                ok = _tile_valid(t0 + i, t64, w_tiles, w_idx, w_sidx, w_end, w_slots, c_idx, c_sidx, c_end,
-                                 c_slots, col_o)
+                ok = _tile_valid(t0 + i, t64, segs, col_o)
                 sc = gl.zeros([64, 64], gl.float32, o_l)
                 for k in gl.static_range(NCH):   # chunks 0, 4, 1, 5, ...: A's and B's in turn
                     mbarrier.wait(k16_ready.index((k % 2) * 4 + k // 2), ph)
@@ -327,41 +332,21 @@ if gluon is not None:
                 gl.store(lse_out + t64 * stride_lse_t + hl * stride_lse_h, lse * lse_scale, mask=hl < H)
 
     @gluon.jit
-    def _consumer0(q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free, x_bar,
-                   p_bar, q_bar, t64, h0, sp, t0, n, H, num_splits, num_parts, w_tiles, w_idx, w_sidx, w_end,
-                   w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2, lse_scale, stride_q_t, stride_q_h,
-                   stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-                   HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
-        _consumer(0, q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free,
-                  x_bar, p_bar, q_bar, t64, h0, sp, t0, n, H, num_splits, num_parts, w_tiles, w_idx, w_sidx, w_end,
-                  w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2, lse_scale, stride_q_t, stride_q_h,
-                  stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-                  HAS_SINK, SPLIT)
-
-    @gluon.jit
-    def _consumer1(q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free, x_bar,
-                   p_bar, q_bar, t64, h0, sp, t0, n, H, num_splits, num_parts, w_tiles, w_idx, w_sidx, w_end,
-                   w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2, lse_scale, stride_q_t, stride_q_h,
-                   stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-                   HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
-        _consumer(1, q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free,
-                  x_bar, p_bar, q_bar, t64, h0, sp, t0, n, H, num_splits, num_parts, w_tiles, w_idx, w_sidx, w_end,
-                  w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2, lse_scale, stride_q_t, stride_q_h,
-                  stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-                  HAS_SINK, SPLIT)
-
-    @gluon.jit
-    def v4_attention_kernel(
-        q, out, lse_out, part_o, part_lse, sinks,
-        w8, w16, w32, w_stride, w_page, w_slots, w_idx, w_sidx, w_topk, w_len,
-        c8, c16, c32, c_stride, c_page, c_slots, c_idx, c_sidx, c_topk, c_len,
-        sm_scale_log2, lse_scale, H, chunk, num_splits, num_parts, num_groups, w_tiles, total_tiles,
-        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h,
-        stride_pl_i,
-        FMT: gl.constexpr, HAS_W_LEN: gl.constexpr, HAS_C_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-        SPLIT: gl.constexpr, REGS: gl.constexpr,
-    ):
-        # chunk: tiles a split walks; w_stride / c_stride: page strides in 16-byte units; c_topk 0: no compressed
+    def v4_attention_kernel(tensors, window, compressed, scalars, strides, FMT: gl.constexpr,
+                            HAS_W_LEN: gl.constexpr, HAS_C_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+                            SPLIT: gl.constexpr, REGS: gl.constexpr):
+        # The host's bundles (v4.py), in the order of the kernel's parameters (triton launches a tuple as its leaves,
+        # each specialized on its own): tensors: (q, out, lse_out, part_o, part_lse, sinks); window / compressed:
+        # (e4m3, bf16, int32 bases, page stride in 16-byte units, page size, slots, index rows, their row stride,
+        # topk, lengths; c_topk 0: no compressed rows); scalars: (sm_scale_log2, lse_scale, H, chunk: tiles a split
+        # walks, num_splits, num_parts, num_groups, w_tiles, total_tiles); strides: q's (t, h), out's (t, h), lse's
+        # (t, h), part_o's (item, h), part_lse's (item).
+        q, out, lse_out, part_o, part_lse, sinks = tensors
+        w8, w16, w32, w_stride, w_page, w_slots, w_idx, w_sidx, w_topk, w_len = window
+        c8, c16, c32, c_stride, c_page, c_slots, c_idx, c_sidx, c_topk, c_len = compressed
+        sm_scale_log2, lse_scale, H, chunk, num_splits, num_parts, num_groups, w_tiles, total_tiles = scalars
+        (stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h,
+         stride_pl_i) = strides
         t = gl.program_id(0) // num_groups
         h0 = (gl.program_id(0) % num_groups) * 64
         sp = gl.program_id(1)
@@ -398,21 +383,20 @@ if gluon is not None:
         mbarrier.init(bars.index(1), count=1)   # p_bar: P complete (its owner)
         mbarrier.init(bars.index(2), count=2)   # q_bar: Q complete
         fence_async_shared()
+        # the partitions' bundles (an entry the launch specialized to a constant, such as lse's head stride 1, is a
+        # runtime constant from here on: the same code, the compiler folds it)
+        item = (t64, h0, sp, t0, n)
+        segs = (w_tiles, (w8, w16, w32, w_stride, w_page, w_slots, w_idx, w_sidx, w_end),
+                (c8, c16, c32, c_stride, c_page, c_slots, c_idx, c_sidx, c_end))
+        ring = (k16, k16_ready, k16_free)
+        queries = (q, stride_q_t, stride_q_h)
+        outputs = (out, lse_out, part_o, part_lse, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i,
+                   stride_po_h, stride_pl_i)
+        tiles = (q_smem, p_smem, xm, bars.index(0), bars.index(1), bars.index(2))
+        problem = (H, num_splits, num_parts, sinks, sm_scale_log2, lse_scale)
         gl.warp_specialize([
-            (_converter_a, (w8, w16, w32, c8, c16, c32, raw8, raw16, raw_sa, k16, k16_ready, k16_free, t64, t0, n,
-                            w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page,
-                            c_slots, c_stride, FMT)),
-            (_consumer0, (q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free,
-                          bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, t0, n, H, num_splits, num_parts,
-                          w_tiles, w_idx, w_sidx, w_end, w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2,
-                          lse_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-                          stride_po_i, stride_po_h, stride_pl_i, HAS_SINK, SPLIT)),
-            (_consumer1, (q, out, lse_out, part_o, part_lse, sinks, q_smem, k16, p_smem, xm, k16_ready, k16_free,
-                          bars.index(0), bars.index(1), bars.index(2), t64, h0, sp, t0, n, H, num_splits, num_parts,
-                          w_tiles, w_idx, w_sidx, w_end, w_slots, c_idx, c_sidx, c_end, c_slots, sm_scale_log2,
-                          lse_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-                          stride_po_i, stride_po_h, stride_pl_i, HAS_SINK, SPLIT)),
-            (_converter_b, (w8, w16, w32, c8, c16, c32, raw8, raw16, raw_sb, k16, k16_ready, k16_free, t64, t0, n,
-                            w_tiles, w_idx, w_sidx, w_end, w_page, w_slots, w_stride, c_idx, c_sidx, c_end, c_page,
-                            c_slots, c_stride, FMT)),
+            (_converter, (0, (raw8, raw16, raw_sa), ring, item, segs, FMT)),
+            (_consumer, (0, queries, outputs, tiles, ring, item, segs, problem, HAS_SINK, SPLIT)),
+            (_consumer, (1, queries, outputs, tiles, ring, item, segs, problem, HAS_SINK, SPLIT)),
+            (_converter, (4, (raw8, raw16, raw_sb), ring, item, segs, FMT)),
         ], [4, 4, 4], [REGS, REGS, 256 - REGS])
