@@ -266,11 +266,22 @@ KERNEL_SIGNATURE = {
     "sm_scale_log2": "fp32", "H": "i32", "stride_o_t": "i32", "stride_o_h": "i32", "stride_lse_t": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32",
-    "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "HPW": "constexpr",
-    "WIDE": "constexpr", "NHG": "constexpr", "MTP": "constexpr", "QK8": "constexpr", "QKC": "constexpr",
-    # group scales (compile_report(group=True)); constexpr None / False otherwise
+    # group scales (compile_report(group=True)); sc_desc and sc_rows None otherwise
     "sc_desc": "tensordesc<fp32[64, 4],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>",
-    "sc_ptr": "*fp32", "stride_sc_row": "i32", "GROUP": "constexpr", "PV8": "constexpr"}
+    "sc_ptr": "*fp32", "stride_sc_row": "i32"}
+
+
+# The decode kernel's bundles: {parameter: its tuple's leaves, in the order the kernel unpacks them}; the other
+# parameters are leaves of their own (KERNEL_SIGNATURE names every leaf)
+KERNEL_BUNDLES = {
+    "pool_rows": ("ckv_ptr", "kpe_ptr", "stride_kv_row", "stride_kpe_row", "num_rows"),
+    "requests": ("q_nope", "q_pe", "scales", "qo_indptr"),
+    "pages": ("kv_indptr", "kv_indices", "kv_len"),
+    "work": ("cta_ptr", "item_req", "item_t0", "item_t1"),
+    "results": ("part_o", "part_lse", "OUT", "LSE_OUT"),
+    "scalars": ("sm_scale_log2", "H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_po_i",
+                "stride_po_r", "stride_pl_i", "stride_o_t", "stride_o_h", "stride_lse_t"),
+    "sc_rows": ("sc_ptr", "stride_sc_row")}
 
 
 # The heads-on-M kernel's (``heads_on_m_kernel``): 64 x 64-byte boxes for both pools
@@ -327,6 +338,31 @@ _INT_DIV16 = ("H", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "
               "stride_pl_i", "stride_o_t", "stride_o_h", "stride_lse_t")
 
 
+def bundled_source(fn, signature: dict, bundles: dict, consts: dict, aligned):
+    """The ``GluonASTSource`` a launch of Gluon kernel ``fn`` compiles: ``signature`` types every leaf by name,
+    ``bundles`` gives the leaves of each tuple parameter ({parameter: leaf names}), ``consts`` the constexprs (a
+    parameter or a leaf, by name; a parameter named there is a constexpr as a whole, None included), ``aligned``
+    the int leaves a launch sees divisible by 16. As the JIT specializes a launch: a tuple's signature is the
+    tuple of its leaves' types, a constexpr or attribute of a leaf is keyed by its path (parameter, index), and
+    every pointer and every aligned int gets tt.divisibility 16."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        whole = name in consts or name not in bundles
+        leaves = [((i,), name)] if whole else [((i, j), leaf) for j, leaf in enumerate(bundles[name])]
+        types = []
+        for path, leaf in leaves:
+            if leaf in consts:
+                types.append("constexpr")
+                constexprs[path] = consts[leaf]
+                continue
+            types.append(signature[leaf])
+            if signature[leaf].startswith("*") or leaf in aligned:
+                attrs[path] = [["tt.divisibility", 16]]
+        sig[name] = types[0] if whole else tuple(types)
+    return GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+
+
 def compile_report(page: int = 64, ns: int = 4, regs: int = 240, q_dtype: str = "bf16", sass_path=None,
                    heads: int = 16, aligned_ints: bool = False, max_qo: int = 1, causal: bool = True,
                    group: bool = False, fp8_math: bool = False, heads_on_m: bool = False) -> dict:
@@ -352,29 +388,23 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
     count SASS ops (``sass_report``). ``aligned_ints``: mark the strides and H divisible by 16, as the JIT
     specializes them at H = 16/32/64/128 with contiguous tensors (then Q is read with 16-byte loads); False
     compiles the unspecialized worst case."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels import sm90
     if sm90.gluon is None:
         raise RuntimeError(f"gluon is not importable: {sm90.GLUON_IMPORT_ERROR}")
     if getattr(build, "heads_on_m", False):
         return _compile_heads_on_m(build, q_dtype, aligned_ints, sass_path)
-    fn = sm90.mla_decode_sm90_kernel
-    names = fn.arg_names
     sig = dict(KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
     rows = min(64, build.page_size)
     sig["kv_desc"] = sig["kv_desc"].replace("[64, 128]", f"[{rows}, 128]")
     sig["kpe_desc"] = sig["kpe_desc"].replace("[64, 64]", f"[{rows}, 64]")
     sig["sc_desc"] = sig["sc_desc"].replace("[64, 4]", f"[{rows}, 4]")
-    # every constexpr named (the defaults a launch leaves out too): the same kernel a launch compiles
-    consts = {"MTP": 0, "QK8": 0, "QKC": False, "GROUP": False, "PV8": False, **build.constexprs()}
+    # the constexprs as a launch passes them (every one, in the BUILD tuple); without group scales the launch
+    # passes sc_desc and sc_rows as None
+    consts = build.kernel_constexprs()
     if not build.group:
-        for n in ("sc_desc", "sc_ptr", "stride_sc_row"):
-            sig[n] = "constexpr"
-            consts[n] = None
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)
-                                or n in ("stride_kv_row", "stride_kpe_row")})
+        consts.update(sc_desc=None, sc_rows=None)
+    aligned = ("stride_kv_row", "stride_kpe_row") + (_INT_DIV16 if aligned_ints else ())
+    src = bundled_source(sm90.mla_decode_sm90_kernel, sig, KERNEL_BUNDLES, consts, aligned)
     return sass_report(src, sass_path)
 
 
@@ -613,7 +643,9 @@ def main(argv=None):
     rec.add_argument("--out", default=None, help="file to write (default tests/golden/sm90_triton-<v>.json)")
     rec.add_argument("--only", nargs="+", default=None, choices=sorted(sm90_builds()),
                      help="compile and (re-)record these builds only; the file's other entries and its commit stay")
-    sub.add_parser("check", help="compare every named build with the golden file of this triton")
+    chk = sub.add_parser("check", help="compare every named build with the golden file of this triton")
+    chk.add_argument("--only", nargs="+", default=None, choices=sorted(sm90_builds()),
+                     help="compile and compare these builds only")
     show = sub.add_parser("show", help="one build's summary")
     show.add_argument("name", choices=sorted(sm90_builds()))
     show.add_argument("--sass", default=None, help="also write its SASS here")
@@ -659,7 +691,7 @@ def main(argv=None):
     with open(golden_path()) as f:
         golden = json.load(f)["builds"]
     failed = 0
-    for n in sorted(sm90_builds()):
+    for n in sorted(res):
         why = renumbering(n)
         d = diff(golden.get(n, {}), res[n], renumbered=why is not None)
         note = " (registers renumbered: sha256_regs, not the strict hashes)" if why else ""

@@ -15,7 +15,7 @@ import fp8mla
 from conftest import compile_report_in_child
 from test_decode_sm90 import check, run_case
 from fp8mla.kernels import sm90 as k, split
-from fp8mla.kernels.sm90 import kernel as sm90_kernel
+from fp8mla.kernels.sm90 import config as sm90_config, kernel as sm90_kernel
 from fp8mla.testing import assert_close, capture_then_replay, make_paged_batch
 
 ON_SM90 = torch.cuda.is_available() and "gluon" in fp8mla.available_backends("cuda")
@@ -105,9 +105,9 @@ def test_launch_passes_the_group_keywords_only_with_scales(monkeypatch):
     a, kw, sdesc = _launch_args()
     k.launch(_build(group=False), *a, **kw)
     k.launch(_build(), *a, **kw, scale_desc=sdesc)
-    keys = {"sc_desc", "sc_ptr", "stride_sc_row", "GROUP"}
-    assert not keys & set(seen[0]) and keys <= set(seen[1])
-    assert seen[1]["GROUP"] is True and seen[1]["sc_desc"] is sdesc and seen[1]["stride_sc_row"] == 4
+    group = sm90_config.DECODE_CONSTEXPRS.index("GROUP")
+    assert seen[0]["sc_desc"] is None and seen[0]["sc_rows"] is None and seen[0]["BUILD"][group] is False
+    assert seen[1]["sc_desc"] is sdesc and seen[1]["sc_rows"] == (sdesc.base, 4) and seen[1]["BUILD"][group] is True
 
 
 def _spec_layout(fmt_name, page=64, H=16):

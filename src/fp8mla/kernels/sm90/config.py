@@ -8,7 +8,8 @@ from dataclasses import dataclass
 try:  # Gluon ships inside triton >= 3.4; the kernel is written against triton 3.6's API
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, fence_async_shared,
+    # (mbarrier, fence_async_shared and the wgmma are re-exported: the kernel modules import the API from here)
+    from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, fence_async_shared,  # noqa: F401
                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     GLUON_IMPORT_ERROR = None
@@ -116,6 +117,10 @@ def mtp_visible(kv_len: int, qo_len: int, i: int, causal: bool) -> int:
     return max(0, min(kv_len, kv_len - qo_len + i + 1)) if causal else kv_len
 
 
+# mla_decode_sm90_kernel's constexprs in the order its ``BUILD`` tuple holds them (the kernel reads BUILD[i] back)
+DECODE_CONSTEXPRS = ("PAGE", "NS", "REGS", "HPW", "WIDE", "NHG", "MTP", "QK8", "QKC", "GROUP", "PV8")
+
+
 @dataclass(frozen=True)
 class Sm90Build:
     """One compiled variant of the kernel: every constexpr of ``mla_decode_sm90_kernel`` follows from these fields
@@ -161,18 +166,20 @@ class Sm90Build:
         return smem_bytes(self.stages, self.hpw, self.wide, self.q_terms, self.group)
 
     def constexprs(self) -> dict:
-        """The kernel's constexpr arguments (the ones a variant leaves at their defaults are left out: the JIT key
-        and the SASS of the default builds are those of a launch that never names them)."""
+        """The kernel's constexprs by name: for the decode kernel every one of ``DECODE_CONSTEXPRS`` (the defaults
+        included), for the heads-on-M kernel its four."""
         if self.heads_on_m:   # heads_on_m_kernel's constexprs
             return dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, NHG=self.nhg)
-        c = dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, HPW=self.hpw, WIDE=self.wide, NHG=self.nhg)
-        if self.mtp:
-            c["MTP"] = self.mtp
-        if self.fp8_math:   # one score accumulator per 128-column chunk on the one-query H <= 16 kernel only
-            c.update(QK8=FP8_MATH_TERMS, PV8=True, **({"QKC": True} if not self.mtp and not self.wide else {}))
-        if self.group:
-            c["GROUP"] = True
-        return c
+        # QKC: one score accumulator per 128-column chunk, on the one-query H <= 16 fp8_math kernel only
+        return dict(PAGE=self.page_size, NS=self.stages, REGS=self.regs, HPW=self.hpw, WIDE=self.wide,
+                    NHG=self.nhg, MTP=self.mtp, QK8=FP8_MATH_TERMS if self.fp8_math else 0,
+                    QKC=self.fp8_math and not self.mtp and not self.wide, GROUP=self.group, PV8=self.fp8_math)
+
+    def kernel_constexprs(self) -> dict:
+        """The constexpr keyword arguments of a launch: the decode kernel takes its eleven as one tuple ``BUILD``
+        (``DECODE_CONSTEXPRS`` order; one parameter instead of eleven), the heads-on-M kernel its four by name."""
+        c = self.constexprs()
+        return c if self.heads_on_m else {"BUILD": tuple(c[n] for n in DECODE_CONSTEXPRS)}
 
 
 # The measured builds (H200; the SASS guard, tests/test_sm90_golden.py, compiles each): any plan the selector

@@ -11,16 +11,34 @@ if gluon is not None:
     from .producer import _producer
 
     @gluon.jit
-    def mla_decode_sm90_kernel(kv_desc, kpe_desc, ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows,
-                               q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
-                               cta_ptr, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT, sm_scale_log2, H,
-                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-                               stride_po_i, stride_po_r, stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
-                               PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr,
-                               HPW: gl.constexpr = 16, WIDE: gl.constexpr = False, NHG: gl.constexpr = 1,
-                               MTP: gl.constexpr = 0, QK8: gl.constexpr = 0, QKC: gl.constexpr = False,
-                               sc_desc=None, sc_ptr=None, stride_sc_row=None, GROUP: gl.constexpr = False,
-                               PV8: gl.constexpr = False):
+    def mla_decode_sm90_kernel(kv_desc, kpe_desc, pool_rows, requests, pages, work, results, scalars,
+                               BUILD: gl.constexpr, sc_desc=None, sc_rows=None):
+        # Runtime values come in bundles (``launch`` builds them), in the order of the flat parameter list the
+        # kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and specializes
+        # each leaf as it would a parameter (pointers and ints divisible by 16, ints equal to 1, None as
+        # constexpr), so the compiled kernel is the same. The TMA descriptors (kv_desc, kpe_desc, sc_desc) stay
+        # parameters of their own: triton 3.6's launcher converts a descriptor into its CUtensorMap only at the
+        # top level, not inside a tuple. sc_desc / sc_rows (sc_ptr, stride_sc_row) are None without group scales.
+        ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows = pool_rows
+        q_nope, q_pe, scales, qo_indptr = requests
+        kv_indptr, kv_indices, kv_len = pages
+        cta_ptr, item_req, item_t0, item_t1 = work
+        part_o, part_lse, OUT, LSE_OUT = results
+        (sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+         stride_o_t, stride_o_h, stride_lse_t) = scalars
+        # BUILD: the build's constexprs (``Sm90Build.kernel_constexprs``, in ``DECODE_CONSTEXPRS`` order), read
+        # back into annotated names (a plain assignment would make them runtime values)
+        PAGE: gl.constexpr = BUILD[0]
+        NS: gl.constexpr = BUILD[1]
+        REGS: gl.constexpr = BUILD[2]
+        HPW: gl.constexpr = BUILD[3]
+        WIDE: gl.constexpr = BUILD[4]
+        NHG: gl.constexpr = BUILD[5]
+        MTP: gl.constexpr = BUILD[6]
+        QK8: gl.constexpr = BUILD[7]
+        QKC: gl.constexpr = BUILD[8]
+        GROUP: gl.constexpr = BUILD[9]
+        PV8: gl.constexpr = BUILD[10]
         # WIDE: launched with NHG CTAs per schedule slot (head groups of 2 * HPW heads; slot = pid // NHG), so the
         # CTAs that read the same tiles are adjacent in the grid and the later reads hit L2.
         kv_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -77,7 +95,9 @@ if gluon is not None:
         # would be another kernel (its SASS and speed to be checked on their own).
         zero = gl.program_id(0) * 0   # (not gl.to_tensor: keep to APIs triton 3.6 has for sure)
         ns_t = zero + NS
-        if not GROUP:   # placeholders (never read): a partition's argument list takes no None
+        if GROUP:
+            sc_ptr, stride_sc_row = sc_rows
+        else:   # placeholders (never read): a partition's argument list takes no None
             sbuf = pbuf
             sc_desc = kpe_desc
             sc_ptr = kpe_ptr
@@ -175,15 +195,17 @@ def launch(build: Sm90Build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, o
     if po.shape[1] < rows or pl.shape[1] < rows:
         raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got "
                          f"{po.shape[1]}/{pl.shape[1]}")
+    # the kernel's bundles (mla_decode_sm90_kernel: the order of each tuple is the order its unpacking reads);
     # page 1 copies rows with cp.async from the pools the descriptors cover (rows of page_size 1: row = page id)
-    mla_decode_sm90_kernel[(grid,)](
-        kv_desc, kpe_desc, kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0],
-        q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
-        t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse, sm_scale * LOG2E, num_heads,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0), po.stride(1),
-        pl.stride(0), out.stride(0), out.stride(1), lse.stride(0), **b.constexprs(),
-        **({"sc_desc": scale_desc, "sc_ptr": scale_desc.base, "stride_sc_row": scale_desc.strides[0]}
-           if scale_desc is not None else {}),
-        num_warps=4)
+    pool_rows = (kv_desc.base, kpe_desc.base, kv_desc.strides[0], kpe_desc.strides[0], kv_desc.shape[0])
+    requests = (q_nope, q_pe, scales, t["qo_indptr"])
+    pages = (t["kv_indptr"], t["kv_indices"], t["kv_len"])
+    work = (t["cta_ptr"], t["item_req"], t["item_t0"], t["item_t1"])
+    results = (po, pl, out, lse)
+    scalars = (sm_scale * LOG2E, num_heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+               po.stride(0), po.stride(1), pl.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    sc_rows = None if scale_desc is None else (scale_desc.base, scale_desc.strides[0])
+    mla_decode_sm90_kernel[(grid,)](kv_desc, kpe_desc, pool_rows, requests, pages, work, results, scalars,
+                                    **b.kernel_constexprs(), sc_desc=scale_desc, sc_rows=sc_rows, num_warps=4)
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=max_rows, num_heads=num_heads, merge_p=merge_p,
                  merge_c=merge_c)
