@@ -294,7 +294,10 @@ MH_KERNEL_SIGNATURE = {
     "sm_scale_log2": "fp32", "H": "i32",
     "stride_qn_t": "i32", "stride_qn_h": "i32", "stride_qp_t": "i32", "stride_qp_h": "i32",
     "stride_po_i": "i32", "stride_po_r": "i32", "stride_pl_i": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
-    "stride_lse_t": "i32", "PAGE": "constexpr", "NS": "constexpr", "REGS": "constexpr", "NHG": "constexpr"}
+    "stride_lse_t": "i32"}
+# its bundles: the decode kernel's (KERNEL_BUNDLES; no pool_rows, no sc_rows among its parameters) with its own work
+MH_KERNEL_BUNDLES = dict(
+    KERNEL_BUNDLES, work=("m_ptr", "batch_size", "item_req", "item_t0", "item_t1"))
 
 
 # The sparse kernel's (``sparse_partitions.sparse_mla_kernel``): contiguous bf16 [n, H, 512] / [n, H, 64] queries,
@@ -410,15 +413,10 @@ def compile_build(build, q_dtype: str = "bf16", aligned_ints: bool = True, sass_
 
 def _compile_heads_on_m(build, q_dtype: str, aligned_ints: bool, sass_path) -> dict:
     """``compile_build`` of a heads-on-M build (``heads_on_m_kernel``, its own signature)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels import sm90
-    fn = sm90.heads_on_m_kernel
-    names = fn.arg_names
     sig = dict(MH_KERNEL_SIGNATURE, q_nope=f"*{q_dtype}", q_pe=f"*{q_dtype}", OUT=f"*{q_dtype}")
-    src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(names.index(k),): v for k, v in build.constexprs().items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                if sig[n].startswith("*") or (aligned_ints and n in _INT_DIV16)})
+    src = bundled_source(sm90.heads_on_m_kernel, sig, MH_KERNEL_BUNDLES, build.kernel_constexprs(),
+                         _INT_DIV16 if aligned_ints else ())
     return sass_report(src, sass_path)
 
 

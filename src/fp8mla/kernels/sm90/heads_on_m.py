@@ -274,11 +274,18 @@ if gluon is not None:
                 gl.store(part_lse + it.to(gl.int64) * stride_pl_i + hl, lse, mask=hl < H)
 
     @gluon.jit
-    def heads_on_m_kernel(kv_desc, kpe_desc, q_nope, q_pe, scales, qo_indptr, kv_indptr, kv_indices, kv_len,
-                          m_ptr, batch_size, item_req, item_t0, item_t1, part_o, part_lse, OUT, LSE_OUT,
-                          sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r,
-                          stride_pl_i, stride_o_t, stride_o_h, stride_lse_t,
+    def heads_on_m_kernel(kv_desc, kpe_desc, requests, pages, work, results, scalars,
                           PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, NHG: gl.constexpr):
+        # Runtime values in bundles (``launch_heads_on_m`` builds them) in the order of the flat parameter list
+        # the kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and
+        # specializes each leaf as it would a parameter, so the compiled kernel is the same. The TMA descriptors
+        # stay parameters of their own: triton 3.6's launcher converts a descriptor only at the top level.
+        q_nope, q_pe, scales, qo_indptr = requests
+        kv_indptr, kv_indices, kv_len = pages
+        m_ptr, batch_size, item_req, item_t0, item_t1 = work
+        part_o, part_lse, OUT, LSE_OUT = results
+        (sm_scale_log2, H, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_po_i, stride_po_r, stride_pl_i,
+         stride_o_t, stride_o_h, stride_lse_t) = scalars
         pid = gl.program_id(0)
         it = pid // NHG
         hg = pid % NHG
@@ -380,11 +387,14 @@ def launch_heads_on_m(build, kv_desc, kpe_desc, q_nope, q_pe, scales, t: dict, o
     if po.shape[1] < rows or pl.shape[1] < rows:
         raise ValueError(f"part_o/part_lse: need {rows} head rows per item, got {po.shape[1]}/{pl.shape[1]}")
     if n_items > 0:
-        heads_on_m_kernel[(n_items * b.nhg,)](
-            kv_desc, kpe_desc, q_nope, q_pe, scales, t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_len"],
-            t["m_ptr"], t["batch_size"], t["item_req"], t["item_t0"], t["item_t1"], po, pl, out, lse,
-            sm_scale * LOG2E, num_heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), po.stride(0),
-            po.stride(1), pl.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-            **b.constexprs(), num_warps=4)
+        # the kernel's bundles (heads_on_m_kernel: the order of each tuple is the order its unpacking reads)
+        requests = (q_nope, q_pe, scales, t["qo_indptr"])
+        pages = (t["kv_indptr"], t["kv_indices"], t["kv_len"])
+        work = (t["m_ptr"], t["batch_size"], t["item_req"], t["item_t0"], t["item_t1"])
+        results = (po, pl, out, lse)
+        scalars = (sm_scale * LOG2E, num_heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+                   po.stride(0), po.stride(1), pl.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+        heads_on_m_kernel[(n_items * b.nhg,)](kv_desc, kpe_desc, requests, pages, work, results, scalars,
+                                              **b.kernel_constexprs(), num_warps=4)
     launch_merge(out, lse, t, grid_batch=grid_batch, max_rows=num_heads, num_heads=num_heads, merge_p=merge_p,
                  merge_c=merge_c)
