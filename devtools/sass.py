@@ -309,6 +309,13 @@ SPARSE_FLOATS = ("sm_scale_log2", "lse_scale")
 # stride_lse_h is 1, which triton makes a constant.
 SPARSE_DIV16 = ("topk", "chunk", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t",
                 "stride_o_t", "stride_o_h", "stride_po_i", "stride_po_h")
+# its bundles (as KERNEL_BUNDLES)
+SPARSE_BUNDLES = {
+    "inputs": ("q_nope", "q_pe", "ckv_ptr", "sa_ptr", "kpe_ptr", "indices"),
+    "results": ("out", "lse_out", "part_o", "part_lse"),
+    "sizes": ("sm_scale_log2", "lse_scale", "H", "num_slots", "topk", "chunk", "num_splits", "num_groups"),
+    "strides": ("stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_idx_t", "stride_o_t",
+                "stride_o_h", "stride_lse_t", "stride_lse_h", "stride_po_i", "stride_po_h", "stride_pl_i")}
 # The sparse builds the golden record keeps beside the dense ones: {name: SPLIT}
 SPARSE_BUILDS = {"sparse_split": True, "sparse_nosplit": False}
 
@@ -423,18 +430,13 @@ def _compile_heads_on_m(build, q_dtype: str, aligned_ints: bool, sass_path) -> d
 def sparse_source(split: bool):
     """The ``GluonASTSource`` of the Hopper sparse kernel as a launch with ``SPLIT=split`` compiles it (bf16
     queries, ``sparse_partitions.REGS``)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels.sm90 import sparse_partitions as mod
     if mod.gluon is None:
         raise RuntimeError(f"gluon is not importable: {mod.GLUON_IMPORT_ERROR}")
-    fn = mod.sparse_mla_kernel
-    names = fn.arg_names
     consts = dict(SPLIT=split, REGS=mod.REGS, stride_lse_h=1)
-    sig = {n: "constexpr" if n in consts else SPARSE_POINTERS.get(n, "fp32" if n in SPARSE_FLOATS else "i32")
-           for n in names}
-    return GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                                 if sig[n].startswith("*") or n in SPARSE_DIV16})
+    leaves = [leaf for group in SPARSE_BUNDLES.values() for leaf in group]
+    sig = {n: SPARSE_POINTERS.get(n, "fp32" if n in SPARSE_FLOATS else "i32") for n in leaves}
+    return bundled_source(mod.sparse_mla_kernel, sig, SPARSE_BUNDLES, consts, SPARSE_DIV16)
 
 
 def compile_sparse(split: bool, sass_path=None) -> dict:

@@ -66,13 +66,13 @@ def sparse_mla(q_nope, q_pe, ckv, kpe, scale_arr, indices, out, lse, part_o, par
     pl = part_lse if split else lse
     groups = triton.cdiv(H, HEAD_GROUP)
     global LAST_COMPILED  # registers / spills of the last launch, for the device check
-    LAST_COMPILED = sparse_mla_kernel[(n * groups, num_splits)](
-        q_nope, q_pe, ckv, scale_arr, kpe, indices, out, lse, po, pl,
-        sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits, groups,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        po.stride(0), po.stride(1), pl.stride(0),
-        SPLIT=split, REGS=REGS, num_warps=NUM_WARPS,
-    )
+    # the kernel's bundles (sparse_mla_kernel: the order of each tuple is the order its unpacking reads)
+    inputs = (q_nope, q_pe, ckv, scale_arr, kpe, indices)
+    results = (out, lse, po, pl)
+    sizes = (sm_scale * LOG2E, lse_scale, H, P * page, topk, chunk, num_splits, groups)
+    strides = (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0),
+               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), po.stride(0), po.stride(1), pl.stride(0))
+    LAST_COMPILED = sparse_mla_kernel[(n * groups, num_splits)](inputs, results, sizes, strides, SPLIT=split,
+                                                                REGS=REGS, num_warps=NUM_WARPS)
     if split:
         merge_splits(out, lse, part_o, part_lse, num_parts=num_splits, lse_scale=lse_scale)

@@ -388,13 +388,16 @@ if gluon is not None:
                 gl.store(lse_out + t64 * stride_lse_t + hl * stride_lse_h, lse * lse_scale, mask=hl < H)
 
     @gluon.jit
-    def sparse_mla_kernel(
-        q_nope, q_pe, ckv_ptr, sa_ptr, kpe_ptr, indices, out, lse_out, part_o, part_lse,
-        sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups,
-        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t,
-        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_i, stride_po_h, stride_pl_i,
-        SPLIT: gl.constexpr, REGS: gl.constexpr,
-    ):
+    def sparse_mla_kernel(inputs, results, sizes, strides, SPLIT: gl.constexpr, REGS: gl.constexpr):
+        # Runtime values in bundles (``sparse.sparse_mla`` builds them) in the order of the flat parameter list
+        # the kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and
+        # specializes each leaf as it would a parameter (stride_lse_h == 1 a constexpr), so the compiled kernel
+        # is the same.
+        q_nope, q_pe, ckv_ptr, sa_ptr, kpe_ptr, indices = inputs
+        out, lse_out, part_o, part_lse = results
+        sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups = sizes
+        (stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_idx_t, stride_o_t, stride_o_h, stride_lse_t,
+         stride_lse_h, stride_po_i, stride_po_h, stride_pl_i) = strides
         t = gl.program_id(0) // num_groups
         h0 = (gl.program_id(0) % num_groups) * 64
         sp = gl.program_id(1)
