@@ -12,6 +12,7 @@ compile of the same PTX to the next.
     python -m devtools.sass record            # compile every named sm_90 build, write tests/golden/sm90_triton-<v>.json
     python -m devtools.sass record --only mh64_p64   # (re-)record these builds only, every other entry kept as is
     python -m devtools.sass check             # compare them with the golden file of this triton
+    python -m devtools.sass check --only sparse_split   # compile and compare these builds only
     python -m devtools.sass show h16_p64      # one build's summary (and --sass FILE: its SASS)
 
 The golden file is per triton version (the SASS of one source differs between triton releases): record it once
