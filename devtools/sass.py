@@ -450,32 +450,17 @@ def v4_source(fmt: int, split: bool):
     """The ``GluonASTSource`` of the Hopper V4 kernel as a launch of pool format ``fmt`` (0 bf16, 1 fp8_v4,
     2 fp8_v41) with sinks and both segments' lengths compiles it (``SPLIT=split``, ``v4_partitions.REGS``): each
     bundle's leaves typed and specialized one by one, as triton's launcher does (``V4_BUNDLES``)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from fp8mla.kernels.sm90 import v4_partitions as mod
     if mod.gluon is None:
         raise RuntimeError(f"gluon is not importable: {mod.GLUON_IMPORT_ERROR}")
     fn = mod.v4_attention_kernel
-    names = fn.arg_names
     consts = dict(FMT=fmt, HAS_W_LEN=True, HAS_C_LEN=True, HAS_SINK=True, SPLIT=split, REGS=mod.REGS)
-    leaf_consts = dict(stride_lse_h=1)   # lse [n, H] contiguous: triton makes an int of 1 a constant
-    if sorted(names) != sorted([*V4_BUNDLES, *consts]):
-        raise RuntimeError(f"v4_attention_kernel's parameters {names} are not V4_BUNDLES + {sorted(consts)}")
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(names):
-        if name in consts:
-            sig[name], constexprs[(i,)] = "constexpr", consts[name]
-            continue
-        types = []
-        for j, leaf in enumerate(V4_BUNDLES[name]):
-            if leaf in leaf_consts:
-                types.append("constexpr")
-                constexprs[(i, j)] = leaf_consts[leaf]
-                continue
-            types.append(V4_POINTERS.get(leaf, "fp32" if leaf in ("sm_scale_log2", "lse_scale") else "i32"))
-            if types[-1].startswith("*") or leaf in V4_DIV16:
-                attrs[(i, j)] = [["tt.divisibility", 16]]
-        sig[name] = tuple(types)
-    return GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    if sorted(fn.arg_names) != sorted([*V4_BUNDLES, *consts]):
+        raise RuntimeError(f"v4_attention_kernel's parameters {fn.arg_names} are not V4_BUNDLES + {sorted(consts)}")
+    leaves = [leaf for group in V4_BUNDLES.values() for leaf in group]
+    sig = {n: V4_POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32") for n in leaves}
+    # lse [n, H] contiguous: triton makes the int leaf stride_lse_h of 1 a constant
+    return bundled_source(fn, sig, V4_BUNDLES, dict(consts, stride_lse_h=1), V4_DIV16)
 
 
 def compile_v4(fmt: int, split: bool, sass_path=None) -> dict:
