@@ -43,14 +43,14 @@ if [ "$phase" = files ]; then
       $G::test_scales_as_tensors_match_floats $G::test_causal_alignment_exact tests/test_decode_sm90.py \
       tests/test_decode_sm90_qk8.py tests/test_decode_sm90_split.py tests/test_decode_sm90_pipe.py tests/test_extend.py \
       tests/test_ragged.py tests/test_runner.py tests/test_generate.py tests/test_plan_host_work.py tests/test_tp.py \
-      tests/test_nan_inputs.py tests/test_profile_casts.py tests/test_review_core.py; do
+      tests/test_nan_inputs.py tests/test_profile_casts.py tests/test_hostile_inputs.py; do
     [ -e "${f%%::*}" ] && a+=("$f")   # a file that has moved to lab/ (or gone) is not an error of the run
   done
   part A 0 "${a[@]}" &
   # B: every other test file (globbed, so a new GPU test file lands here), less the CPU-only ones and A's
   a_files=" test_attention_grid.py test_decode_sm90.py test_decode_sm90_qk8.py test_decode_sm90_split.py
             test_decode_sm90_pipe.py test_extend.py test_ragged.py test_runner.py test_generate.py
-            test_plan_host_work.py test_tp.py test_nan_inputs.py test_profile_casts.py test_review_core.py "
+            test_plan_host_work.py test_tp.py test_nan_inputs.py test_profile_casts.py test_hostile_inputs.py "
   cpu_only=" test_audit.py test_audit_cli.py test_compile_targets.py test_readme.py test_doctor.py test_fuzz_doctor.py
              test_src_imports.py test_step_scales.py "
   cpu_only=" $(echo $cpu_only) "

@@ -1,5 +1,5 @@
-"""A stand-in for SGLang's CUDA kernel package ``sgl_kernel`` (PyPI sglang-kernel 0.4.10: a 373 MB wheel, past
-what one device call carries), for lab/scripts/sglang_kit_device.sh only.
+"""A stand-in for SGLang's CUDA kernel package ``sgl_kernel`` (PyPI sglang-kernel 0.4.10: a 373 MB wheel, too
+large to carry to an offline GPU machine with the tree), for lab/scripts/sglang_kit_device.sh only.
 
 On a CUDA machine SGLang imports sgl_kernel at module level (quantization schemes, GGUF, ...) on the way to the
 attention unit-test kit, which itself runs no sgl_kernel op on fp8mla's path. Here every ``sgl_kernel.*``

@@ -1,7 +1,7 @@
-"""Review of the PagedLayout / backends / FlashInfer-exact MLAPagedAttention rewrite (1dc8108 and after).
+"""Hostile inputs to PagedLayout, the backends and the FlashInfer-exact MLAPagedAttention.
 
-Each test is one finding of a hostile-input review: it states the input, what should happen and (in the
-docstring) what happened when it was written. Small sizes (H=2, c_kv 64, k_pe 16) so the Triton cases stay
+Each test is one hostile input: it states the input, what should happen and (in the docstring) what the code did
+before the fix. Small sizes (H=2, c_kv 64, k_pe 16) so the Triton cases stay
 cheap under TRITON_INTERPRET=1. Ground truth: fp8mla.reference.mla_reference (float64) on the dequantized KV.
 
 "Device-only" tables cannot be made on a CPU-only machine, so some tests simulate them by making
