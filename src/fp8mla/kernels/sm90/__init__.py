@@ -17,8 +17,8 @@ Design ("swap-AB with register operands"; the full design: docs/kernels/sm90.md)
   * each consumer writes its own normalized partial (o, lse base 2) per work item; a small Triton kernel merges
     a request's partials by log-sum-exp in a fixed order (bit-identical reruns).
 
-Work items come from the plan (``kernels.split.tiles``): the concatenated 64-token tiles of all requests are cut into one
-range per CTA, either request-aligned pieces (``aligned_pieces``: one item per CTA, where that balances) or
+Work items come from the plan (``kernels.split.tiles``): the concatenated 64-token tiles of all requests are cut into
+one range per CTA, either request-aligned pieces (``aligned_pieces``: one item per CTA, where that balances) or
 contiguous ranges (FlashMLA-style), a range split at request boundaries into items ``(request, first tile, end
 tile)``. Every device array the kernels read is sized at plan time; ``run`` only
 launches (CUDA-graph safe).
@@ -58,9 +58,9 @@ memory, K straight from the stage, Q x f (f a power of two, largest |q| of a hea
 term; O^T += V^T.P^T as e4m3 x e4m3 wgmma with V^T's bytes moved from the stage and P x 2^8 in e4m3. The per-tensor
 scales multiply the two score parts (c_kv, k_pe) instead of Q. Error budget rel L2 <= 2e-2 (the default: 3e-3).
 
-Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns): the producer brings each tile's
-[64, 4] scales into the stage with its rows (a TMA box of 16-byte rows per page, or one cp.async per row at page 1,
-counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read
+Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns): the
+producer brings each tile's [64, 4] scales into the stage with its rows (a TMA box of 16-byte rows per page, or one
+cp.async per row at page 1, counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read
 0. Scores: one fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its
 per-tensor scale folded into Q). P.V: one P^T per group, P x scale / the group's largest scale in the tile (<= 1, so
 fp16 keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
@@ -86,8 +86,8 @@ path's: ``kernels.split``.
 from __future__ import annotations
 
 from .config import (DC, DK, FP8_MATH_TERMS, GLUON_IMPORT_ERROR, GROUP_MAX_HPW, GROUPS, HP, KNOWN_BUILDS,
-                     MAX_MTP_QO, MAX_MTP_ROWS, MAX_WIDE_HEADS, MH_HEADS, MH_MIN_HEADS, MH_REGS, MH_STAGES, P8_SCALE, ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE,
-                     Sm90Build, gluon,
+                     MAX_MTP_QO, MAX_MTP_ROWS, MAX_WIDE_HEADS, MH_HEADS, MH_MIN_HEADS, MH_REGS, MH_STAGES, P8_SCALE,
+                     ROW_BYTES, SMEM_LIMIT, STAGE_BYTES, TILE, Sm90Build, gluon,
                      head_config, mh_smem_bytes, mtp_config, mtp_row, mtp_visible, padded_heads, row_config,
                      smem_bytes)
 from .kernel import kv_descriptors, launch, scale_descriptor, scale_rows_ok

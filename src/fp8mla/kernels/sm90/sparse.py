@@ -11,10 +11,11 @@ the pool and entries past the row are never read and score -inf; any topk >= 1.
 Splits: an index row is cut over ``num_splits`` CTAs, each writing a normalized partial (o, lse base 2) that
 the split merge (``kernels.split.merge.merge_splits``) combines by log-sum-exp in split order. The split count
 that fills the GPU is one wave (``kernels.split.rows.wave_splits``): one CTA per SM (~200 KB of shared memory
-each), so more splits would only add waves and a longer merge (H200: 0.124 ms at H128 topk 2048 B64 with 1 split, 0.163 with 3).
+each), so more splits would only add waves and a longer merge (H200: 0.124 ms at H128 topk 2048 B64 with 1
+split, 0.163 with 3).
 
-Numerics: bf16 queries only (an fp16 query is refused: its record, ``backends.capabilities.GLUON_SPARSE``); fp16 K, V and P, fp32 accumulation. The
-record pool must be contiguous over pages (slot s is record s).
+Numerics: bf16 queries only (an fp16 query is refused: its record, ``backends.capabilities.GLUON_SPARSE``); fp16
+K, V and P, fp32 accumulation. The record pool must be contiguous over pages (slot s is record s).
 """
 from __future__ import annotations
 
