@@ -60,15 +60,15 @@ scales multiply the two score parts (c_kv, k_pe) instead of Q. Error budget rel 
 
 Per-token group scales (``GROUP``; format fp8_e4m3_group, one fp32 scale per token and 128 c_kv columns): the
 producer brings each tile's [64, 4] scales into the stage with its rows (a TMA box of 16-byte rows per page, or one
-cp.async per row at page 1, counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row layout; rows past kv_len read
-0. Scores: one fp32 product per 128-column slab (= one group) times the tokens' scales, plus the k_pe product (its
-per-tensor scale folded into Q). P.V: one P^T per group, P x scale / the group's largest scale in the tile (<= 1, so
-fp16 keeps its precision whatever the scales' magnitude), and each group's two O^T chunks are kept in units of that
-maximum (rescaled by alpha x f_old / f_new with the online softmax, multiplied back at the end of the item): the
-Triton kernel's KV_GROUP numerics; the stored values still convert exactly to fp16 and never meet their scale
-element-wise. The group build has 16 rows per consumer at any head count (``GROUP_MAX_HPW``; H > 32: ceil(H / 32)
-head-group CTAs per schedule slot): at 32 per consumer its consumers spill ~1.4 KB (triton 3.6) or serialize their
-wgmma (3.9).
+cp.async per row at page 1, counted in the same ``ready`` barrier). The consumer reads them in the accumulator's row
+layout; rows past kv_len read 0. Scores: one fp32 product per 128-column slab (= one group) times the tokens'
+scales, plus the k_pe product (its per-tensor scale folded into Q). P.V: one P^T per group, P x scale / the group's
+largest scale in the tile (<= 1, so fp16 keeps its precision whatever the scales' magnitude), and each group's two
+O^T chunks are kept in units of that maximum (rescaled by alpha x f_old / f_new with the online softmax, multiplied
+back at the end of the item): the Triton kernel's KV_GROUP numerics; the stored values still convert exactly to fp16
+and never meet their scale element-wise. The group build has 16 rows per consumer at any head count
+(``GROUP_MAX_HPW``; H > 32: ceil(H / 32) head-group CTAs per schedule slot): at 32 per consumer its consumers spill
+~1.4 KB (triton 3.6) or serialize their wgmma (3.9).
 
 Supported here: H <= 128, qo_len 1 (1..8 with MTP, max_qo x H <= 512), pages of 1, 16, 32 or a multiple of 64,
 FP8 e4m3 with per-tensor (or, with GROUP, per-token group) scales, c_kv 512 + k_pe 64. Anything else:
