@@ -15,16 +15,23 @@ at its ``warpgroup_mma_wait``, a converter's loads at the partition barrier befo
 Modelled: the order of waits, arrivals, copies and reads; TMA transaction completion (the ready barrier's phase
 completes when the tile's last box lands; the expect's own arrival is folded into it); cp.async groups
 (``wait_group(k)``: all but the k newest groups of that partition landed); wgmma read windows (issue .. wait).
+The barrier counts and the owners' chunk orders are checked against the kernels' source text. The V4 converters'
+raw pieces are modelled per chunk with scale words (``fp8_v4`` / ``fp8_v41``; ``bf16`` has the same order, no words).
 Not modelled: memory ordering beyond barrier semantics (``fence_async_shared`` and the partition barriers
 ``_cta_barrier`` are assumed to do their job, so a partition is one agent), the data itself, the masks, and the
 TMA page arithmetic. Each build's controls drop one wait that matters (or shrink ``tv`` to one slot) and must
-make the model report a stale read or a hang: the test can fail.
+make the model report a stale read or a hang: the test can fail. The action sequences are written by hand from
+the kernels' code: a kernel that reorders its waits, arrivals or copies needs its model here changed with it.
 """
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import pytest
+
+SM90 = Path(__file__).resolve().parents[1] / "src" / "fp8mla" / "kernels" / "sm90"
 
 NS = 2   # the heads-on-M build's FP8 stages (config.MH_STAGES)
 SEEDS = range(60)                  # interleavings per build and tile count (seeded: the same on every run)
@@ -169,12 +176,6 @@ CHUNK_ORDER = (8, 0, 4, 1, 5, 2, 6, 3, 7)   # fragments._chunk_order: the dense 
 V4_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)         # v4_partitions: (k % 2) * 4 + k // 2
 
 
-def check_chunk_order():
-    # the model's order is the kernel's formula, evaluated in Python
-    assert tuple(((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4 for c in range(9)) == CHUNK_ORDER
-    assert tuple((k % 2) * 4 + k // 2 for k in range(8)) == V4_ORDER
-
-
 def common_barriers(nch):
     bars = {("k16_ready", c): 1 for c in range(nch)}   # its converter, once per tile
     bars.update({("k16_free", c): 1 for c in range(nch)})   # the chunk's last reader, once per tile
@@ -226,11 +227,15 @@ def mh_converter_b(n, drop):
             yield ("arrive", ("stage_free", s))
 
 
-def run_heads_on_m(n, seed, drop=frozenset()):
+def mh_barriers():
     bars = common_barriers(9)
-    bars.update({("ready8", s): 1 for s in range(NS)})
+    bars.update({("ready8", s): 1 for s in range(NS)})   # the TMA transaction (the expect's arrival folded in)
     bars.update({("stage_free", s): 1 for s in range(NS)})   # converter B done reading stage s
-    m = Machine(bars, seed)
+    return bars
+
+
+def run_heads_on_m(n, seed, drop=frozenset()):
+    m = Machine(mh_barriers(), seed)
     m.run({"converter A": mh_converter_a(n, drop), "converter B": mh_converter_b(n, drop),
            "consumer 0": consumer(0, n, CHUNK_ORDER, True, (), drop),
            "consumer 1": consumer(1, n, CHUNK_ORDER, True, (), drop)})
@@ -360,10 +365,34 @@ def run_v4(n, seed, drop=frozenset()):
 
 
 BUILDS = {"heads_on_m": run_heads_on_m, "sparse": run_sparse, "v4": run_v4}
+SOURCES = {"heads_on_m": ("heads_on_m.py", mh_barriers()), "sparse": ("sparse_partitions.py", common_barriers(9)),
+           "v4": ("v4_partitions.py", common_barriers(8))}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_model_barriers_are_the_kernels(build):
+    """The model's barriers and counts are the kernel's mbarrier.init lines (read from its source), so a changed
+    count or a new barrier makes the model stale loudly."""
+    name, model = SOURCES[build]
+    text = (SM90 / name).read_text()
+    inits = re.findall(r"mbarrier\.init\((\w+)\.index\((\w+)\), count=(\d+)\)", text)
+    kernel = {}
+    for array, index, count in inits:
+        key = ("x_bar", "p_bar", "q_bar")[int(index)] if array == "bars" else array
+        kernel[key] = int(count)
+    modelled = {}
+    for key, count in model.items():
+        modelled[key if isinstance(key, str) else key[0]] = count
+    assert modelled == kernel
 
 
 def test_chunk_orders_are_the_kernels():
-    check_chunk_order()
+    # the owners' score orders: the kernels' formulas (their text in the source) evaluated here
+    formula = "((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4"
+    assert formula in (SM90 / "fragments.py").read_text()
+    assert tuple(((c + 8) % 9) % 2 * 4 + ((c + 8) % 9) // 2 + (8 - c) // 8 * 4 for c in range(9)) == CHUNK_ORDER
+    assert "(k % 2) * 4 + k // 2" in (SM90 / "v4_partitions.py").read_text()
+    assert tuple((k % 2) * 4 + k // 2 for k in range(8)) == V4_ORDER
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
