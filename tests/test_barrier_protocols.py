@@ -18,7 +18,7 @@ completes when the tile's last box lands; the expect's own arrival is folded int
 The barrier counts and the owners' chunk orders are checked against the kernels' source text. The V4 converters'
 raw pieces are modelled per chunk with scale words (``fp8_v4`` / ``fp8_v41``; ``bf16`` has the same order, no words).
 Not modelled: memory ordering beyond barrier semantics (``fence_async_shared`` and the partition barriers
-``_cta_barrier`` are assumed to do their job, so a partition is one agent), the data itself, the masks, and the
+``_cta_barrier`` are assumed to do their job, so each partition acts as one), the data itself, the masks, and the
 TMA page arithmetic. Each build's controls drop one wait that matters (or shrink ``tv`` to one slot) and must
 make the model report a stale read or a hang: the test can fail. The action sequences are written by hand from
 the kernels' code: a kernel that reorders its waits, arrivals or copies needs its model here changed with it.
@@ -66,15 +66,15 @@ class Machine:
         self.groups = {}   # partition -> its committed cp.async groups (each a [copies in flight] counter)
         self.open = {}     # partition -> its group not yet committed
 
-    def runnable(self, agent, act):
+    def runnable(self, part, act):
         if act[0] == "wait":
             return self.bars[act[1]].passed(act[2])
         if act[0] == "wait_group":   # every group but the act[1] newest has landed
-            done = self.groups.get(agent, [])
+            done = self.groups.get(part, [])
             return all(g[0] == 0 for g in done[:max(len(done) - act[1], 0)])
         return True
 
-    def perform(self, agent, act):
+    def perform(self, part, act):
         kind = act[0]
         if kind == "arrive":
             self.bars[act[1]].arrive()
@@ -82,19 +82,19 @@ class Machine:
             self.buf[act[1]] = act[2]
         elif kind == "read":
             if self.buf.get(act[1]) != act[2]:
-                raise Violation(f"{agent} read {act[1]} expecting tile {act[2]!r}, found {self.buf.get(act[1])!r}")
+                raise Violation(f"{part} read {act[1]} expecting tile {act[2]!r}, found {self.buf.get(act[1])!r}")
         elif kind == "tma":   # ("tma", boxes, tag, barrier): the barrier's phase completes when the last box lands
             record = [len(act[1]), act[3]]
             for box in act[1]:
                 self.buf[box] = ("in flight", act[2])
                 self.flight.append((box, act[2], record))
         elif kind == "cp_async":
-            group = self.open.setdefault(agent, [0])
+            group = self.open.setdefault(part, [0])
             group[0] += 1
             self.buf[act[1]] = ("in flight", act[2])
             self.flight.append((act[1], act[2], group))
         elif kind == "commit":
-            self.groups.setdefault(agent, []).append(self.open.pop(agent, [0]))
+            self.groups.setdefault(part, []).append(self.open.pop(part, [0]))
 
     def land(self):
         box, tag, record = self.flight.pop(self.rng.randrange(len(self.flight)))
@@ -103,8 +103,8 @@ class Machine:
         if record[0] == 0 and len(record) > 1:
             self.bars[record[1]].arrive()
 
-    def run(self, agents):
-        nxt = {a: next(g, None) for a, g in agents.items()}
+    def run(self, parts):
+        nxt = {a: next(g, None) for a, g in parts.items()}
         while True:
             ready = [a for a, act in nxt.items() if act is not None and self.runnable(a, act)]
             if self.flight and (not ready or self.rng.random() < 0.3):
@@ -116,7 +116,7 @@ class Machine:
                 return
             a = self.rng.choice(ready)
             self.perform(a, nxt[a])
-            nxt[a] = next(agents[a], None)
+            nxt[a] = next(parts[a], None)
 
 
 def free_wait(c, i, drop, name):
