@@ -26,7 +26,7 @@ the grid, as the wide build's, so a tile's second read should hit L2); CTAs past
 Numerics (the product's default): FP8 e4m3 -> fp16 is exact; Q x (per-tensor scale) x f (f a power of two per head,
 the largest |q x scale| near 2^14) rounded once to fp16; fp16 MMAs accumulate in fp32; P in fp16; exp2 softmax with
 the scores scaled by sm_scale x log2(e) / f per row, the output by ckv_scale. The protocol (barrier order, chunk
-order, releases, ``stage_free``) is the prototype's ``conv2`` build's, checked by lab/many_heads/protocol_model.py.
+order, releases, ``stage_free``) is the prototype's ``conv2`` build's, modelled by tests/test_barrier_protocols.py.
 """
 from __future__ import annotations
 
