@@ -276,10 +276,11 @@ if gluon is not None:
     @gluon.jit
     def heads_on_m_kernel(kv_desc, kpe_desc, requests, pages, work, results, scalars,
                           PAGE: gl.constexpr, NS: gl.constexpr, REGS: gl.constexpr, NHG: gl.constexpr):
-        # Runtime values in bundles (``launch_heads_on_m`` builds them) in the order of the flat parameter list
-        # the kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and
-        # specializes each leaf as it would a parameter, so the compiled kernel is the same. The TMA descriptors
-        # stay parameters of their own: triton 3.6's launcher converts a descriptor only at the top level.
+        # Runtime values in bundles (``launch_heads_on_m`` builds them), leaves in the order of the PTX parameters the
+        # SASS record holds (devtools.sass.MH_KERNEL_BUNDLES): triton flattens a tuple argument leaf by leaf into the
+        # PTX parameters and specializes each leaf as it would a parameter, so the kernel compiles as with flat
+        # parameters. The TMA descriptors stay parameters of their own: triton 3.6's launcher converts a descriptor only
+        # at the top level.
         q_nope, q_pe, scales, qo_indptr = requests
         kv_indptr, kv_indices, kv_len = pages
         m_ptr, batch_size, item_req, item_t0, item_t1 = work

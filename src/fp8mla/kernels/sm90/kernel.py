@@ -13,12 +13,12 @@ if gluon is not None:
     @gluon.jit
     def mla_decode_sm90_kernel(kv_desc, kpe_desc, pool_rows, requests, pages, work, results, scalars,
                                BUILD: gl.constexpr, sc_desc=None, sc_rows=None):
-        # Runtime values come in bundles (``launch`` builds them), in the order of the flat parameter list the
-        # kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and specializes
-        # each leaf as it would a parameter (pointers and ints divisible by 16, ints equal to 1, None as
-        # constexpr), so the compiled kernel is the same. The TMA descriptors (kv_desc, kpe_desc, sc_desc) stay
-        # parameters of their own: triton 3.6's launcher converts a descriptor into its CUtensorMap only at the
-        # top level, not inside a tuple. sc_desc / sc_rows (sc_ptr, stride_sc_row) are None without group scales.
+        # Runtime values come in bundles (``launch`` builds them), leaves in the order of the PTX parameters the SASS
+        # record holds (devtools.sass.KERNEL_BUNDLES): triton flattens a tuple argument leaf by leaf into the PTX
+        # parameters and specializes each leaf as it would a parameter (pointers and ints divisible by 16, ints equal to
+        # 1, None as constexpr), so the kernel compiles as with flat parameters. The TMA descriptors (kv_desc, kpe_desc,
+        # sc_desc) stay parameters of their own: triton 3.6's launcher converts a descriptor into its CUtensorMap only
+        # at the top level, not inside a tuple. sc_desc / sc_rows (sc_ptr, stride_sc_row) are None without group scales.
         ckv_ptr, kpe_ptr, stride_kv_row, stride_kpe_row, num_rows = pool_rows
         q_nope, q_pe, scales, qo_indptr = requests
         kv_indptr, kv_indices, kv_len = pages

@@ -389,10 +389,10 @@ if gluon is not None:
 
     @gluon.jit
     def sparse_mla_kernel(inputs, results, sizes, strides, SPLIT: gl.constexpr, REGS: gl.constexpr):
-        # Runtime values in bundles (``sparse.sparse_mla`` builds them) in the order of the flat parameter list
-        # the kernel had before: triton flattens a tuple argument leaf by leaf into the PTX parameters and
-        # specializes each leaf as it would a parameter (stride_lse_h == 1 a constexpr), so the compiled kernel
-        # is the same.
+        # Runtime values in bundles (``sparse.sparse_mla`` builds them), leaves in the order of the PTX parameters the
+        # SASS record holds (devtools.sass.SPARSE_BUNDLES): triton flattens a tuple argument leaf by leaf into the PTX
+        # parameters and specializes each leaf as it would a parameter (stride_lse_h == 1 a constexpr), so the kernel
+        # compiles as with flat parameters.
         q_nope, q_pe, ckv_ptr, sa_ptr, kpe_ptr, indices = inputs
         out, lse_out, part_o, part_lse = results
         sm_scale_log2, lse_scale, H, num_slots, topk, chunk, num_splits, num_groups = sizes
